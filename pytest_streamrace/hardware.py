@@ -1,0 +1,67 @@
+"""What the machine offers — GPUs and a torchrun environment — found without importing torch.
+
+pytest loads the plugin in every session of every user; importing torch (1-2 s, hundreds of MB) just to print a
+header line or to decide a backend would tax sessions that never run a distributed test.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+
+_NVIDIA_PROC = "/proc/driver/nvidia/gpus"
+
+
+def visible_gpus() -> list[str]:
+    """Identifiers of the CUDA devices this process may use, in CUDA order.
+
+    Uses torch when something already imported it (then it is free and exact); otherwise the NVIDIA driver's
+    /proc entries filtered by CUDA_VISIBLE_DEVICES.
+    """
+    if "torch" in sys.modules:
+        torch = sys.modules["torch"]
+        try:
+            return [str(i) for i in range(torch.cuda.device_count())]
+        except Exception:
+            return []
+    try:
+        installed = sorted(os.listdir(_NVIDIA_PROC))
+    except OSError:
+        return []
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if mask is None:
+        return [str(i) for i in range(len(installed))]
+    chosen = []
+    for entry in mask.split(","):
+        entry = entry.strip()
+        if not entry:
+            break
+        if entry.isdigit() and int(entry) < len(installed):
+            chosen.append(entry)
+        elif entry.startswith(("GPU-", "MIG-")):
+            chosen.append(entry)
+        else:
+            break  # CUDA stops enumerating at the first invalid entry
+    return chosen
+
+
+@dataclass(frozen=True)
+class TorchrunEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+
+
+def torchrun_env(environ=os.environ) -> TorchrunEnv | None:
+    """The rank this process has in a torchrun (torch.distributed.run) launch, or None outside one."""
+    if "TORCHELASTIC_RUN_ID" not in environ:
+        return None
+    try:
+        return TorchrunEnv(
+            rank=int(environ["RANK"]),
+            world_size=int(environ["WORLD_SIZE"]),
+            local_rank=int(environ.get("LOCAL_RANK", environ["RANK"])),
+        )
+    except (KeyError, ValueError):
+        return None

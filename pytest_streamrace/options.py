@@ -1,0 +1,84 @@
+"""The plugin's settings: each is a command-line option mirrored by an ini key; the command line wins."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+
+BACKENDS = ("auto", "cuda", "virtual")
+DEFAULT_TIMEOUT = 300.0
+
+
+@dataclass(frozen=True)
+class Setting:
+    name: str  # ini key; the option is --streamrace-<name> (or --streamrace for "streamrace")
+    help: str
+    default: Any = None
+    kind: str = "string"  # "bool" | "string" | "float" | "int" | "choice"
+    choices: tuple = ()
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+SETTINGS = (
+    Setting("streamrace", "check tests for unsynchronized cross-stream accesses", False, "bool"),
+    Setting("streamrace_backend", "stream model: cuda (real streams), virtual (CPU model of torch.cuda streams), "
+            "auto (cuda when a GPU is present)", "auto", "choice", BACKENDS),
+    Setting("streamrace_timeout", "seconds a distributed test may run before its ranks' stacks are dumped and the "
+            f"ranks are stopped (default {DEFAULT_TIMEOUT:g}; the distributed marker's timeout= wins)",
+            DEFAULT_TIMEOUT, "float"),
+)
+_BY_NAME = {s.name: s for s in SETTINGS}
+
+
+def _positive_float(text: str) -> float:
+    import argparse
+
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
+def register(parser: pytest.Parser) -> None:
+    group = parser.getgroup("streamrace", "CUDA stream race detection (pytest-streamrace)")
+    for s in SETTINGS:
+        if s.kind == "bool":
+            group.addoption(s.flag, action="store_true", default=None, dest=s.name, help=s.help)
+            parser.addini(s.name, s.help, type="bool", default=s.default)
+            continue
+        kwargs = {"dest": s.name, "default": None, "help": s.help}
+        if s.kind == "choice":
+            kwargs["choices"] = s.choices
+        elif s.kind == "float":
+            kwargs["type"] = _positive_float
+        group.addoption(s.flag, **kwargs)
+        parser.addini(s.name, s.help, default=None)
+
+
+def get(config: pytest.Config, name: str) -> Any:
+    """The effective value of a setting: command line, else ini, else default. Bad ini values exit with a usage error."""
+    s = _BY_NAME[name]
+    value = config.getoption(s.name)
+    if value is not None:
+        return value
+    raw = config.getini(s.name)
+    if s.kind == "bool":
+        return bool(raw)
+    if raw in (None, ""):
+        return s.default
+    if s.kind == "choice" and raw not in s.choices:
+        raise pytest.UsageError(f"ini {s.name} = {raw!r}: expected one of {', '.join(s.choices)}")
+    if s.kind == "float":
+        try:
+            return _positive_float(raw)
+        except Exception as exc:
+            raise pytest.UsageError(f"ini {s.name}: {exc}") from None
+    return raw

@@ -1,0 +1,60 @@
+"""The pytest entry point (``pytest11``): options, markers, the header line, and which parts to switch on.
+
+Kept import-light on purpose — pytest loads it in every session, and nothing here imports torch. The work lives
+in ``launcher`` (running a test in N rank processes, torchrun sessions) and ``detector`` (stream race detection);
+this module only wires them to pytest.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from . import hardware, options
+
+MARKERS = (
+    "distributed(world_size=N, backend=None, timeout=None): run the test as one item in N rank processes with "
+    "torch.distributed initialized (backend auto: nccl with >= N GPUs, else gloo)",
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    options.register(parser)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_configure(config: pytest.Config) -> None:
+    for marker in MARKERS:
+        config.addinivalue_line("markers", marker)
+    from . import launcher
+
+    launcher.install(config)
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    gpus = hardware.visible_gpus()
+    machine = f"cuda with {len(gpus)} GPU{'s' if len(gpus) != 1 else ''}" if gpus else "CPU-only"
+    run = hardware.torchrun_env()
+    session = f"torchrun session, rank {run.rank} of {run.world_size}" if run else "not under torchrun"
+    checks = "on" if options.get(config, "streamrace") else "off (--streamrace to enable)"
+    return [f"streamrace: {machine}; {session}; race checks {checks}"]
+
+
+@pytest.fixture
+def rank() -> int:
+    """This process's rank in a ``distributed`` test (or a torchrun session)."""
+    return _process_group().get_rank()
+
+
+@pytest.fixture
+def world_size() -> int:
+    """The number of ranks of a ``distributed`` test (or a torchrun session)."""
+    return _process_group().get_world_size()
+
+
+def _process_group():
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        pytest.fail("the rank/world_size fixtures need a test marked @pytest.mark.distributed(world_size=N) "
+                    "or a torchrun session", pytrace=False)
+    return dist

@@ -1,0 +1,16 @@
+import subprocess
+import sys
+
+
+def test_plugin_loads_without_importing_torch():
+    code = ("import sys, pytest_streamrace.plugin, pytest_streamrace.options, pytest_streamrace.launcher;"
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+def test_header_reports_machine_and_session(pytester):
+    pytester.makepyfile("def test_ok(): pass")
+    result = pytester.runpytest_subprocess()
+    result.stdout.fnmatch_lines(["streamrace: * not under torchrun; race checks off*"])
+    result.assert_outcomes(passed=1)
