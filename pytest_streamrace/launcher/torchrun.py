@@ -1,0 +1,5 @@
+"""(placeholder until the launcher lands)"""
+
+
+def install(config) -> None:
+    pass
