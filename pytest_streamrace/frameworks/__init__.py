@@ -1,0 +1,1 @@
+"""Adapters that let real training frameworks run their stream logic under the detector."""
