@@ -1,0 +1,340 @@
+"""Happens-before over CUDA streams: which accesses to which bytes are not ordered, and so may race.
+
+Torch-free on purpose: the torch side (real CUDA streams, virtual streams on CPU, collectives) translates what it
+sees into these calls, and the rules can be unit-tested with synthetic ids.
+
+Model. Each stream has a vector clock: its own component counts its launches (the epoch of its latest op), the
+others say how much of each other stream's work is known to be complete before the stream's next op starts.
+Event record snapshots a clock, event wait merges a snapshot into a stream's clock. The host has a clock too:
+synchronize calls merge into it, and every stream merges it at its next launch (work launched after the host
+waited is ordered after what the host waited for). An access A on stream s at epoch e is ordered before an op B
+on another stream when B's clock has s >= e. Clocks are shared copy-on-write, so an Op keeps the clock it was
+launched with for free.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+Frame = tuple[str, int, str]  # (filename, lineno, function)
+
+RAW = "read-after-write"
+WAR = "write-after-read"
+WAW = "write-after-write"
+FREE = "free-while-in-use"
+
+
+@dataclass(frozen=True)
+class Site:
+    """Where, in user code, something happened."""
+
+    op: str  # "aten::copy_", "all_reduce", "free", "record_stream", ...
+    frames: tuple[Frame, ...] = ()  # user-relevant frames, innermost first
+
+    def location(self) -> str:
+        if not self.frames:
+            return "<unknown>"
+        filename, lineno, _ = self.frames[0]
+        return f"{filename}:{lineno}"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: str
+    name: str | None = None  # "model.0.weight", "ipg bucket", ...
+
+
+@dataclass(frozen=True)
+class Op:
+    """One launch on a stream. seq is the global launch order (the time axis of traces)."""
+
+    stream: Any
+    epoch: int
+    seq: int
+    site: Site
+    # The stream's knowledge of other streams when this op was launched (shared, never mutated).
+    clock: dict = field(default_factory=dict, compare=False, repr=False)
+
+
+@dataclass(frozen=True)
+class Access:
+    op: Op
+    storage: Any
+    start: int
+    end: int
+    write: bool
+    tensor: TensorInfo
+
+
+@dataclass
+class Race:
+    kind: str  # RAW | WAR | WAW | FREE
+    earlier: Access  # the access not ordered before `later`
+    later: Access  # for FREE: an access whose op.site.op == "free", on the allocation stream
+    alloc_site: Site | None
+    count: int = 1
+
+    def key(self) -> tuple[str, str, str]:
+        """What makes two races the same report: the kind and both user locations."""
+        return (self.kind, where(self.earlier.op.site), where(self.later.op.site))
+
+
+def where(site: Site) -> str:
+    """A site's location for deduplication; sites without frames are told apart by their op."""
+    return site.location() if site.frames else f"<unknown>:{site.op}"
+
+
+def happens_before(a: Op, b: Op) -> bool:
+    """Whether op a is ordered before op b (same stream: program order)."""
+    if a.stream == b.stream:
+        return a.seq <= b.seq
+    return b.clock.get(a.stream, 0) >= a.epoch
+
+
+class _Host:
+    """The stream key of frees of storages whose allocation was never seen."""
+
+    def __repr__(self) -> str:
+        return "host"
+
+
+HOST = _Host()
+
+
+def _merge(clock: dict, other: dict) -> dict:
+    """clock ∨ other; returns clock itself when other adds nothing (clocks are shared, never mutated)."""
+    for key, value in other.items():
+        if value > clock.get(key, 0):
+            break
+    else:
+        return clock
+    merged = dict(clock)
+    for key, value in other.items():
+        if value > merged.get(key, 0):
+            merged[key] = value
+    return merged
+
+
+class _Stream:
+    __slots__ = ("key", "name", "epoch", "known", "host_seen")
+
+    def __init__(self, key, name: str):
+        self.key = key
+        self.name = name
+        self.epoch = 0  # epoch of the latest op launched here
+        self.known: dict = {}  # what this stream's next op is ordered after (other streams' epochs)
+        self.host_seen = 0  # the host clock version already merged into `known`
+
+    def now(self) -> dict:
+        """Snapshot of everything ordered before this stream's next op, its own work included."""
+        if self.known.get(self.key, 0) >= self.epoch:
+            return self.known
+        snap = dict(self.known)
+        snap[self.key] = self.epoch
+        return snap
+
+
+class _Storage:
+    __slots__ = ("nbytes", "alloc_stream", "alloc_site", "tensor", "history", "used_on")
+
+    def __init__(self, nbytes=None, alloc_stream=None, alloc_site=None, tensor=None):
+        self.nbytes = nbytes
+        self.alloc_stream = alloc_stream
+        self.alloc_site = alloc_site
+        self.tensor = tensor
+        self.history: list[tuple] = []  # (op, start, end, write, tensor), oldest first
+        self.used_on: set = set()  # streams named by record_stream
+
+
+class HappensBefore:
+    """Ordering of streams, events and the host, and the races between accesses it leaves unordered."""
+
+    def __init__(self, trace: bool = False):
+        self._trace = trace
+        self._lock = threading.Lock()  # autograd may call in from its device threads
+        self._streams: dict[Any, _Stream] = {}
+        self._events: dict[Any, dict] = {}
+        self._host: dict = {}
+        self._host_version = 0
+        self._seq = 0
+        self._storages: dict[Any, _Storage] = {}
+        self._races: dict[tuple, Race] = {}
+        self._timeline: list[Op] = []
+
+    # streams
+
+    def add_stream(self, stream: Hashable, name: str) -> None:
+        with self._lock:
+            self._stream(stream).name = name
+
+    def stream_name(self, stream) -> str:
+        state = self._streams.get(stream)
+        return state.name if state is not None else str(stream)
+
+    def _stream(self, key) -> _Stream:
+        state = self._streams.get(key)
+        if state is None:
+            state = self._streams[key] = _Stream(key, str(key))
+        return state
+
+    # ordering
+
+    def record_event(self, event: Hashable, stream: Hashable) -> None:
+        with self._lock:
+            self._events[event] = self._stream(stream).now()
+
+    def wait_event(self, stream: Hashable, event: Hashable) -> None:
+        with self._lock:
+            self._wait(self._stream(stream), self._events.get(event))
+
+    def wait_stream(self, waiter: Hashable, target: Hashable) -> None:
+        with self._lock:
+            self._wait(self._stream(waiter), self._stream(target).now())
+
+    @staticmethod
+    def _wait(state: _Stream, snapshot: dict | None) -> None:
+        if snapshot is not None:  # waiting on a never-recorded event completes at once (CUDA semantics)
+            state.known = _merge(state.known, snapshot)
+
+    def synchronize_stream(self, stream: Hashable) -> None:
+        with self._lock:
+            self._host_learns(self._stream(stream).now())
+
+    def synchronize_event(self, event: Hashable) -> None:
+        with self._lock:
+            snapshot = self._events.get(event)
+            if snapshot is not None:
+                self._host_learns(snapshot)
+
+    def synchronize_device(self) -> None:
+        with self._lock:
+            for state in self._streams.values():
+                self._host_learns(state.now())
+
+    def _host_learns(self, snapshot: dict) -> None:
+        merged = _merge(self._host, snapshot)
+        if merged is not self._host:
+            self._host = merged
+            self._host_version += 1
+
+    # work
+
+    def launch(self, stream: Hashable, site: Site) -> Op:
+        with self._lock:
+            state = self._stream(stream)
+            if state.host_seen != self._host_version:
+                state.known = _merge(state.known, self._host)
+                state.host_seen = self._host_version
+            state.epoch += 1
+            self._seq += 1
+            op = Op(stream, state.epoch, self._seq, site, state.known)
+            if self._trace:
+                self._timeline.append(op)
+            return op
+
+    def access(self, op: Op, storage: Hashable, start: int, end: int, write: bool,
+               tensor: TensorInfo) -> list[Race]:
+        """Bytes [start, end) of storage accessed by op. Returns the races not reported before."""
+        if end <= start:
+            return []
+        with self._lock:
+            st = self._storages.get(storage)
+            if st is None:
+                st = self._storages[storage] = _Storage()
+            found: dict[tuple, Race] = {}
+            kept = []
+            for rec in st.history:
+                a_op, a_start, a_end, a_write, a_tensor = rec
+                if a_start < end and start < a_end:
+                    ordered = happens_before(a_op, op)
+                    if not ordered and (write or a_write) and a_op.stream != op.stream:
+                        kind = WAW if write and a_write else (WAR if write else RAW)
+                        race = Race(kind, Access(a_op, storage, a_start, a_end, a_write, a_tensor),
+                                    Access(op, storage, start, end, write, tensor), st.alloc_site)
+                        found.setdefault(race.key(), race)
+                    if start <= a_start and a_end <= end and ordered and (
+                            write or (not a_write and a_op.stream == op.stream)):
+                        # Dominated: any later access racing with rec also races with this one (ordering is
+                        # transitive), so detection is unchanged and history stays bounded in loops.
+                        continue
+                kept.append(rec)
+            kept.append((op, start, end, write, tensor))
+            st.history = kept
+            return self._collect(found)
+
+    def _collect(self, found: dict[tuple, Race]) -> list[Race]:
+        new = []
+        for key, race in found.items():
+            seen = self._races.get(key)
+            if seen is None:
+                self._races[key] = race
+                new.append(race)
+            else:
+                seen.count += 1
+        return new
+
+    # memory
+
+    def alloc(self, storage: Hashable, nbytes: int, stream: Hashable, site: Site,
+              tensor: TensorInfo | None = None) -> None:
+        with self._lock:
+            self._stream(stream)
+            self._storages[storage] = _Storage(nbytes, stream, site, tensor)
+
+    def record_stream(self, storage: Hashable, stream: Hashable) -> None:
+        """Tensor.record_stream. Like the caching allocator, which records an event on every such stream when the
+        block is freed, this covers all of `stream`'s work on the storage launched before the free."""
+        with self._lock:
+            st = self._storages.get(storage)
+            if st is None:
+                st = self._storages[storage] = _Storage()
+            st.used_on.add(stream)
+
+    def free(self, storage: Hashable, site: Site) -> list[Race]:
+        """The host frees storage; the block is reusable on its allocation stream at once. Forgets its history."""
+        with self._lock:
+            st = self._storages.pop(storage, None) or _Storage()
+            stream = st.alloc_stream if st.alloc_stream is not None else HOST
+            state = self._stream(stream)
+            if stream is HOST:
+                state.name = "host"
+            safe = _merge(self._host, state.now()) if stream is not HOST else self._host
+            self._seq += 1
+            op = Op(stream, state.epoch, self._seq, site, safe)
+            if self._trace:
+                self._timeline.append(op)
+            found: dict[tuple, Race] = {}
+            for a_op, a_start, a_end, a_write, a_tensor in st.history:
+                if a_op.stream == stream or a_op.stream in st.used_on or safe.get(a_op.stream, 0) >= a_op.epoch:
+                    continue
+                end = st.nbytes if st.nbytes is not None else a_end
+                start = 0 if st.nbytes is not None else a_start
+                race = Race(FREE, Access(a_op, storage, a_start, a_end, a_write, a_tensor),
+                            Access(op, storage, start, end, True, st.tensor or a_tensor), st.alloc_site)
+                found.setdefault(race.key(), race)
+            return self._collect(found)
+
+    # results
+
+    @property
+    def races(self) -> list[Race]:
+        """All races so far, deduplicated by (kind, earlier location, later location), in order of discovery."""
+        with self._lock:
+            return list(self._races.values())
+
+    @property
+    def timeline(self) -> list[Op]:
+        """Every launch (and free) in order; empty unless trace=True."""
+        with self._lock:
+            return list(self._timeline)
+
+    def history_size(self, storage: Hashable | None = None) -> int:
+        """Accesses remembered for one storage, or for all: what pruning keeps bounded."""
+        with self._lock:
+            if storage is not None:
+                st = self._storages.get(storage)
+                return len(st.history) if st else 0
+            return sum(len(st.history) for st in self._storages.values())

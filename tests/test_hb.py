@@ -1,0 +1,325 @@
+"""The happens-before rules, each with a racy and a clean twin, on synthetic stream/storage ids (no torch)."""
+
+import pytest
+
+from pytest_streamrace.detector.hb import FREE, RAW, WAR, WAW, HappensBefore, Site, TensorInfo, happens_before
+
+T = TensorInfo((256,), "float32", "buf")
+BUF = "buf"  # a storage key
+
+
+def site(line, op="aten::op"):
+    return Site(op, (("test_x.py", line, "step"),))
+
+
+def write(hb, stream, line, start=0, end=1024, storage=BUF):
+    return hb.access(hb.launch(stream, site(line, "aten::copy_")), storage, start, end, True, T)
+
+
+def read(hb, stream, line, start=0, end=1024, storage=BUF):
+    return hb.access(hb.launch(stream, site(line, "aten::add")), storage, start, end, False, T)
+
+
+def kinds(hb):
+    return [r.kind for r in hb.races]
+
+
+@pytest.mark.parametrize("first, second, kind", [(write, read, RAW), (read, write, WAR), (write, write, WAW)])
+def test_unordered_cross_stream_conflict_races(first, second, kind):
+    hb = HappensBefore()
+    assert first(hb, "s1", 10) == []
+    (race,) = second(hb, "s2", 20)
+    assert race.kind == kind
+    assert (race.earlier.op.stream, race.later.op.stream) == ("s1", "s2")
+    assert race.earlier.op.site.location() == "test_x.py:10"
+    assert race.later.op.site.location() == "test_x.py:20"
+    assert race.earlier.tensor == T and race.count == 1
+
+
+@pytest.mark.parametrize("first, second", [(write, read), (read, write), (write, write)])
+def test_conflict_ordered_by_wait_stream_is_clean(first, second):
+    hb = HappensBefore()
+    first(hb, "s1", 10)
+    hb.wait_stream("s2", "s1")
+    assert second(hb, "s2", 20) == []
+    assert hb.races == []
+
+
+def test_two_reads_never_race():
+    hb = HappensBefore()
+    read(hb, "s1", 10)
+    assert read(hb, "s2", 20) == []
+
+
+@pytest.mark.parametrize("first, second", [(write, read), (read, write), (write, write)])
+def test_same_stream_never_races(first, second):
+    hb = HappensBefore()
+    first(hb, "s1", 10)
+    assert second(hb, "s1", 20) == []
+
+
+def test_overlapping_ranges_race_disjoint_ranges_do_not():
+    hb = HappensBefore()
+    write(hb, "s1", 10, 0, 512)
+    assert read(hb, "s2", 20, 512, 1024) == []  # adjacent, disjoint
+    assert [r.kind for r in read(hb, "s2", 30, 511, 600)] == [RAW]  # one byte in common
+
+
+def test_other_storage_never_races():
+    hb = HappensBefore()
+    write(hb, "s1", 10, storage="a")
+    assert read(hb, "s2", 20, storage="b") == []
+
+
+def test_event_recorded_before_the_write_does_not_order_it():
+    hb = HappensBefore()
+    hb.record_event("e", "s1")
+    write(hb, "s1", 10)
+    hb.wait_event("s2", "e")
+    assert [r.kind for r in read(hb, "s2", 20)] == [RAW]
+
+
+def test_event_recorded_after_the_write_orders_it():
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    hb.record_event("e", "s1")
+    hb.wait_event("s2", "e")
+    assert read(hb, "s2", 20) == []
+
+
+def test_wait_on_the_wrong_stream_races():
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    hb.wait_stream("s3", "s1")  # s3 waits, but s2 reads
+    assert [r.kind for r in read(hb, "s2", 20)] == [RAW]
+
+
+def test_wait_only_orders_later_work():
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    op = hb.launch("s2", site(20))
+    hb.wait_stream("s2", "s1")  # too late for op
+    assert [r.kind for r in hb.access(op, BUF, 0, 1024, False, T)] == [RAW]
+
+
+def test_ordering_is_transitive_through_a_third_stream():
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    hb.wait_stream("s2", "s1")
+    hb.launch("s2", site(15))
+    hb.record_event("e2", "s2")
+    hb.wait_event("s3", "e2")
+    assert read(hb, "s3", 20) == []
+
+
+def test_third_stream_event_recorded_before_its_wait_does_not_order():
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    hb.record_event("e2", "s2")  # recorded before s2 waited on s1
+    hb.wait_stream("s2", "s1")
+    hb.wait_event("s3", "e2")
+    assert [r.kind for r in read(hb, "s3", 20)] == [RAW]
+
+
+@pytest.mark.parametrize("sync", [
+    lambda hb: hb.synchronize_stream("s1"),
+    lambda hb: (hb.record_event("e", "s1"), hb.synchronize_event("e")),
+    lambda hb: hb.synchronize_device(),
+])
+def test_host_sync_orders_work_launched_later_on_any_stream(sync):
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    sync(hb)
+    assert read(hb, "s2", 20) == []
+
+
+@pytest.mark.parametrize("sync", [
+    lambda hb: hb.synchronize_stream("s3"),  # the wrong stream
+    lambda hb: (hb.record_event("e", "s1"), write(hb, "s1", 11), hb.synchronize_event("e")),  # event too early
+    lambda hb: hb.synchronize_event("never recorded"),
+])
+def test_host_sync_on_something_else_does_not_order(sync):
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    sync(hb)
+    assert RAW in [r.kind for r in read(hb, "s2", 20)]
+
+
+def test_host_sync_does_not_order_work_launched_before_it():
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    op = hb.launch("s2", site(20))
+    hb.synchronize_device()
+    assert [r.kind for r in hb.access(op, BUF, 0, 1024, False, T)] == [RAW]
+
+
+def test_waiting_on_an_unrecorded_event_is_a_no_op():
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    hb.wait_event("s2", "never recorded")
+    assert [r.kind for r in read(hb, "s2", 20)] == [RAW]
+    hb.record_event("late", "s1")  # recording it later does not reach back to the earlier wait
+    assert [r.kind for r in read(hb, "s2", 20)] == [] and hb.races[0].count == 2
+
+
+def test_happens_before_on_ops():
+    hb = HappensBefore()
+    a = hb.launch("s1", site(1))
+    b = hb.launch("s1", site(2))
+    c = hb.launch("s2", site(3))
+    hb.wait_stream("s2", "s1")
+    d = hb.launch("s2", site(4))
+    assert happens_before(a, b) and not happens_before(b, a)
+    assert not happens_before(a, c) and happens_before(a, d) and happens_before(b, d)
+
+
+# free / reuse
+
+
+def test_free_while_another_stream_reads_races():
+    hb = HappensBefore()
+    alloc_site = Site("empty", (("engine.py", 88, "init"),))
+    hb.alloc(BUF, 1024, "s1", alloc_site, T)
+    write(hb, "s1", 10)
+    hb.wait_stream("s2", "s1")
+    read(hb, "s2", 20)
+    (race,) = hb.free(BUF, Site("free", (("test_x.py", 30, "step"),)))
+    assert race.kind == FREE
+    assert race.earlier.op.stream == "s2" and race.earlier.op.site.location() == "test_x.py:20"
+    assert race.later.op.site.op == "free" and race.later.op.stream == "s1"
+    assert (race.later.start, race.later.end) == (0, 1024)
+    assert race.alloc_site == alloc_site
+
+
+@pytest.mark.parametrize("protect", [
+    lambda hb: hb.record_stream(BUF, "s2"),
+    lambda hb: hb.wait_stream("s1", "s2"),
+    lambda hb: hb.synchronize_stream("s2"),
+    lambda hb: hb.synchronize_device(),
+])
+def test_free_after_record_stream_wait_or_sync_is_clean(protect):
+    hb = HappensBefore()
+    hb.alloc(BUF, 1024, "s1", site(1, "empty"), T)
+    write(hb, "s1", 10)
+    hb.wait_stream("s2", "s1")
+    read(hb, "s2", 20)
+    protect(hb)
+    assert hb.free(BUF, site(30, "free")) == []
+    assert hb.races == []
+
+
+def test_record_stream_for_another_stream_does_not_protect():
+    hb = HappensBefore()
+    hb.alloc(BUF, 1024, "s1", site(1, "empty"), T)
+    read(hb, "s2", 20)
+    hb.record_stream(BUF, "s3")
+    assert [r.kind for r in hb.free(BUF, site(30, "free"))] == [FREE]
+
+
+def test_free_forgets_history():
+    hb = HappensBefore()
+    hb.alloc(BUF, 1024, "s1", site(1, "empty"), T)
+    write(hb, "s1", 10)
+    hb.synchronize_device()
+    hb.free(BUF, site(30, "free"))
+    assert hb.history_size(BUF) == 0
+    hb.alloc(BUF, 1024, "s2", site(31, "empty"), T)  # the same block handed out again
+    assert read(hb, "s2", 40) == []
+
+
+# dedup and pruning
+
+
+def test_same_location_pair_is_one_race_counted():
+    hb = HappensBefore()
+    for _ in range(2):
+        write(hb, "s1", 10)
+        read(hb, "s2", 20)
+        hb.synchronize_device()
+    (race,) = hb.races
+    assert race.kind == RAW and race.count == 2
+
+
+def test_new_races_are_returned_once():
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    assert len(read(hb, "s2", 20)) == 1
+    assert read(hb, "s2", 20) == []  # same pair again: counted, not new
+    assert len(read(hb, "s2", 21)) == 1  # another later location: a new race
+    assert [r.count for r in hb.races] == [2, 1]
+
+
+def test_all_races_are_collected_not_only_the_first():
+    hb = HappensBefore()
+    write(hb, "s1", 10, storage="a")
+    write(hb, "s1", 11, storage="b")
+    read(hb, "s2", 20, storage="a")
+    write(hb, "s3", 30, storage="b")
+    assert sorted(kinds(hb)) == [RAW, WAW]
+
+
+def test_reads_from_several_streams_each_race_with_a_later_write():
+    hb = HappensBefore()
+    read(hb, "s1", 10)
+    read(hb, "s2", 20)
+    found = write(hb, "s3", 30)
+    assert sorted(r.earlier.op.stream for r in found) == ["s1", "s2"]
+
+
+def test_long_loop_of_ordered_accesses_keeps_history_small():
+    hb = HappensBefore()
+    for step in range(500):
+        write(hb, "s1", 10)
+        hb.wait_stream("s2", "s1")
+        read(hb, "s2", 20)
+        read(hb, "s2", 21, 0, 512)
+        hb.wait_stream("s1", "s2")
+    assert hb.races == []
+    assert hb.history_size(BUF) <= 3
+
+
+def test_pruning_keeps_detection_right():
+    hb = HappensBefore()
+    for _ in range(100):
+        write(hb, "s1", 10)
+        hb.wait_stream("s2", "s1")
+        read(hb, "s2", 20)
+        hb.wait_stream("s1", "s2")
+    assert hb.history_size(BUF) <= 2
+    # the next write forgets to wait for the reader
+    read(hb, "s2", 30)
+    (race,) = write(hb, "s1", 40)
+    assert race.kind == WAR and race.earlier.op.site.location() == "test_x.py:30"
+
+
+def test_racy_access_is_not_pruned_by_an_unordered_covering_write():
+    hb = HappensBefore()
+    read(hb, "s1", 10)
+    write(hb, "s2", 20)  # WAR with the read, which stays
+    hb.wait_stream("s3", "s2")
+    (race,) = write(hb, "s3", 30)  # ordered after s2's write, not after s1's read
+    assert race.kind == WAR and race.earlier.op.stream == "s1"
+
+
+def test_stream_names_default_and_rename():
+    hb = HappensBefore()
+    assert hb.stream_name(7) == "7"
+    hb.launch(7, site(1))
+    assert hb.stream_name(7) == "7"
+    hb.add_stream(7, "default stream")
+    hb.add_stream(7, "stream created at x.py:3")
+    assert hb.stream_name(7) == "stream created at x.py:3"
+
+
+def test_timeline_only_with_trace():
+    hb = HappensBefore()
+    hb.launch("s1", site(1))
+    assert hb.timeline == []
+    hb = HappensBefore(trace=True)
+    ops = [hb.launch("s1", site(1)), hb.launch("s2", site(2))]
+    assert hb.timeline == ops and [op.seq for op in ops] == [1, 2]
+
+
+def test_site_location():
+    assert Site("free").location() == "<unknown>"
+    assert Site("x", (("a.py", 3, "f"), ("b.py", 4, "g"))).location() == "a.py:3"
