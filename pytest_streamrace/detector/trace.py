@@ -1,0 +1,82 @@
+"""The ``--streamrace-trace`` timeline: Chrome trace JSON (opens in Perfetto and chrome://tracing).
+
+One process track per rank, one thread track per stream, a slice per op, and a flow arrow from the earlier to the
+later access of every race. Time is the global launch order (a slice every TICK µs), not wall time: the detector
+reasons about order, and equal-width slices that never overlap keep each track well nested.
+Each rank builds its own events (``trace_events``) and ships them as JSON; ``chrome_trace`` merges them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Callable, Iterable, Sequence
+
+from .hb import Op, Race
+from .report import short_path
+
+TICK = 10  # µs between consecutive launches
+DUR = 8  # µs per slice, < TICK so slices on a track never touch
+
+
+def _ts(op: Op) -> int:
+    return op.seq * TICK
+
+
+def trace_events(timeline: Sequence[Op], races: Iterable[Race], stream_name: Callable[[object], str] = str,
+                 rank: int | None = None) -> list[dict]:
+    """Chrome trace events of one process: its ops (``HappensBefore(trace=True).timeline``) and its races."""
+    pid = rank if rank is not None else 0
+    events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
+               "args": {"name": f"rank {rank}" if rank is not None else "pytest"}}]
+    tids: dict = {}
+    slices: dict[Op, dict] = {}
+    for op in timeline:
+        tid = tids.get(op.stream)
+        if tid is None:
+            tid = tids[op.stream] = len(tids) + 1
+            events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+                           "args": {"name": stream_name(op.stream)}})
+            events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
+                           "args": {"sort_index": tid}})
+        frames = [f"{short_path(f)}:{n} ({fn})" for f, n, fn in op.site.frames]
+        slices[op] = event = {
+            "ph": "X", "cat": "op", "name": op.site.op, "pid": pid, "tid": tid, "ts": _ts(op), "dur": DUR,
+            "args": {"location": frames[0] if frames else "<unknown>", "frames": frames,
+                     "stream": stream_name(op.stream), "seq": op.seq},
+        }
+        events.append(event)
+    for flow_id, race in enumerate(races, 1):
+        first, second = slices.get(race.earlier.op), slices.get(race.later.op)
+        if first is None or second is None:
+            continue  # the race's ops are not in this timeline
+        what = f"{race.kind} on {race.later.tensor.name or 'tensor'}"
+        for end, other in ((first, second), (second, first)):
+            end["args"].setdefault("races", []).append(f"{what} with {other['args']['location']}")
+        common = {"cat": "race", "name": race.kind, "pid": pid, "id": flow_id}
+        events.append({**common, "ph": "s", "tid": first["tid"], "ts": first["ts"] + DUR // 2})
+        events.append({**common, "ph": "f", "bp": "e", "tid": second["tid"], "ts": second["ts"] + DUR // 2})
+    return events
+
+
+def chrome_trace(event_lists: Iterable[Sequence[dict]]) -> dict:
+    """One trace from several processes' events, flow ids renumbered so they stay unique."""
+    merged: list[dict] = []
+    next_id = 1
+    for events in event_lists:
+        ids: dict = {}
+        for event in events:
+            if event.get("ph") in ("s", "t", "f"):
+                if event["id"] not in ids:
+                    ids[event["id"]] = next_id
+                    next_id += 1
+                event = {**event, "id": ids[event["id"]]}
+            merged.append(event)
+    return {"traceEvents": merged, "otherData": {"generator": "pytest-streamrace", "time": "launch order"}}
+
+
+def write_trace(path: str | os.PathLike, event_lists: Iterable[Sequence[dict]]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(chrome_trace(event_lists), f)
+        f.write("\n")
+
