@@ -323,3 +323,18 @@ def test_timeline_only_with_trace():
 def test_site_location():
     assert Site("free").location() == "<unknown>"
     assert Site("x", (("a.py", 3, "f"), ("b.py", 4, "g"))).location() == "a.py:3"
+
+
+def test_free_of_a_storage_allocated_before_tracking_reports_nothing():
+    hb = HappensBefore()
+    read(hb, "s2", 20)  # no alloc seen: which stream reuses the block is unknown
+    assert hb.free(BUF, site(30, "free")) == []
+    assert hb.history_size(BUF) == 0
+
+
+def test_free_after_the_allocation_stream_waited_on_the_wrong_stream_races():
+    hb = HappensBefore()
+    hb.alloc(BUF, 1024, "s1", site(1, "empty"), T)
+    read(hb, "s2", 20)
+    hb.wait_stream("s1", "s3")
+    assert [r.kind for r in hb.free(BUF, site(30, "free"))] == [FREE]

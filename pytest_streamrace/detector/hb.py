@@ -94,16 +94,6 @@ def happens_before(a: Op, b: Op) -> bool:
     return b.clock.get(a.stream, 0) >= a.epoch
 
 
-class _Host:
-    """The stream key of frees of storages whose allocation was never seen."""
-
-    def __repr__(self) -> str:
-        return "host"
-
-
-HOST = _Host()
-
-
 def _merge(clock: dict, other: dict) -> dict:
     """clock ∨ other; returns clock itself when other adds nothing (clocks are shared, never mutated)."""
     for key, value in other.items():
@@ -294,14 +284,17 @@ class HappensBefore:
             st.used_on.add(stream)
 
     def free(self, storage: Hashable, site: Site) -> list[Race]:
-        """The host frees storage; the block is reusable on its allocation stream at once. Forgets its history."""
+        """The host frees storage; the block is reusable on its allocation stream at once. Forgets its history.
+
+        A storage whose allocation was never seen (it existed before tracking began) reports nothing: without its
+        allocation stream there is no telling which work may reuse the block."""
         with self._lock:
-            st = self._storages.pop(storage, None) or _Storage()
-            stream = st.alloc_stream if st.alloc_stream is not None else HOST
+            st = self._storages.pop(storage, None)
+            if st is None or st.alloc_stream is None:
+                return []
+            stream = st.alloc_stream
             state = self._stream(stream)
-            if stream is HOST:
-                state.name = "host"
-            safe = _merge(self._host, state.now()) if stream is not HOST else self._host
+            safe = _merge(self._host, state.now())  # ordered before any reuse of the block
             self._seq += 1
             op = Op(stream, state.epoch, self._seq, site, safe)
             if self._trace:
@@ -310,10 +303,8 @@ class HappensBefore:
             for a_op, a_start, a_end, a_write, a_tensor in st.history:
                 if a_op.stream == stream or a_op.stream in st.used_on or safe.get(a_op.stream, 0) >= a_op.epoch:
                     continue
-                end = st.nbytes if st.nbytes is not None else a_end
-                start = 0 if st.nbytes is not None else a_start
                 race = Race(FREE, Access(a_op, storage, a_start, a_end, a_write, a_tensor),
-                            Access(op, storage, start, end, True, st.tensor or a_tensor), st.alloc_site)
+                            Access(op, storage, 0, st.nbytes, True, st.tensor or a_tensor), st.alloc_site)
                 found.setdefault(race.key(), race)
             return self._collect(found)
 
