@@ -338,3 +338,22 @@ def test_free_after_the_allocation_stream_waited_on_the_wrong_stream_races():
     read(hb, "s2", 20)
     hb.wait_stream("s1", "s3")
     assert [r.kind for r in hb.free(BUF, site(30, "free"))] == [FREE]
+
+
+def test_event_objects_are_not_kept_alive():
+    import gc
+    import weakref
+
+    class Event:
+        pass
+
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    event = Event()
+    hb.record_event(event, "s1")
+    hb.wait_event("s2", event)
+    gone = weakref.ref(event)
+    del event
+    gc.collect()
+    assert gone() is None
+    assert read(hb, "s2", 20) == []  # the wait it gave still orders s2

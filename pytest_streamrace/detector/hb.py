@@ -15,6 +15,7 @@ launched with for free.
 from __future__ import annotations
 
 import threading
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
@@ -146,7 +147,8 @@ class HappensBefore:
         self._trace = trace
         self._lock = threading.Lock()  # autograd may call in from its device threads
         self._streams: dict[Any, _Stream] = {}
-        self._events: dict[Any, dict] = {}
+        self._events: dict[Any, dict] = {}  # events that cannot be weakly referenced (ints, handles)
+        self._weak_events: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # dropped with the event object
         self._host: dict = {}
         self._host_version = 0
         self._seq = 0
@@ -174,11 +176,21 @@ class HappensBefore:
 
     def record_event(self, event: Hashable, stream: Hashable) -> None:
         with self._lock:
-            self._events[event] = self._stream(stream).now()
+            snapshot = self._stream(stream).now()
+            try:
+                self._weak_events[event] = snapshot
+            except TypeError:
+                self._events[event] = snapshot
+
+    def _snapshot(self, event) -> dict | None:
+        try:
+            return self._weak_events.get(event)
+        except TypeError:
+            return self._events.get(event)
 
     def wait_event(self, stream: Hashable, event: Hashable) -> None:
         with self._lock:
-            self._wait(self._stream(stream), self._events.get(event))
+            self._wait(self._stream(stream), self._snapshot(event))
 
     def wait_stream(self, waiter: Hashable, target: Hashable) -> None:
         with self._lock:
@@ -195,7 +207,7 @@ class HappensBefore:
 
     def synchronize_event(self, event: Hashable) -> None:
         with self._lock:
-            snapshot = self._events.get(event)
+            snapshot = self._snapshot(event)
             if snapshot is not None:
                 self._host_learns(snapshot)
 
