@@ -357,3 +357,25 @@ def test_event_objects_are_not_kept_alive():
     gc.collect()
     assert gone() is None
     assert read(hb, "s2", 20) == []  # the wait it gave still orders s2
+
+
+def test_partly_covering_ordered_writes_trim_history():
+    hb = HappensBefore()
+    write(hb, "s1", 10, 0, 1024)
+    write(hb, "s1", 11, 0, 512)  # covers the first half of the first write
+    assert hb.history_size(BUF) == 2
+    write(hb, "s1", 12, 512, 1024)  # and now the rest
+    assert hb.history_size(BUF) == 2
+    # detection and attribution of the remaining bytes stay right
+    (race,) = read(hb, "s2", 20, 600, 700)
+    assert race.earlier.op.site.location() == "test_x.py:12"
+
+
+def test_trimmed_record_still_races_on_its_uncovered_bytes():
+    hb = HappensBefore()
+    write(hb, "s1", 10, 0, 1024)
+    hb.wait_stream("s2", "s1")
+    write(hb, "s2", 20, 256, 768)  # ordered after s1's write: trims it to [0, 256) and [768, 1024)
+    assert read(hb, "s3", 30, 900, 1000)[0].earlier.op.site.location() == "test_x.py:10"
+    assert read(hb, "s3", 31, 300, 400)[0].earlier.op.site.location() == "test_x.py:20"
+

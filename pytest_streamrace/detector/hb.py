@@ -257,10 +257,14 @@ class HappensBefore:
                         race = Race(kind, Access(a_op, storage, a_start, a_end, a_write, a_tensor),
                                     Access(op, storage, start, end, write, tensor), st.alloc_site)
                         found.setdefault(race.key(), race)
-                    if start <= a_start and a_end <= end and ordered and (
-                            write or (not a_write and a_op.stream == op.stream)):
-                        # Dominated: any later access racing with rec also races with this one (ordering is
-                        # transitive), so detection is unchanged and history stays bounded in loops.
+                    if ordered and (write or (not a_write and a_op.stream == op.stream)):
+                        # Dominated where they overlap: a later access racing with rec on those bytes also races
+                        # with this one (ordering is transitive). Keep only rec's uncovered bytes, so detection
+                        # is unchanged and history stays bounded in loops.
+                        if a_start < start:
+                            kept.append((a_op, a_start, start, a_write, a_tensor))
+                        if end < a_end:
+                            kept.append((a_op, end, a_end, a_write, a_tensor))
                         continue
                 kept.append(rec)
             kept.append((op, start, end, write, tensor))
