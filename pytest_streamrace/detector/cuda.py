@@ -1,0 +1,121 @@
+"""Real CUDA streams: what the program does to streams and events, observed through torch's GPU trace callbacks.
+
+torch fires ``torch.cuda._gpu_trace`` callbacks for stream and event creation, event record/wait/synchronize,
+stream/device synchronize and caching-allocator (de)allocation, with raw ``cudaStream_t`` / ``cudaEvent_t`` handles.
+Those handles are the hb keys. The engine applies autograd's stream rules itself on a GPU, so nothing about
+autograd is modelled here: its ops and the events it records reach hb like everyone else's.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .hb import Site
+from .tracker import user_frames
+
+
+def _created_at() -> str:
+    frames = user_frames()
+    if not frames:
+        return "<unknown>"
+    filename, lineno, _ = frames[0]
+    return f"{os.path.basename(filename)}:{lineno}"
+
+
+class CudaStreams:
+    """The cuda backend: a patch (install/uninstall) registering the trace callbacks, and the current-stream key."""
+
+    def __init__(self, hb, tracker):
+        if not torch.cuda.is_available():
+            raise RuntimeError("streamrace: backend 'cuda' needs a CUDA device; use backend 'virtual' on CPU")
+        self.hb = hb
+        self.tracker = tracker
+        self._handles: dict[tuple[int, int, int], int] = {}
+        self._registered: list[tuple[object, object]] = []
+
+    # the stream key of the current stream, per op: cheap (no Stream object per call)
+
+    def current(self) -> int:
+        ident = torch._C._cuda_getCurrentStream(torch.cuda.current_device())
+        handle = self._handles.get(ident)
+        if handle is None:
+            handle = self._handles[ident] = torch.cuda.Stream(
+                stream_id=ident[0], device_index=ident[1], device_type=ident[2]).cuda_stream
+        return handle
+
+    def key(self, stream) -> int:
+        """The hb key of a torch.cuda.Stream or torch.Stream."""
+        if isinstance(stream, torch.cuda.Stream):
+            return stream.cuda_stream
+        return torch.cuda.Stream(stream_id=stream.stream_id, device_index=stream.device_index,
+                                 device_type=stream.device_type).cuda_stream
+
+    # callbacks (they run inside torch calls: keep them small; hb serializes itself)
+
+    def _stream_created(self, handle: int) -> None:
+        self.hb.add_stream(handle, f"stream created at {_created_at()}")
+
+    def _event_record(self, event: int, stream: int) -> None:
+        self.tracker.drain()
+        self.hb.record_event(event, stream)
+
+    def _event_wait(self, event: int, stream: int) -> None:
+        self.tracker.drain()
+        self.hb.wait_event(stream, event)
+
+    def _event_sync(self, event: int) -> None:
+        self.hb.synchronize_event(event)
+
+    def _stream_sync(self, stream: int) -> None:
+        self.hb.synchronize_stream(stream)
+
+    def _device_sync(self) -> None:
+        self.hb.synchronize_device()
+
+    def _dealloc(self, ptr: int) -> None:
+        self.tracker.note_free(ptr, Site("free", user_frames()))
+
+    # patch protocol
+
+    def patches(self, attr_patch) -> list:
+        original_sleep = torch.cuda._sleep
+        original_record_stream = torch.Tensor.record_stream
+
+        def _sleep(cycles):
+            self.tracker.run("torch.cuda._sleep", self.current())
+            original_sleep(cycles)
+
+        def record_stream(tensor, stream):
+            original_record_stream(tensor, stream)
+            if tensor.is_cuda:
+                self.tracker.drain()
+                key = self.tracker.storage_key(tensor)
+                if key is not None:
+                    self.hb.record_stream(key, self.key(stream))
+
+        return [attr_patch(torch.cuda, "_sleep", _sleep), attr_patch(torch.Tensor, "record_stream", record_stream),
+                self]
+
+    def install(self) -> None:
+        import torch.cuda._gpu_trace as trace
+
+        self.hb.add_stream(torch.cuda.default_stream().cuda_stream, "default stream")
+        torch._C._activate_gpu_trace()
+        pairs = [(trace.StreamCreationCallbacks, self._stream_created),
+                 (trace.EventRecordCallbacks, self._event_record),
+                 (trace.EventWaitCallbacks, self._event_wait),
+                 (trace.EventSynchronizationCallbacks, self._event_sync),
+                 (trace.StreamSynchronizationCallbacks, self._stream_sync),
+                 (trace.DeviceSynchronizationCallbacks, self._device_sync),
+                 (trace.MemoryDeallocationCallbacks, self._dealloc)]
+        for registry, callback in pairs:
+            registry.add_callback(callback)
+            self._registered.append((registry, callback))
+
+    def uninstall(self) -> None:
+        for registry, callback in self._registered:
+            if callback in registry.callback_list:
+                registry.callback_list.remove(callback)
+        self._registered.clear()

@@ -1,0 +1,227 @@
+"""One race-detection session: the happens-before core, the access tracker and a backend's stream model.
+
+``with Detector(backend="virtual") as d: ...`` installs everything, and removes every patch and mode on exit so
+torch is exactly as before. Everything installed is a *patch* (an object with install/uninstall), kept in one list
+and undone in reverse order: collectives and framework adapters add their own with `install`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Hashable
+
+BACKENDS = ("virtual", "cuda")
+
+_active: "Detector | None" = None
+_active_lock = threading.Lock()
+
+
+class AttrPatch:
+    """setattr(obj, name, value) while installed; the original attribute (or its absence) comes back after."""
+
+    _MISSING = object()
+
+    def __init__(self, obj, name: str, value):
+        self.obj, self.name, self.value = obj, name, value
+        self._original = self._MISSING
+
+    def install(self) -> None:
+        self._original = vars(self.obj).get(self.name, self._MISSING)
+        setattr(self.obj, self.name, self.value)
+
+    def uninstall(self) -> None:
+        if self._original is self._MISSING:
+            delattr(self.obj, self.name)
+        else:
+            setattr(self.obj, self.name, self._original)
+
+
+class _Mode:
+    """A torch mode (dispatch or function) entered for the session."""
+
+    def __init__(self, mode):
+        self.mode = mode
+
+    def install(self) -> None:
+        self.mode.__enter__()
+
+    def uninstall(self) -> None:
+        self.mode.__exit__(None, None, None)
+
+
+def active() -> "Detector | None":
+    """The detector active in this process, if any."""
+    return _active
+
+
+class Detector:
+    """Detects unsynchronized cross-stream accesses while active (a context manager; one per process at a time).
+
+    backend "virtual": torch.cuda's stream API works on CPU tensors with CUDA's ordering modelled; "cuda": real
+    streams and events are observed. trace=True keeps the op timeline (hb.timeline) for Chrome traces.
+    """
+
+    def __init__(self, backend: str = "virtual", trace: bool = False):
+        if backend not in BACKENDS:
+            raise ValueError(f"streamrace: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        from .hb import HappensBefore
+
+        self.backend = backend
+        self.hb = HappensBefore(trace=trace)
+        self.tracker = None
+        self.streams = None  # VirtualStreams or CudaStreams
+        self._patches: list = []
+
+    # lifecycle
+
+    def __enter__(self) -> "Detector":
+        global _active
+        with _active_lock:
+            if _active is not None:
+                raise RuntimeError("streamrace: another Detector is already active in this process; "
+                                   "exit it before entering a new one")
+            _active = self
+        try:
+            self._install_backend()
+        except BaseException:
+            self._uninstall_all()
+            _active = None
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _active
+        try:
+            if self.tracker is not None:
+                self.tracker.drain()
+        finally:
+            self._uninstall_all()
+            if self.tracker is not None:
+                self.tracker.detach()
+            _active = None
+
+    def _install_backend(self) -> None:
+        from .tracker import AccessTracker
+
+        if self.backend == "virtual":
+            from .virtual_autograd import VirtualAutograd
+            from .virtual_streams import VirtualStreams
+
+            self.tracker = AccessTracker(self.hb, self._current, "cpu", track_frees=True)
+            self.streams = VirtualStreams(self.hb, self.tracker)
+            patches = self.streams.patches(AttrPatch)
+            patches += VirtualAutograd(self.streams, self.hb, self.tracker).patches(AttrPatch)
+        else:
+            from .cuda import CudaStreams
+
+            self.tracker = AccessTracker(self.hb, self._current, "cuda", track_frees=False)
+            self.streams = CudaStreams(self.hb, self.tracker)
+            patches = self.streams.patches(AttrPatch)
+        for patch in patches:
+            self.install(patch)
+        self.install(_Mode(self.tracker))  # last in, first out: our own setup is not traced
+
+    def _current(self):
+        return self.streams.current()
+
+    def install(self, patch) -> None:
+        """Install a patch (install()/uninstall()) now; it is uninstalled when the session ends, in reverse order."""
+        patch.install()
+        self._patches.append(patch)
+
+    def _uninstall_all(self) -> None:
+        errors = []
+        while self._patches:
+            try:
+                self._patches.pop().uninstall()
+            except Exception as exc:  # keep restoring the rest; report the first failure
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    # what tests and reports read
+
+    @property
+    def races(self):
+        """All races so far, deduplicated by (kind, earlier location, later location)."""
+        if self.tracker is not None:
+            self.tracker.drain()
+        return self.hb.races
+
+    def name(self, obj, name: str | None = None) -> None:
+        """Give tensors human names for reports: a module's parameters and buffers by qualified name (prefixed
+        with `name.` when given), or one tensor as `name`."""
+        import torch
+
+        tracker = self._require_active()
+        if isinstance(obj, torch.nn.Module):
+            prefix = f"{name}." if name else ""
+            for qualified, tensor in [*obj.named_parameters(), *obj.named_buffers()]:
+                self._name_tensor(tracker, tensor, prefix + qualified)
+        elif isinstance(obj, torch.Tensor):
+            if not name:
+                raise ValueError("streamrace: Detector.name(tensor, name) needs a name for a tensor")
+            self._name_tensor(tracker, obj, name)
+        else:
+            raise TypeError(f"streamrace: Detector.name takes a torch.nn.Module or a torch.Tensor, "
+                            f"got {type(obj).__name__}")
+
+    @staticmethod
+    def _name_tensor(tracker, tensor, name: str) -> None:
+        if tracker.on_device(tensor):
+            key = tracker.storage_key(tensor)
+            if key is not None:
+                tracker.names[key] = name
+
+    # the public hooks for collectives and framework adapters
+
+    def current_stream(self) -> Hashable:
+        """The hb key of the stream the next op on this thread would use."""
+        self._require_active()
+        return self.streams.current()
+
+    def stream_key(self, stream) -> Hashable:
+        """The hb key of a torch.cuda.Stream (the virtual stream itself, or a real stream's handle)."""
+        self._require_active()
+        return stream if self.backend == "virtual" else self.streams.key(stream)
+
+    def run(self, op: str, stream: Hashable, reads=(), writes=(), frames=None):
+        """Record one op launched on `stream` (an hb key) reading and writing the given tensors — for work the
+        dispatch mode does not see (a collective on a communication stream). Returns the hb Op; races found
+        land in `races`."""
+        return self._require_active().run(op, stream, reads, writes, frames)
+
+    def paused(self):
+        """A context in which ops are not tracked (work the caller models itself through `run`)."""
+        import contextlib
+
+        tracker = self._require_active()
+
+        @contextlib.contextmanager
+        def pause():
+            previous, tracker.enabled = tracker.enabled, False
+            try:
+                yield
+            finally:
+                tracker.enabled = previous
+        return pause()
+
+    def _require_active(self):
+        if _active is not self or self.tracker is None:
+            raise RuntimeError("streamrace: this Detector is not active (use it inside `with Detector(...)`)")
+        return self.tracker
+
+
+def streamrace_device():
+    """The torch.device tests should allocate on: cpu under the virtual backend, cuda under the cuda backend (and,
+    with no detector active, cuda when a GPU is present)."""
+    import torch
+
+    detector = _active
+    if detector is not None:
+        backend = detector.backend
+    else:
+        backend = "cuda" if torch.cuda.is_available() else "virtual"
+    if backend == "cuda":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

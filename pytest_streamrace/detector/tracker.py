@@ -1,0 +1,263 @@
+"""Every ATen op as a launch on the current stream plus reads and writes of the bytes it touches.
+
+A TorchDispatchMode sits below autograd, so it sees forward ops, the ops autograd's backward runs and the ops inside
+hooks alike. Which argument is read or written comes from the op's schema (alias annotations), not from a list of
+ops, so new and custom ops are classified too. Accesses are byte ranges of storages — the span a view really
+touches — so overlapping views at other offsets conflict and disjoint slices of one buffer do not.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import sys
+import threading
+import weakref
+from typing import Any, Callable, Hashable
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from .hb import HappensBefore, Race, Site, TensorInfo
+
+# Factories that read only their inputs' metadata; "empty" ones do not write their output either (no kernel runs).
+_METADATA_INPUTS = re.compile(r"^aten::(new_.*|.*_like|empty.*)$")
+_NO_KERNEL = re.compile(r"^aten::(empty.*|new_empty.*)$")
+_SKIPPED_OPS = {"aten::record_stream"}  # not a kernel: the backend turns it into hb.record_stream
+
+
+def _skip_prefixes() -> tuple[str, ...]:
+    """Directories whose frames are machinery, not user code: torch, this package, pytest and pluggy."""
+    import _pytest
+    import pluggy
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dirs = [os.path.dirname(torch.__file__), package, os.path.dirname(_pytest.__file__),
+            os.path.dirname(pluggy.__file__)]
+    pytest = sys.modules.get("pytest")
+    if getattr(pytest, "__file__", None):
+        dirs.append(os.path.dirname(pytest.__file__))
+    return tuple(d + os.sep for d in dirs)
+
+
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+_skip_cache: dict[str, bool] = {}
+_prefixes: tuple[str, ...] | None = None
+
+
+def _is_internal(filename: str) -> bool:
+    skip = _skip_cache.get(filename)
+    if skip is None:
+        global _prefixes
+        if _prefixes is None:
+            _prefixes = _skip_prefixes()
+        in_packages = "site-packages" in filename or "dist-packages" in filename
+        skip = (filename.startswith(_prefixes) or filename.startswith("<")
+                or (filename.startswith(_STDLIB) and not in_packages))
+        _skip_cache[filename] = skip
+    return skip
+
+
+def user_frames(limit: int = 5, depth: int = 1) -> tuple[tuple[str, int, str], ...]:
+    """The innermost `limit` frames outside torch, pytest and this package — cheap enough to take per op."""
+    frame = sys._getframe(depth)
+    out = []
+    while frame is not None and len(out) < limit:
+        code = frame.f_code
+        if not _is_internal(code.co_filename):
+            out.append((code.co_filename, frame.f_lineno, code.co_name))
+        frame = frame.f_back
+    return tuple(out)
+
+
+def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
+    """[start, end) bytes of its storage that a tensor's elements span; None when it has no elements."""
+    if t.numel() == 0:
+        return None
+    size = t.element_size()
+    span = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    start = t.storage_offset() * size
+    return start, start + (span + 1) * size
+
+
+def tensor_info(t: torch.Tensor, name: str | None) -> TensorInfo:
+    return TensorInfo(tuple(t.shape), str(t.dtype).removeprefix("torch."), name)
+
+
+def _tensors(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [v for v in value if isinstance(v, torch.Tensor)]
+    return []
+
+
+class AccessTracker(TorchDispatchMode):
+    """Turns ATen ops into hb launches and accesses on the stream `current_stream()` names.
+
+    device_type: the tensors that live on the modelled device ("cpu" under virtual streams, "cuda" on GPUs); others
+    are host memory and ignored. track_frees: on CPU a storage's death is seen with weakref.finalize; on CUDA the
+    allocator's deallocation callback calls `free_storage` instead.
+    """
+
+    def __init__(self, hb: HappensBefore, current_stream: Callable[[], Hashable], device_type: str,
+                 track_frees: bool = True, on_race: Callable[[list[Race]], None] | None = None):
+        super().__init__()
+        self.hb = hb
+        self.current_stream = current_stream
+        self.device_type = device_type
+        self.track_frees = track_frees
+        self.on_race = on_race
+        self.names: dict[Hashable, str] = {}  # storage key -> human name ("model.0.weight")
+        self.last_writer: dict[Hashable, Hashable] = {}  # storage key -> stream of its latest write
+        self._seen: dict[Hashable, weakref.finalize | None] = {}  # storages alive and known
+        self._frees: collections.deque = collections.deque()
+        self._lock = threading.RLock()
+        self.enabled = True
+
+    # storages
+
+    def storage_key(self, t: torch.Tensor) -> Hashable | None:
+        """The key of a tensor's storage (its data pointer, unique while it lives); registers its free."""
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return None  # sparse, nested, functional wrappers: no plain storage
+        key = storage.data_ptr()
+        if key == 0:
+            return None
+        if key not in self._seen:
+            self._seen[key] = weakref.finalize(storage, self._finalized, key) if self.track_frees else None
+        return key
+
+    def _finalized(self, key: Hashable) -> None:
+        if self._seen.get(key) is not None:
+            self.note_free(key, Site("free", user_frames()))
+
+    def note_free(self, key: Hashable, site: Site) -> None:
+        """The storage's memory went back to the allocator. Queued, not applied: this may run inside a garbage
+        collection or an allocator callback at any point, even while hb holds its lock; `drain` applies it."""
+        self._frees.append((key, site))
+
+    def drain(self) -> None:
+        """Apply the frees seen since the last call: report uses not ordered before them, forget the storages.
+        Every entry point (an op, a stream call, reading races) drains first, so a freed address is forgotten
+        before it can be handed out again."""
+        while self._frees:
+            key, site = self._frees.popleft()
+            if self._seen.pop(key, False) is False:
+                continue
+            self.names.pop(key, None)
+            self.last_writer.pop(key, None)
+            self._report(self.hb.free(key, site))
+
+    def detach(self) -> None:
+        """Stop watching storages (the session ends): no finalizer fires into a finished detector."""
+        for fin in self._seen.values():
+            if fin is not None:
+                fin.detach()
+        self._seen.clear()
+
+    # accesses
+
+    def on_device(self, t: torch.Tensor) -> bool:
+        return t.device.type == self.device_type
+
+    def run(self, op_name: str, stream: Hashable, reads=(), writes=(), frames=None):
+        """Launch one op on `stream` that reads and writes the given tensors: the public way for collectives and
+        other work the dispatch mode does not see. Returns the hb Op."""
+        with self._lock:
+            self.drain()
+            op = self.hb.launch(stream, Site(op_name, frames if frames is not None else user_frames()))
+            for t in reads:
+                self._access(op, t, False)
+            for t in writes:
+                self._access(op, t, True)
+            return op
+
+    def _access(self, op, t: torch.Tensor, write: bool) -> None:
+        if not self.on_device(t):
+            return
+        span = byte_range(t)
+        if span is None:
+            return
+        key = self.storage_key(t)
+        if key is None:
+            return
+        if write:
+            self.last_writer[key] = op.stream
+        self._report(self.hb.access(op, key, span[0], span[1], write, tensor_info(t, self.names.get(key))))
+
+    def _alloc(self, op, t: torch.Tensor) -> bool:
+        """A fresh output: remember where it was allocated. False when its storage was already known."""
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return False
+        if storage.data_ptr() == 0 or storage.data_ptr() in self._seen:
+            return False
+        key = self.storage_key(t)
+        self.hb.alloc(key, storage.nbytes(), op.stream, op.site, tensor_info(t, None))
+        return True
+
+    def _report(self, races: list[Race]) -> None:
+        if races and self.on_race is not None:
+            self.on_race(races)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not self.enabled:
+            return out
+        schema = func._schema
+        name = schema.name
+        if name in _SKIPPED_OPS:
+            return out
+        with self._lock:
+            self.drain()
+            self._record(schema, name, args, kwargs, out)
+        return out
+
+    def _record(self, schema, name: str, args, kwargs, out) -> None:
+        reads: list[torch.Tensor] = []
+        writes: list[torch.Tensor] = []
+        metadata_inputs = _METADATA_INPUTS.match(name) is not None
+        arguments = schema.arguments
+        for i, arg in enumerate(arguments):
+            if i < len(args):
+                value = args[i]
+            elif arg.name in kwargs:
+                value = kwargs[arg.name]
+            else:
+                continue
+            tensors = _tensors(value)
+            if not tensors:
+                continue
+            alias = arg.alias_info
+            if alias is not None and alias.is_write:
+                writes.extend(tensors)
+            elif alias is None and not metadata_inputs:
+                reads.extend(tensors)
+            # alias without write: the op returns a view of it; no data moves
+        fresh: list[torch.Tensor] = []
+        results = out if isinstance(out, (tuple, list)) and len(schema.returns) == len(out) else (out,)
+        for ret, value in zip(schema.returns, results):
+            if ret.alias_info is None:
+                fresh.extend(t for t in _tensors(value) if self.on_device(t))
+        if not (reads or writes or fresh):
+            return
+        if not any(self.on_device(t) for t in reads + writes + fresh):
+            return
+        op = self.hb.launch(self.current_stream(), Site(name, user_frames()))
+        for t in reads:
+            self._access(op, t, False)
+        for t in writes:
+            self._access(op, t, True)
+        writes_output = _NO_KERNEL.match(name) is None
+        for t in fresh:
+            if byte_range(t) is None:
+                continue
+            self._alloc(op, t)
+            if writes_output:
+                self._access(op, t, True)

@@ -1,0 +1,222 @@
+"""torch.cuda's stream API on a CPU-only machine, with CUDA's ordering modelled in the happens-before core.
+
+No kernel runs asynchronously on CPU, so a missing wait never corrupts anything here; what matters is that every
+ordering the program *would* make on a GPU — stream waits, events, synchronizes, record_stream — reaches hb, and
+that every op is attributed to the stream that would run it. While a Detector with the virtual backend is active,
+``torch.cuda.Stream``, ``Event``, ``stream()``, ``current_stream`` & co. are these classes and functions; the
+originals come back when it exits. ``torch.cuda.is_available()`` stays False: code that branches on it for
+devices keeps allocating on CPU.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import torch
+
+from .tracker import user_frames
+
+_active: "VirtualStreams | None" = None
+
+
+def _model() -> "VirtualStreams":
+    if _active is None:
+        raise RuntimeError("streamrace: virtual CUDA streams are usable only while a streamrace Detector "
+                           "(backend='virtual') is active")
+    _active.tracker.drain()
+    return _active
+
+
+def _created_at() -> str:
+    frames = user_frames()
+    if not frames:
+        return "<unknown>"
+    filename, lineno, _ = frames[0]
+    return f"{os.path.basename(filename)}:{lineno}"
+
+
+class Stream:
+    """A virtual CUDA stream; it is its own key in hb. Named after the user line that created it."""
+
+    def __init__(self, device=None, priority=0, **kwargs):
+        self.priority = priority
+        self.device = torch.device("cpu")
+        self.name = f"stream created at {_created_at()}"
+        _model().hb.add_stream(self, self.name)
+
+    device_index = 0
+    device_type = 1  # c10::DeviceType::CUDA, for code that only reads it
+
+    @property
+    def cuda_stream(self) -> int:
+        return 0 if self is _active_default() else id(self)
+
+    @property
+    def stream_id(self) -> int:
+        return self.cuda_stream
+
+    def wait_event(self, event: "Event") -> None:
+        event.wait(self)
+
+    def wait_stream(self, stream: "Stream") -> None:
+        _model().hb.wait_stream(self, _check(stream))
+
+    def record_event(self, event: "Event | None" = None) -> "Event":
+        event = Event() if event is None else event
+        event.record(self)
+        return event
+
+    def query(self) -> bool:
+        """Work is 'done' once the host asked: the host is then ordered after it, as after a synchronize."""
+        _model().hb.synchronize_stream(self)
+        return True
+
+    def synchronize(self) -> None:
+        _model().hb.synchronize_stream(self)
+
+    def __repr__(self) -> str:
+        return f"<virtual torch.cuda.Stream: {self.name}>"
+
+
+def _active_default():
+    return _active.default if _active is not None else None
+
+
+def _check(stream) -> Stream:
+    if not isinstance(stream, Stream):
+        raise TypeError(f"streamrace: expected a torch.cuda.Stream (virtual), got {type(stream).__name__}")
+    return stream
+
+
+class Event:
+    """A virtual CUDA event: a snapshot of a stream's progress in hb. Timing is not modelled."""
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False, **kwargs):
+        _model()
+
+    def record(self, stream: Stream | None = None) -> None:
+        model = _model()
+        model.hb.record_event(self, model.current() if stream is None else _check(stream))
+
+    def wait(self, stream: Stream | None = None) -> None:
+        model = _model()
+        model.hb.wait_event(model.current() if stream is None else _check(stream), self)
+
+    def query(self) -> bool:
+        _model().hb.synchronize_event(self)
+        return True
+
+    def synchronize(self) -> None:
+        _model().hb.synchronize_event(self)
+
+    def elapsed_time(self, end_event) -> float:
+        raise RuntimeError("streamrace: Event.elapsed_time is not modelled on virtual streams (no GPU time exists)")
+
+    def __repr__(self) -> str:
+        return "<virtual torch.cuda.Event>"
+
+
+class StreamContext:
+    """``with torch.cuda.stream(s):`` — s is current in this thread inside; None is a no-op, as in torch."""
+
+    def __init__(self, stream: Stream | None):
+        self.stream = stream
+        self._previous: Stream | None = None
+
+    def __enter__(self):
+        if self.stream is None:
+            return None
+        model = _model()
+        self._previous = model.current()
+        model.set_current(_check(self.stream))
+        return self.stream
+
+    def __exit__(self, *exc) -> None:
+        if self.stream is not None and _active is not None:
+            _active.set_current(self._previous)
+
+
+def stream(stream: Stream | None) -> StreamContext:
+    return StreamContext(stream)
+
+
+def current_stream(device=None) -> Stream:
+    return _model().current()
+
+
+def default_stream(device=None) -> Stream:
+    return _model().default
+
+
+def set_stream(stream: Stream | None) -> None:
+    if stream is not None:
+        _model().set_current(_check(stream))
+
+
+def synchronize(device=None) -> None:
+    _model().hb.synchronize_device()
+
+
+def _sleep(cycles: int) -> None:
+    """No real delay: the spin kernel is recorded as one op on the current stream."""
+    model = _model()
+    model.tracker.run("torch.cuda._sleep", model.current())
+
+
+def record_stream(self: torch.Tensor, stream: Stream) -> None:
+    """Tensor.record_stream: the allocator will not reuse the storage before `stream`'s work so far is done."""
+    model = _model()
+    _check(stream)
+    if not model.tracker.on_device(self):
+        raise RuntimeError("streamrace: record_stream on a tensor outside the virtual device (expected a CPU tensor)")
+    key = model.tracker.storage_key(self)
+    if key is not None:
+        model.hb.record_stream(key, stream)
+
+
+class VirtualStreams:
+    """The per-session state (default stream, each thread's current stream) and the torch.cuda patches."""
+
+    def __init__(self, hb, tracker):
+        self.hb = hb
+        self.tracker = tracker
+        self._tls = threading.local()
+        self.default = Stream.__new__(Stream)
+        self.default.priority = 0
+        self.default.device = torch.device("cpu")
+        self.default.name = "default stream"
+        hb.add_stream(self.default, self.default.name)
+
+    def current(self) -> Stream:
+        return getattr(self._tls, "stream", self.default)
+
+    def set_current(self, stream: Stream) -> None:
+        self._tls.stream = stream
+
+    def patches(self, attr_patch) -> list:
+        """What must be replaced in torch while the model is active (attr_patch(obj, name, value) objects)."""
+        import torch.cuda.streams
+
+        replacements = {"Stream": Stream, "Event": Event, "StreamContext": StreamContext, "stream": stream,
+                        "current_stream": current_stream, "default_stream": default_stream,
+                        "set_stream": set_stream, "synchronize": synchronize, "_sleep": _sleep}
+        out = [attr_patch(torch.cuda, name, value) for name, value in replacements.items()]
+        out += [attr_patch(torch.cuda.streams, "Stream", Stream), attr_patch(torch.cuda.streams, "Event", Event),
+                attr_patch(torch.Tensor, "record_stream", record_stream), _Activation(self)]
+        return out
+
+
+class _Activation:
+    """Makes this model the one the patched API talks to."""
+
+    def __init__(self, model: VirtualStreams):
+        self.model = model
+
+    def install(self) -> None:
+        global _active
+        _active = self.model
+
+    def uninstall(self) -> None:
+        global _active
+        _active = None

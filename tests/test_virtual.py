@@ -1,0 +1,424 @@
+"""Virtual CUDA streams on CPU: each ordering rule with a racy and a clean twin, autograd's stream rules, and a
+session that leaves torch exactly as it found it."""
+
+import threading
+
+import pytest
+import torch
+
+from pytest_streamrace.detector.session import Detector, streamrace_device
+
+RAW, WAR, WAW, FREE = "read-after-write", "write-after-read", "write-after-write", "free-while-in-use"
+
+
+def line(tag: str) -> int:
+    """The line of this file ending with the comment `# tag`."""
+    with open(__file__) as f:
+        for number, text in enumerate(f, 1):
+            if text.rstrip().endswith(f"# {tag}"):
+                return number
+    raise LookupError(tag)
+
+
+def where(access) -> tuple[str, int]:
+    filename, lineno, _ = access.op.site.frames[0]
+    return filename, lineno
+
+
+def only_race(d: Detector, kind: str, earlier: str, later: str):
+    races = d.races
+    assert [r.kind for r in races] == [kind], races
+    race = races[0]
+    assert where(race.earlier) == (__file__, line(earlier))
+    assert where(race.later) == (__file__, line(later))
+    return race
+
+
+def side_stream():
+    """A new stream that has seen everything the current one did (the setup of every case)."""
+    s = torch.cuda.Stream()  # helper-create
+    s.wait_stream(torch.cuda.current_stream())
+    return s
+
+
+# ordering rules
+
+
+def test_side_stream_write_then_default_read_without_wait_races():
+    with Detector() as d:
+        x = torch.zeros(16)
+        s = side_stream()
+        with torch.cuda.stream(s):
+            x.add_(1)  # raw-write
+        x.sum()  # raw-read
+    race = only_race(d, RAW, "raw-write", "raw-read")
+    assert d.hb.stream_name(race.earlier.op.stream) == f"stream created at test_virtual.py:{line('helper-create')}"
+    assert d.hb.stream_name(race.later.op.stream) == "default stream"
+    assert race.earlier.tensor.shape == (16,) and race.earlier.tensor.dtype == "float32"
+
+
+def test_side_stream_write_then_wait_stream_is_clean():
+    with Detector() as d:
+        x = torch.zeros(16)
+        s = side_stream()
+        with torch.cuda.stream(s):
+            x.add_(1)
+        torch.cuda.current_stream().wait_stream(s)
+        x.sum()
+    assert d.races == []
+
+
+def test_event_recorded_before_the_write_races():
+    with Detector() as d:
+        x = torch.zeros(16)
+        s = side_stream()
+        event = torch.cuda.Event()
+        with torch.cuda.stream(s):
+            event.record()
+            x.mul_(2)  # early-event-write
+        torch.cuda.current_stream().wait_event(event)
+        x.sum()  # early-event-read
+    only_race(d, RAW, "early-event-write", "early-event-read")
+
+
+def test_event_recorded_after_the_write_is_clean():
+    with Detector() as d:
+        x = torch.zeros(16)
+        s = side_stream()
+        with torch.cuda.stream(s):
+            x.mul_(2)
+            event = s.record_event()
+        event.wait()
+        x.sum()
+    assert d.races == []
+
+
+def test_wait_on_the_wrong_stream_races():
+    with Detector() as d:
+        x = torch.zeros(16)
+        producer, other = side_stream(), side_stream()
+        with torch.cuda.stream(producer):
+            x.fill_(3)  # wrong-write
+        torch.cuda.current_stream().wait_stream(other)
+        torch.cuda.set_stream(other)
+        x.clone()  # wrong-read
+        torch.cuda.set_stream(torch.cuda.default_stream())
+    only_race(d, RAW, "wrong-write", "wrong-read")
+
+
+def test_reader_stream_then_default_write_is_write_after_read():
+    with Detector() as d:
+        x = torch.zeros(16)
+        s = side_stream()
+        with torch.cuda.stream(s):
+            x.sum()  # war-read
+        x.zero_()  # war-write
+    only_race(d, WAR, "war-read", "war-write")
+
+
+def test_synchronize_orders_later_work_after_every_stream():
+    with Detector() as d:
+        x = torch.zeros(16)
+        s = side_stream()
+        with torch.cuda.stream(s):
+            x.add_(1)
+        torch.cuda.synchronize()
+        x.sum()
+    assert d.races == []
+
+
+def test_stream_query_and_event_synchronize_order_the_host():
+    with Detector() as d:
+        x, y = torch.zeros(4), torch.zeros(4)
+        s = side_stream()
+        with torch.cuda.stream(s):
+            x.add_(1)
+            event = s.record_event()
+            y.add_(1)
+        event.synchronize()
+        x.sum()  # ordered: the host waited for the event
+        y.sum()  # sync-read
+    assert [r.kind for r in d.races] == [RAW]
+    assert where(d.races[0].later) == (__file__, line("sync-read"))
+    with Detector() as d:
+        x = torch.zeros(4)
+        s = side_stream()
+        with torch.cuda.stream(s):
+            x.add_(1)
+        assert s.query() is True
+        x.sum()
+    assert d.races == []
+
+
+# a bucket filled by hooks on two streams, reduced on a third (DeepSpeed #8061)
+
+
+def _bucket(wait_on_all: bool):
+    with Detector() as d:
+        params = [torch.randn(4, requires_grad=True) for _ in range(2)]
+        producers = [side_stream(), side_stream()]
+        for p, s in zip(params, producers):
+            with torch.cuda.stream(s):
+                p.grad_acc = p.expand_as(p).grad_fn.next_functions[0][0]  # binds the node to s
+        bucket = torch.zeros(8)
+        reduction = side_stream()
+        copy_streams = []
+
+        def hook(i):
+            def copy_into_bucket(p):
+                bucket.narrow(0, 4 * i, 4).copy_(p.grad.view(-1))  # bucket-copy
+                copy_streams.append(torch.cuda.current_stream())
+            return copy_into_bucket
+
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(hook(i))
+        (params[0] * params[1]).sum().backward()
+        for s in (copy_streams if wait_on_all else copy_streams[-1:]):
+            reduction.wait_stream(s)
+        with torch.cuda.stream(reduction):
+            bucket.mul(0.5)  # bucket-reduce
+        torch.cuda.current_stream().wait_stream(reduction)
+        assert set(copy_streams) == set(producers)
+    return d
+
+
+def test_bucket_reduced_after_waiting_one_producer_races():
+    d = _bucket(wait_on_all=False)
+    race = only_race(d, RAW, "bucket-copy", "bucket-reduce")
+    assert race.earlier.start >= 0 and race.earlier.end - race.earlier.start == 16  # one 4-float slice
+
+
+def test_bucket_reduced_after_waiting_every_producer_is_clean():
+    assert _bucket(wait_on_all=True).races == []
+
+
+# autograd's stream rules
+
+
+def test_backward_on_side_stream_then_grad_read_on_default_races():
+    with Detector() as d:
+        w = torch.randn(8, requires_grad=True)
+        s = side_stream()
+        with torch.cuda.stream(s):
+            (w * 3).sum().backward()  # side-backward
+        w.grad.sum()  # grad-read
+    only_race(d, RAW, "side-backward", "grad-read")
+
+
+def test_backward_on_side_stream_then_wait_is_clean():
+    with Detector() as d:
+        w = torch.randn(8, requires_grad=True)
+        s = side_stream()
+        with torch.cuda.stream(s):
+            (w * 3).sum().backward()
+        torch.cuda.current_stream().wait_stream(s)
+        w.grad.sum()
+    assert d.races == []
+
+
+def test_backward_node_runs_on_its_forward_stream():
+    with Detector() as d:
+        x = torch.randn(4, requires_grad=True)
+        s = side_stream()
+        seen = []
+        with torch.cuda.stream(s):
+            y = x * 2
+        torch.cuda.current_stream().wait_stream(s)
+        y.grad_fn.register_prehook(lambda grads: seen.append(torch.cuda.current_stream()))
+        z = y.sum()
+        z.backward()
+        assert seen == [s]
+        assert torch.cuda.current_stream() is torch.cuda.default_stream()
+    assert d.races == []  # the side stream waited on the default one's gradient; the caller joined it
+
+
+def test_accumulate_grad_node_bound_to_side_stream_runs_its_hooks_there():
+    with Detector() as d:
+        w = torch.randn(4, requires_grad=True)
+        s = side_stream()
+        with torch.cuda.stream(s):
+            acc = w.expand_as(w).grad_fn.next_functions[0][0]
+        seen = {}
+
+        def note(where):
+            def hook(*args):
+                seen.setdefault(where, torch.cuda.current_stream())
+            return hook
+
+        acc.register_prehook(note("node pre-hook"))
+        acc.register_hook(note("node post-hook"))
+        w.register_post_accumulate_grad_hook(note("post-accumulate"))
+        for _ in range(2):  # the second step accumulates in place on s
+            (w * 2).sum().backward()
+            w.grad.sum()  # clean: the end of backward made the caller's stream wait on s
+        assert seen == {"node pre-hook": s, "node post-hook": s, "post-accumulate": s}
+        assert torch.cuda.current_stream() is torch.cuda.default_stream()
+    assert d.races == []
+
+
+def test_accumulate_grad_hook_inside_stream_context_but_node_on_default_runs_on_default():
+    with Detector():
+        w = torch.randn(4, requires_grad=True)
+        acc = w.expand_as(w).grad_fn.next_functions[0][0]
+        seen = []
+        with torch.cuda.stream(side_stream()):
+            w.register_post_accumulate_grad_hook(lambda p: seen.append(torch.cuda.current_stream()))
+        (w * 2).sum().backward()
+        assert seen == [torch.cuda.default_stream()] and acc is not None
+
+
+def test_autograd_grad_joins_the_caller_stream():
+    with Detector() as d:
+        w = torch.randn(4, requires_grad=True)
+        s = side_stream()
+        with torch.cuda.stream(s):
+            y = (w * w).sum()
+        (g,) = torch.autograd.grad(y, w)
+        g.sum()
+    assert d.races == []
+
+
+def test_reading_a_grad_written_in_a_hook_on_a_side_stream_without_join_races():
+    # the join covers backward's streams; a hook that switches streams itself must sync itself
+    with Detector() as d:
+        w = torch.randn(4, requires_grad=True)
+        out = torch.zeros(4)
+        s = side_stream()
+
+        def hook(p):
+            s.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(s):
+                out.copy_(p.grad)  # hook-write
+
+        w.register_post_accumulate_grad_hook(hook)
+        (w * 2).sum().backward()
+        out.sum()  # hook-read
+    only_race(d, RAW, "hook-write", "hook-read")
+
+
+# frees
+
+
+def test_free_while_another_stream_still_reads_races():
+    with Detector() as d:
+        x = torch.randn(64)  # free-alloc
+        s = side_stream()
+        with torch.cuda.stream(s):
+            x.sum()  # free-read
+        del x  # free-del
+    race = only_race(d, FREE, "free-read", "free-del")
+    assert race.later.op.site.op == "free"
+    assert race.alloc_site is not None and race.alloc_site.frames[0][1] == line("free-alloc")
+
+
+def test_free_after_record_stream_is_clean():
+    with Detector() as d:
+        x = torch.randn(64)
+        s = side_stream()
+        with torch.cuda.stream(s):
+            x.sum()
+        x.record_stream(s)
+        del x
+    assert d.races == []
+
+
+def test_free_after_the_allocation_stream_waited_is_clean():
+    with Detector() as d:
+        x = torch.randn(64)
+        s = side_stream()
+        with torch.cuda.stream(s):
+            x.sum()
+        torch.cuda.current_stream().wait_stream(s)
+        del x
+    assert d.races == []
+
+
+# the API itself
+
+
+def test_sleep_is_recorded_on_the_current_stream_without_delay():
+    with Detector(trace=True) as d:
+        s = side_stream()
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(10**12)  # would spin for minutes on a GPU
+    sleeps = [op for op in d.hb.timeline if op.site.op == "torch.cuda._sleep"]
+    assert [op.stream for op in sleeps] == [s]
+    assert sleeps[0].site.frames[0][:2] == (__file__, line("would spin for minutes on a GPU"))
+
+
+def test_current_stream_is_thread_local():
+    with Detector():
+        s = torch.cuda.Stream()
+        seen = []
+        with torch.cuda.stream(s):
+            thread = threading.Thread(target=lambda: seen.append(torch.cuda.current_stream()))
+            thread.start()
+            thread.join()
+            assert torch.cuda.current_stream() is s
+        assert seen == [torch.cuda.default_stream()]
+        assert torch.cuda.is_available() is False
+
+
+def test_stream_names_and_events():
+    with Detector() as d:
+        s = torch.cuda.Stream()  # side-create
+        assert d.hb.stream_name(s) == f"stream created at test_virtual.py:{line('side-create')}"
+        assert d.hb.stream_name(torch.cuda.default_stream()) == "default stream"
+        assert isinstance(s, torch.cuda.Stream) and isinstance(torch.cuda.Event(), torch.cuda.Event)
+        assert d.current_stream() is torch.cuda.current_stream() is torch.cuda.default_stream()
+        with pytest.raises(RuntimeError, match="elapsed_time is not modelled"):
+            torch.cuda.Event(enable_timing=True).elapsed_time(torch.cuda.Event())
+        with pytest.raises(TypeError, match="expected a torch.cuda.Stream"):
+            s.wait_stream("default")
+        assert streamrace_device() == torch.device("cpu")
+
+
+def test_module_names_reach_the_race():
+    with Detector() as d:
+        model = torch.nn.Linear(4, 4)
+        d.name(model, "model")
+        s = side_stream()
+        with torch.cuda.stream(s):
+            model.weight.data.mul_(2)
+        model.weight.sum()
+    assert [r.earlier.tensor.name for r in d.races] == ["model.weight"]
+
+
+def test_session_leaves_torch_as_it_was():
+    import torch.autograd.graph
+
+    before = {name: getattr(torch.cuda, name) for name in
+              ("Stream", "Event", "stream", "StreamContext", "current_stream", "default_stream", "set_stream",
+               "synchronize", "_sleep")}
+    run_backward = torch.autograd.graph._engine_run_backward
+    record_stream = torch.Tensor.record_stream
+    with Detector():
+        assert torch.cuda.Stream is not before["Stream"]
+        assert torch._C._len_torch_function_stack() == 1
+        w = torch.randn(2, requires_grad=True)
+        (w * 2).sum().backward()
+    assert {name: getattr(torch.cuda, name) for name in before} == before
+    assert torch.cuda.streams.Stream is before["Stream"]
+    assert torch.autograd.graph._engine_run_backward is run_backward is torch.autograd._engine_run_backward
+    assert torch.Tensor.record_stream is record_stream and "record_stream" not in vars(torch.Tensor)
+    assert torch._C._len_torch_function_stack() == 0
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    assert _get_current_dispatch_mode_stack() == []
+    with pytest.raises(RuntimeError, match="requires CUDA support"):
+        torch.cuda.Stream()
+    (w * 2).sum().backward()  # the graph's leftover hooks are inert
+
+
+def test_one_detector_at_a_time_and_clear_errors():
+    with Detector():
+        with pytest.raises(RuntimeError, match="another Detector is already active"):
+            Detector().__enter__()
+    with pytest.raises(ValueError, match="unknown backend 'gpu'"):
+        Detector(backend="gpu")
+    with pytest.raises(RuntimeError, match="backend 'cuda' needs a CUDA device"):
+        with Detector(backend="cuda"):
+            pass
+    assert torch.cuda.Stream.__module__ == "torch.cuda.streams"
+    with pytest.raises(RuntimeError, match="only while a streamrace Detector"):
+        from pytest_streamrace.detector import virtual_streams
+        virtual_streams.Stream()
