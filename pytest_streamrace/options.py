@@ -31,6 +31,9 @@ SETTINGS = (
     Setting("streamrace_timeout", "seconds a distributed test may run before its ranks' stacks are dumped and the "
             f"ranks are stopped (default {DEFAULT_TIMEOUT:g}; the distributed marker's timeout= wins)",
             DEFAULT_TIMEOUT, "float"),
+    Setting("streamrace_json", "write every race found (all tests, all ranks) to this JSON file"),
+    Setting("streamrace_trace", "write a Chrome-trace timeline of the tested ops and their races to this file "
+            "(opens in Perfetto)"),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 

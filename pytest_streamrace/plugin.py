@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import pytest
 
-from . import hardware, options
+from . import checks, hardware, options
 
 MARKERS = (
     "distributed(world_size=N, backend=None, timeout=None): run the test as one item in N rank processes with "
     "torch.distributed initialized (backend auto: nccl with >= N GPUs, else gloo)",
+    checks.MARKER,
 )
+_backend_key = pytest.StashKey[str]()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -28,6 +30,9 @@ def pytest_configure(config: pytest.Config) -> None:
     from . import launcher
 
     launcher.install(config)
+    if options.get(config, "streamrace"):
+        backend = config.stash[_backend_key] = checks.resolve_backend(config)
+        config.pluginmanager.register(checks.RaceChecks(config, backend), "streamrace-checks")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
@@ -35,8 +40,21 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     machine = f"cuda with {len(gpus)} GPU{'s' if len(gpus) != 1 else ''}" if gpus else "CPU-only"
     run = hardware.torchrun_env()
     session = f"torchrun session, rank {run.rank} of {run.world_size}" if run else "not under torchrun"
-    checks = "on" if options.get(config, "streamrace") else "off (--streamrace to enable)"
-    return [f"streamrace: {machine}; {session}; race checks {checks}"]
+    backend = config.stash.get(_backend_key, None)
+    state = f"on ({backend} backend)" if backend else "off (--streamrace to enable)"
+    return [f"streamrace: {machine}; {session}; race checks {state}"]
+
+
+@pytest.fixture
+def streamrace_device(request: pytest.FixtureRequest):
+    """The torch.device a test should allocate on: cpu under the virtual backend, cuda under the cuda backend (or
+    without --streamrace: cuda when a GPU is visible, else cpu)."""
+    import torch
+
+    backend = request.config.stash.get(_backend_key, None)
+    if backend is None:
+        backend = "cuda" if hardware.visible_gpus() else "virtual"
+    return torch.device("cuda" if backend == "cuda" else "cpu")
 
 
 @pytest.fixture

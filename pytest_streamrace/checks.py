@@ -1,0 +1,185 @@
+"""``--streamrace``: every test runs under a race detector and fails when two of its streams race.
+
+The detector is active from the test's setup to the end of its teardown, so fixtures may create streams too (on
+CPU-only machines the virtual torch.cuda API is there for them). Races are judged with the call phase; ones that only
+appear in teardown fail the teardown. Each report carries its races as JSON in ``user_properties``, which is how they
+travel from xdist workers and rank processes to the process that writes ``--streamrace-json`` and
+``--streamrace-trace``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from . import hardware, options
+
+RACES = "streamrace_races"  # user_properties key: [race dicts] (detector.report.to_dict, with rank)
+TRACE = "streamrace_trace"  # user_properties key: [chrome trace events] of this test's ops
+EXPECT = ("race", "clean")
+MARKER = ("streamrace(expect='race'|'clean'): assert that the test's streams race (or not) when --streamrace "
+          "is on; expect='race' turns a detected race into a pass and its absence into a failure")
+
+_detector_key = pytest.StashKey()
+_judged_key = pytest.StashKey()
+
+
+def resolve_backend(config: pytest.Config) -> str:
+    """The backend --streamrace uses here: auto picks cuda when a GPU is visible."""
+    chosen = options.get(config, "streamrace_backend")
+    gpus = hardware.visible_gpus()
+    if chosen == "auto":
+        return "cuda" if gpus else "virtual"
+    if chosen == "cuda" and not gpus:
+        raise pytest.UsageError("--streamrace-backend=cuda needs a GPU, and none is visible; "
+                                "use --streamrace-backend=virtual (or auto) on CPU-only machines")
+    return chosen
+
+
+def expected(item: pytest.Item) -> str | None:
+    marker = item.get_closest_marker("streamrace")
+    if marker is None:
+        return None
+    expect = marker.kwargs.get("expect", marker.args[0] if marker.args else None)
+    if expect not in EXPECT:
+        raise pytest.UsageError(f"{item.nodeid}: streamrace(expect=...) takes 'race' or 'clean', got {expect!r}")
+    return expect
+
+
+def _rank() -> int | None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return None
+
+
+class RaceChecks:
+    """Runs each test under a Detector; judges its races; collects them for the session's files."""
+
+    def __init__(self, config: pytest.Config, backend: str):
+        self.config = config
+        self.backend = backend
+        self.json_path = options.get(config, "streamrace_json")
+        self.trace_path = options.get(config, "streamrace_trace")
+        self.races: list[tuple[str, dict]] = []  # (nodeid, race dict)
+        self.traces: list[tuple[str, list]] = []  # (nodeid, events)
+
+    # running
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(self, item: pytest.Item):
+        expected(item)  # a bad marker is a usage error before anything runs
+        from .detector.session import Detector
+
+        detector = Detector(backend=self.backend, trace=bool(self.trace_path))
+        detector.__enter__()
+        item.stash[_detector_key] = detector
+        item.stash[_judged_key] = 0
+        return (yield)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem):
+        try:
+            return (yield)
+        finally:
+            detector = item.stash.get(_detector_key, None)
+            if detector is not None:
+                # races are read in makereport of teardown, which pytest calls after this hook returns
+                detector.__exit__(None, None, None)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call):
+        report = yield
+        detector = item.stash.get(_detector_key, None)
+        if detector is None or (report.when == "setup" and report.passed):
+            return report
+        races = detector.races
+        judged = item.stash[_judged_key]
+        fresh = races[judged:]
+        item.stash[_judged_key] = len(races)
+        rank = _rank()
+        if fresh:
+            from .detector.report import to_dict
+
+            report.user_properties.append(
+                (RACES, [to_dict(r, detector.hb.stream_name, rank) for r in fresh]))
+        if report.when == "teardown" and self.trace_path:
+            from .detector.trace import trace_events
+
+            events = trace_events(detector.hb.timeline, races, detector.hb.stream_name, rank)
+            report.user_properties.append((TRACE, events))
+        self._judge(item, report, fresh, rank)
+        return report
+
+    @staticmethod
+    def _judge(item: pytest.Item, report: pytest.TestReport, fresh: list, rank: int | None) -> None:
+        expect = expected(item)
+        if report.skipped:
+            return
+        if expect == "race":
+            if report.when == "call" and report.passed and not item.stash[_judged_key]:
+                report.outcome = "failed"
+                report.longrepr = ("streamrace: expected a stream race (marker streamrace(expect='race')), "
+                                   "but none was detected")
+            return
+        if not fresh:
+            return
+        from .detector.report import format_races
+
+        text = format_races([(rank, r) for r in fresh], item.stash[_detector_key].hb.stream_name)
+        if report.failed:
+            report.sections.append(("stream races", text))
+        else:
+            report.outcome = "failed"
+            report.longrepr = text
+
+    # collecting, where the session's files are written
+
+    @pytest.hookimpl
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        for key, value in report.user_properties:
+            if key == RACES:
+                self.races.extend((report.nodeid, race) for race in value)
+            elif key == TRACE:
+                self.traces.append((report.nodeid, value))
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        if not _writes_files(self.config):
+            return  # the xdist controller / the launching parent / torchrun rank 0 writes them
+        if self.json_path:
+            from .detector.report import SCHEMA_VERSION
+
+            doc = {"version": SCHEMA_VERSION, "races": [{"test": nodeid, **race} for nodeid, race in self.races]}
+            with open(self.json_path, "w", encoding="utf-8") as f:
+                json.dump(doc, f, indent=1)
+                f.write("\n")
+        if self.trace_path:
+            from .detector.trace import write_trace
+
+            write_trace(self.trace_path, _one_process_per_test(self.traces))
+
+
+def _writes_files(config: pytest.Config) -> bool:
+    from .launcher import child
+
+    if hasattr(config, "workerinput") or child.spec_from_env() is not None:
+        return False
+    run = hardware.torchrun_env()
+    return run is None or run.rank == 0
+
+
+def _one_process_per_test(traces: list[tuple[str, list]]) -> list[list[dict]]:
+    """Give each (test, rank) its own trace process, named after the test, so tests never share tracks."""
+    out = []
+    for index, (nodeid, events) in enumerate(traces):
+        renamed = []
+        for event in events:
+            event = dict(event, pid=index * 1000 + event.get("pid", 0))
+            if event.get("name") == "process_name":
+                event["args"] = {"name": f"{nodeid} ({event['args']['name']})"}
+            renamed.append(event)
+        out.append(renamed)
+    return out
