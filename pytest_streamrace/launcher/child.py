@@ -1,7 +1,122 @@
-"""(placeholder until the launcher lands)"""
+"""The rank side of a ``distributed`` item: a pytest session that runs that one item as one rank.
+
+The rank joins the item's process group, runs the item the normal way (so every fixture is set up in the rank),
+and streams each phase's report to its parent as JSON lines. After its last phase it does not tear the process
+group down: a rank that failed early and closed its connections would make its peers fail with "connection
+closed" errors that hide the real one. It parks until the parent releases it (all ranks finished) or kills it.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from . import spec as spec_mod
+from .spec import RankSpec
+
+_stack_file = None  # kept open for faulthandler, which writes to its fd from a signal handler
 
 
-def install(config) -> None:
-    pass
-def spec_from_env():
-    return None
+def spec_from_env() -> RankSpec | None:
+    return spec_mod.from_env()
+
+
+def arm_stack_dump(spec: RankSpec) -> None:
+    """SIGUSR1 → this process's Python stacks, all threads, into the spec's stack file (the parent reads them)."""
+    global _stack_file
+    if _stack_file is None:
+        _stack_file = open(spec.stacks, "a")
+    faulthandler.register(signal.SIGUSR1, file=_stack_file, all_threads=True)
+
+
+def install(config: pytest.Config) -> None:
+    spec = spec_from_env()
+    arm_stack_dump(spec)
+    # The parent shows what the test printed (from the reports); pytest's own progress lines are noise there.
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    if terminal is not None:
+        config.pluginmanager.unregister(terminal)
+    config.pluginmanager.register(RankPlugin(spec), "streamrace-rank")
+
+
+class RankPlugin:
+    def __init__(self, spec: RankSpec):
+        self.spec = spec
+        self._fd = os.open(spec.result, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+
+    def _write(self, record: dict) -> None:
+        os.write(self._fd, (json.dumps(record) + "\n").encode())
+
+    def pytest_collectreport(self, report: pytest.CollectReport) -> None:
+        if report.failed:
+            self._write({"kind": "error", "message": f"collecting {report.nodeid} failed:\n{report.longreprtext}"})
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        if len(session.items) != 1:
+            found = ", ".join(item.nodeid for item in session.items) or "nothing"
+            self._write({"kind": "error", "message": f"expected to collect one item, collected {found}"})
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        _join_process_group(self.spec)
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        record = {
+            "kind": "report",
+            "when": report.when,
+            "outcome": report.outcome,
+            "duration": report.duration,
+            "sections": [list(s) for s in report.sections],
+            "user_properties": [[str(k), _jsonable(v)] for k, v in report.user_properties],
+        }
+        if report.skipped and isinstance(report.longrepr, tuple):
+            record["skip"] = [str(report.longrepr[0]), report.longrepr[1], report.longrepr[2]]
+        elif report.longrepr is not None:
+            record["longrepr"] = report.longreprtext
+        if hasattr(report, "wasxfail"):
+            record["wasxfail"] = report.wasxfail
+        self._write(record)
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self) -> None:
+        self._write({"kind": "done"})
+        while not os.path.exists(self.spec.release):
+            time.sleep(0.01)
+        _leave_process_group()
+
+
+def _join_process_group(spec: RankSpec) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if spec.device is not None:
+        import torch
+
+        torch.cuda.set_device(spec.device)
+    store = dist.FileStore(spec.store, spec.world_size)
+    dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
+                            timeout=datetime.timedelta(seconds=spec.timeout + 60))
+
+
+def _leave_process_group() -> None:
+    import sys
+
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _jsonable(value):
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)

@@ -1,5 +1,119 @@
-"""(placeholder until the launcher lands)"""
+"""The parent side of ``distributed`` items: run each as N rank processes and report it as one item.
+
+The parent takes such an item over in ``pytest_runtest_protocol`` and sets up none of its fixtures — they are
+set up in every rank, which runs the item as an ordinary pytest item (``child``). Ranks are forked from a
+per-process fork server that has torch imported (``forkserver``), supervised (``supervise``), and their
+results merged into the item's setup/call/teardown reports (``report``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+
+from .. import options
+from . import marker, placement, report
+from .ranks import ForkServer, LaunchError
+from .spec import ENV, RankSpec
+from .supervise import RankRun, reap, supervise
 
 
-def install(config) -> None:
-    pass
+def install(config: pytest.Config) -> None:
+    config.pluginmanager.register(ParentPlugin(config), "streamrace-parent")
+
+
+class ParentPlugin:
+    def __init__(self, config: pytest.Config):
+        self.config = config
+        self.server = ForkServer()
+
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        # Start importing torch in the fork server now, while the other tests run.
+        if any(item.get_closest_marker("distributed") for item in session.items) and not session.config.option.collectonly:
+            self.server.start(str(self.config.invocation_params.dir))
+
+    def pytest_unconfigure(self) -> None:
+        self.server.stop()
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem) -> bool | None:
+        mark = item.get_closest_marker("distributed")
+        if mark is None:
+            return None
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        for rep in self._run(item, mark):
+            item.ihook.pytest_runtest_logreport(report=rep)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        return True
+
+    def _run(self, item: pytest.Item, mark) -> list[pytest.TestReport]:
+        try:
+            request = marker.parse(mark)
+            where = placement.place(request.world_size, request.backend)
+        except marker.MarkerError as exc:
+            return report.setup_outcome(item, "failed", str(exc))
+        except placement.Unservable as exc:
+            return report.setup_outcome(item, "skipped", (str(item.path), item.location[1] + 1, f"Skipped: {exc}"))
+        timeout = request.timeout or options.get(self.config, "streamrace_timeout")
+        workdir = tempfile.mkdtemp(prefix="streamrace-")
+        try:
+            cwd = str(self.config.invocation_params.dir)
+            self.server.start(cwd)
+            runs = []
+            try:
+                for rank, device in enumerate(where.devices):
+                    spec = RankSpec(rank=rank, world_size=request.world_size, backend=where.backend,
+                                    store=os.path.join(workdir, "store"),
+                                    result=os.path.join(workdir, f"rank{rank}.jsonl"),
+                                    stacks=os.path.join(workdir, f"rank{rank}.stacks"),
+                                    release=os.path.join(workdir, "release"), timeout=timeout, device=device)
+                    output = os.path.join(workdir, f"rank{rank}.out")
+                    pid = self.server.spawn(self._argv(item, workdir, rank), _env(spec), cwd, output)
+                    runs.append(RankRun(spec, pid, output))
+            except LaunchError as exc:
+                reap(self.server, runs)  # what did start
+                return report.setup_outcome(item, "failed", f"could not start the ranks: {exc}")
+            duration = supervise(self.server, runs, timeout)
+            return report.build(item, runs, timeout, duration)
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    def _argv(self, item: pytest.Item, workdir: str, rank: int) -> list[str]:
+        """A rank's pytest command line: the one item, the parent's ini/rootdir and reporting options, no xdist."""
+        config = self.config
+        file_part = item.nodeid.split("::", 1)[0]
+        argv = [str(item.path) + item.nodeid[len(file_part):],
+                "--rootdir", str(config.rootpath), "-p", "no:cacheprovider",
+                "--basetemp", os.path.join(workdir, f"rank{rank}.tmp"),
+                f"--import-mode={config.option.importmode}", f"--tb={config.option.tbstyle}",
+                f"--verbosity={config.option.verbose}",
+                f"--capture={'tee-sys' if config.option.capture == 'no' else config.option.capture}"]
+        if config.inipath:
+            argv += ["-c", str(config.inipath)]
+        if config.option.showlocals:
+            argv.append("-l")
+        for name in config.option.plugins or ():
+            argv += ["-p", name]
+        for w in config.known_args_namespace.pythonwarnings or ():
+            argv += ["-W", w]
+        if config.pluginmanager.hasplugin("xdist"):
+            argv += ["-n", "0"]  # addopts may ask for workers; a rank runs its one item in-process
+        for s in options.SETTINGS:
+            value = options.get(config, s.name)
+            argv += ["-o", f"{s.name}={str(value).lower() if isinstance(value, bool) else value}"]
+        return argv
+
+
+def _env(spec: RankSpec) -> dict[str, str]:
+    env = dict(os.environ)
+    env[ENV] = spec.to_json()
+    env.update(RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(spec.rank),
+               LOCAL_WORLD_SIZE=str(spec.world_size))
+    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # nothing listens beyond loopback
+    env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    env.pop("TORCHELASTIC_RUN_ID", None)
+    env.pop("PYTEST_CURRENT_TEST", None)
+    return env

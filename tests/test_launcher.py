@@ -1,0 +1,310 @@
+"""The distributed marker end to end: real pytest sessions (pytester subprocesses), real rank processes, gloo.
+
+Scenarios are grouped into a few sessions to keep the suite fast. Every rank records its pid (and the pids of
+what it started) so each test can check that no process outlived its item.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+# Every test file below gets this conftest: each rank records its pid and its parent's (the fork server).
+PID_CONFTEST = """
+import os
+import pytest
+
+@pytest.fixture(autouse=True)
+def _record_pid():
+    if "STREAMRACE_RANK_SPEC" in os.environ:
+        for pid in (os.getpid(), os.getppid()):
+            open(os.path.join(os.environ["PIDS_DIR"], str(pid)), "w").close()
+    yield
+"""
+
+
+@pytest.fixture
+def run(pytester, monkeypatch, tmp_path):
+    """Run pytest on a file in a subprocess, then assert that no rank, rank child or fork server survived."""
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    monkeypatch.setenv("PIDS_DIR", str(pids_dir))
+    pytester.makeconftest(PID_CONFTEST)
+
+    def run(source: str, *args: str) -> pytest.RunResult:
+        pytester.makepyfile(source)
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=120)
+        assert_all_gone(pids_dir)
+        return result
+
+    return run
+
+
+def recorded_pids(pids_dir) -> list[int]:
+    return [int(p.name) for p in pids_dir.iterdir()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"  # a zombie is dead, only not yet reaped
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+
+
+def assert_all_gone(pids_dir, wait: float = 5.0) -> None:
+    pids = recorded_pids(pids_dir)
+    deadline = time.monotonic() + wait
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [p for p in pids if alive(p)] == []
+
+
+FAILURES = """
+import ctypes, os, subprocess, sys
+import pytest, torch, torch.distributed as dist
+
+@pytest.mark.distributed(world_size=2)
+def test_fails_on_rank1(rank):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    assert rank == 0, f"rank {rank} disagrees"
+
+@pytest.mark.distributed(world_size=2)
+def test_raises_before_collective(rank):
+    if rank == 1:
+        raise ValueError("rank one gave up early")
+    dist.all_reduce(torch.ones(1))
+
+@pytest.mark.distributed(world_size=2)
+def test_exits(rank):
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()
+
+@pytest.mark.distributed(world_size=2)
+def test_segfaults(rank, tmp_path):
+    # a grandchild that must not outlive the item
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(300)"])
+    open(os.path.join(os.environ["PIDS_DIR"], str(child.pid)), "w").close()
+    if rank == 1:
+        ctypes.string_at(0)
+    dist.barrier()
+"""
+
+
+def test_rank_failures_are_reported_per_rank(run):
+    start = time.monotonic()
+    result = run(FAILURES)
+    result.assert_outcomes(failed=4)
+    out = result.stdout.str()
+    assert time.monotonic() - start < 90  # not the 300 s default timeout
+
+    fails = section(out, "test_fails_on_rank1")
+    assert "distributed test failed on rank 1 of 2" in fails
+    assert "---- rank 1: failed in call ----" in fails
+    assert "AssertionError: rank 1 disagrees" in fails
+    assert "rank 0:" not in fails
+    assert "gloo" not in fails.lower() and "connection" not in fails.lower()
+
+    early = section(out, "test_raises_before_collective")
+    assert "distributed test failed on rank 1 of 2 (rank 0 stopped while blocked)" in early
+    assert "ValueError: rank one gave up early" in early
+    assert "---- rank 0: stopped while blocked (during call); its Python stack then ----" in early
+    stack = early.split("rank 0: stopped while blocked")[1]
+    assert "in all_reduce" in stack and "in test_raises_before_collective" in stack
+    assert "gloo" not in early.lower()
+
+    exits = section(out, "test_exits")
+    assert "distributed test rank 1 of 2 died: exit code 3" in exits
+    assert "---- rank 1 died: exit code 3 (during call) ----" in exits
+
+    segv = section(out, "test_segfaults")
+    assert "distributed test rank 1 of 2 died: killed by signal SIGSEGV" in segv
+    assert "Fatal Python error: Segmentation fault" in segv  # the tail of its output
+    assert "in test_segfaults" in segv
+
+
+OUTCOMES = """
+import os
+import pytest, torch, torch.distributed as dist
+
+@pytest.fixture
+def shard(rank, world_size):
+    return torch.full((1,), float(rank + 1))
+
+@pytest.mark.distributed(world_size=1)
+def test_size_1(shard, world_size):
+    dist.all_reduce(shard)
+    assert (shard.item(), world_size) == (1, 1)
+
+@pytest.mark.distributed(2)
+def test_size_2(shard, rank):
+    dist.all_reduce(shard)
+    print(f"rank {rank} says hello; sum {shard.item():g}; ifname {os.environ['GLOO_SOCKET_IFNAME']}")
+    assert shard.item() == 3
+
+@pytest.mark.distributed(world_size=3, backend="gloo")
+def test_size_3(shard):
+    dist.all_reduce(shard)
+    assert shard.item() == 6
+
+@pytest.mark.distributed(world_size=4, backend="auto")
+def test_size_4(shard, world_size):
+    dist.all_reduce(shard)
+    assert shard.item() == 10 and dist.get_world_size() == world_size == 4
+
+@pytest.mark.distributed(world_size=2)
+def test_skip_everywhere(rank):
+    pytest.skip("nothing to do here")
+
+@pytest.mark.distributed(world_size=2)
+def test_skip_on_rank1(rank):
+    if rank == 1:
+        pytest.skip("rank one has no data")
+    dist.barrier()
+
+@pytest.mark.distributed(world_size=2, backend="nccl")
+def test_nccl():
+    pass
+
+@pytest.mark.distributed(world_size=0)
+def test_zero_ranks():
+    pass
+
+@pytest.mark.distributed(world_size=2, backend="mpi")
+def test_unknown_backend():
+    pass
+
+@pytest.mark.distributed(world_size=2, timeout=-1)
+def test_bad_timeout():
+    pass
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.xfail(reason="rank 1 is known to be wrong")
+def test_xfail(rank):
+    assert rank == 0
+"""
+
+
+def test_outcomes_world_sizes_output_and_bad_markers(run):
+    result = run(OUTCOMES, "-rsxP")
+    result.assert_outcomes(passed=4, failed=1, skipped=2, errors=3, xfailed=1)
+    out = result.stdout.str()
+    for rank in (0, 1):
+        assert f"Captured stdout call (rank {rank})" in out
+        assert f"rank {rank} says hello; sum 3; ifname lo" in out
+    result.stdout.fnmatch_lines([
+        "*SKIPPED*test_*.py:*: nothing to do here",
+        "*SKIPPED*test_*.py:*: backend nccl needs 2 CUDA GPUs, this machine has 0",
+        "*XFAIL*test_xfail*",
+    ])
+    partial = section(out, "test_skip_on_rank1")
+    assert "distributed test skipped on rank 1 of 2 only (rank 0 stopped while blocked)" in partial
+    assert "---- rank 1: skipped in call: rank one has no data" in partial
+    assert "in barrier" in partial
+    assert "@pytest.mark.distributed: world_size must be a positive integer, got 0" in out
+    assert "@pytest.mark.distributed: unknown backend 'mpi' (expected gloo, nccl or auto)" in out
+    assert "@pytest.mark.distributed: timeout must be a positive number of seconds, got -1" in out
+    assert "Traceback" not in section(out, "test_zero_ranks")
+
+
+HANGS = """
+import time
+import pytest, torch.distributed as dist
+
+@pytest.mark.distributed(world_size=2, timeout=2.5)
+def test_marker_timeout_beats_ini(rank):
+    if rank == 1:
+        time.sleep(600)
+    dist.barrier()
+
+@pytest.mark.distributed(world_size=2)
+def test_ini_timeout(rank):
+    dist.barrier()
+    if rank == 0:
+        time.sleep(600)
+"""
+
+
+def test_hang_times_out_with_every_ranks_stack(run, pytester):
+    pytester.makeini("[pytest]\nstreamrace_timeout = 1.5\n")
+    result = run(HANGS)
+    result.assert_outcomes(failed=2)
+    out = result.stdout.str()
+    marker = section(out, "test_marker_timeout_beats_ini")
+    assert "distributed test timed out after 2.5 s with ranks 0, 1 still running" in marker
+    rank0, rank1 = marker.split("---- rank 0:")[1].split("---- rank 1:")
+    assert "in barrier" in rank0 and "in test_marker_timeout_beats_ini" in rank0
+    assert "in test_marker_timeout_beats_ini" in rank1 and "in barrier" not in rank1
+    ini = section(out, "test_ini_timeout")
+    assert "distributed test timed out after 1.5 s with rank 0 still running" in ini
+    assert "---- rank 1" not in ini  # it had finished and was waiting to be released
+
+
+XDIST = """
+import pytest, torch, torch.distributed as dist
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("i", range(6))
+def test_sum(i, rank):
+    t = torch.full((1,), float(i + rank))
+    dist.all_reduce(t)
+    assert t.item() == 2 * i + 1
+"""
+
+
+def test_several_distributed_tests_under_xdist(run, pytester):
+    pytester.makeini("[pytest]\naddopts = -n 2\n")  # ranks must not start workers of their own
+    result = run(XDIST)
+    result.assert_outcomes(passed=6)
+    result.stdout.fnmatch_lines(["*created: 2/2 workers*"])
+
+
+INTERRUPTED = """
+import os, time
+import pytest, torch.distributed as dist
+
+@pytest.mark.distributed(world_size=2)
+def test_waits(rank):
+    dist.barrier()
+    open(os.path.join(os.environ["PIDS_DIR"], "ready-%d" % rank), "w").close()
+    time.sleep(600)
+"""
+
+
+def test_ctrl_c_leaves_no_rank_behind(pytester, monkeypatch, tmp_path):
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    monkeypatch.setenv("PIDS_DIR", str(pids_dir))
+    pytester.makeconftest(PID_CONFTEST)
+    path = pytester.makepyfile(INTERRUPTED)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(path)],
+                            cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not all((pids_dir / f"ready-{r}").exists() for r in (0, 1)):
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert "KeyboardInterrupt" in out
+    for ready in pids_dir.glob("ready-*"):
+        ready.unlink()
+    assert len(recorded_pids(pids_dir)) >= 2
+    assert_all_gone(pids_dir)
+
+
+def section(out: str, test_name: str) -> str:
+    """The failure/error block pytest printed for one test."""
+    blocks = out.split("\n_")
+    found = [b for b in blocks if b.lstrip("_ ").startswith(f"{test_name} ") or f" of {test_name} " in b[:120]]
+    assert found, f"no report block for {test_name}"
+    return found[0]
