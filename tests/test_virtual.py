@@ -278,6 +278,34 @@ def test_autograd_grad_joins_the_caller_stream():
     assert d.races == []
 
 
+def _fan_in(read_on_producer_stream: bool):
+    """x feeds ops on two streams: their gradients meet in x's input, added on the consumer's stream."""
+    with Detector() as d:
+        x = torch.randn(4, requires_grad=True)
+        s1, s2 = side_stream(), side_stream()
+        with torch.cuda.stream(s1):
+            y1 = (x * 2).sum()  # x's AccumulateGrad is created here: it runs on s1
+        with torch.cuda.stream(s2):
+            y2 = (x * 3).sum()
+        torch.cuda.current_stream().wait_stream(s1)
+        torch.cuda.current_stream().wait_stream(s2)
+        (y1 + y2).backward()  # fan-in-backward
+        if read_on_producer_stream:
+            with torch.cuda.stream(s2):
+                x.grad.sum()  # fan-in-read
+        else:
+            x.grad.sum()
+    return d
+
+
+def test_gradients_from_two_streams_meet_on_the_consumer_stream_cleanly():
+    assert _fan_in(read_on_producer_stream=False).races == []
+
+
+def test_gradient_accumulated_on_consumer_stream_read_on_another_without_wait_races():
+    only_race(_fan_in(read_on_producer_stream=True), RAW, "fan-in-backward", "fan-in-read")
+
+
 def test_reading_a_grad_written_in_a_hook_on_a_side_stream_without_join_races():
     # the join covers backward's streams; a hook that switches streams itself must sync itself
     with Detector() as d:

@@ -111,6 +111,9 @@ class AccessTracker(TorchDispatchMode):
         self.on_race = on_race
         self.names: dict[Hashable, str] = {}  # storage key -> human name ("model.0.weight")
         self.last_writer: dict[Hashable, Hashable] = {}  # storage key -> stream of its latest write
+        # op namespace -> handler(func, args, kwargs, out) that models those ops itself (collectives: "c10d")
+        self.namespace_handlers: dict[str, Callable] = {}
+        self.redirect: dict[Hashable, Hashable] = {}  # storage key -> stream of the next op reading it (autograd)
         self._seen: dict[Hashable, weakref.finalize | None] = {}  # storages alive and known
         self._frees: collections.deque = collections.deque()
         self._lock = threading.RLock()
@@ -210,6 +213,13 @@ class AccessTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not self.enabled:
             return out
+        if self.namespace_handlers:
+            handler = self.namespace_handlers.get(func.namespace)
+            if handler is not None:
+                with self._lock:
+                    self.drain()
+                    handler(func, args, kwargs, out)
+                return out
         schema = func._schema
         name = schema.name
         if name in _SKIPPED_OPS:
@@ -249,7 +259,14 @@ class AccessTracker(TorchDispatchMode):
             return
         if not any(self.on_device(t) for t in reads + writes + fresh):
             return
-        op = self.hb.launch(self.current_stream(), Site(name, user_frames()))
+        stream = self.current_stream()
+        if self.redirect:
+            for t in reads + writes:
+                key = self.storage_key(t) if self.on_device(t) else None
+                if key in self.redirect:
+                    stream = self.redirect.pop(key)
+                    break
+        op = self.hb.launch(stream, Site(name, user_frames()))
         for t in reads:
             self._access(op, t, False)
         for t in writes:

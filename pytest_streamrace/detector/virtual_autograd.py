@@ -12,9 +12,11 @@ that switches the thread's current stream to it. Hooks users register later run 
 the node's stream. The stream is not switched back after a node: the next node's pre-hook sets its own, and the
 wrapper around the engine restores the caller's stream at the end.
 
-Known gaps: tensor hooks (Tensor.register_hook) run before node pre-hooks, so on the previous node's stream; when
-two producers on different streams feed one input, the engine's accumulation is attributed to the second
-producer's stream (on a GPU it runs on the consumer's, after waiting both) and may be reported as a race.
+When two producers on different streams feed one input, the engine adds their gradients on the consumer's stream
+after waiting on both: a post-hook on each node sees the second gradient arrive and has the tracker run the next op
+reading it (that add) on the consumer's stream.
+
+Known gap: tensor hooks (Tensor.register_hook) run before node pre-hooks, so on the previous node's stream.
 """
 
 from __future__ import annotations
@@ -85,20 +87,59 @@ class VirtualAutograd:
                 continue
             meta[_TAG] = (self._token, stream)
             node.register_prehook(_prehook(ref, stream))
-            stack.extend(next_node for next_node, _ in node.next_functions)
+            edges = []
+            for next_node, input_nr in node.next_functions:
+                if next_node is None:
+                    edges.append(None)
+                    continue
+                edges.append((id(next_node.metadata), input_nr, self.node_stream(next_node) or stream))
+                stack.append(next_node)
+            if edges:
+                node.register_hook(_posthook(ref, stream, edges))
 
     def enter_node(self, stream, grads) -> None:
         """A bound node is about to run: its stream becomes current, after the streams that wrote its inputs."""
         self.streams.set_current(stream)
         frames = getattr(self._tls, "frames", None)
         if frames:
-            frames[-1].add(stream)
+            frames[-1].used.add(stream)
         tracker = self.tracker
         for grad in grads:
             if isinstance(grad, torch.Tensor) and tracker.on_device(grad):
-                writer = tracker.last_writer.get(tracker.storage_key(grad))
+                key = tracker.storage_key(grad)
+                writer = tracker.last_writer.get(key)
                 if writer is not None and writer is not stream:
                     self.hb.wait_stream(stream, writer)
+                    self.hb.record_stream(key, stream)  # the engine's input buffer does the same
+
+    def leave_node(self, stream, edges, grad_inputs) -> None:
+        """A bound node produced gradients. Where a second one lands in an input that already holds one, the engine
+        adds them on the consumer's stream after it waited on both producers: the tracker runs that add there."""
+        frames = getattr(self._tls, "frames", None)
+        if not frames:
+            return
+        buffers = frames[-1].buffers
+        for edge, grad in zip(edges, grad_inputs):
+            if edge is None or not isinstance(grad, torch.Tensor):
+                continue
+            consumer_key, input_nr, consumer_stream = edge
+            if not self.tracker.on_device(grad):
+                continue
+            key = self.tracker.storage_key(grad)
+            first = buffers.get((consumer_key, input_nr))
+            if first is None:
+                buffers[(consumer_key, input_nr)] = (stream, key)
+                continue
+            first_stream, first_key = first
+            if first_stream is stream or key is None:
+                continue
+            for producer in (first_stream, stream):
+                if producer is not consumer_stream:
+                    self.hb.wait_stream(consumer_stream, producer)
+            self.tracker.redirect[key] = consumer_stream
+            for storage in (first_key, key):  # the engine's input buffer does the same
+                if storage is not None:
+                    self.hb.record_stream(storage, consumer_stream)
 
     # the engine
 
@@ -108,17 +149,18 @@ class VirtualAutograd:
             if not self.active:
                 return run_backward(*args, **kwargs)
             caller = self.streams.current()
-            used: set = set()
+            frame = _Backward()
             frames = self._tls.__dict__.setdefault("frames", [])
-            frames.append(used)
+            frames.append(frame)
             try:
                 return run_backward(*args, **kwargs)
             finally:
                 frames.pop()
-                if frames:
-                    frames[-1].update(used)  # a backward inside a node (checkpointing) belongs to the outer one
+                self.tracker.redirect.clear()
+                if frames:  # a backward inside a node (checkpointing) belongs to the outer one
+                    frames[-1].used.update(frame.used)
                 self.streams.set_current(caller)
-                for stream in used:
+                for stream in frame.used:
                     if stream is not caller:
                         self.hb.wait_stream(caller, stream)
         return wrapper
@@ -140,6 +182,23 @@ class VirtualAutograd:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
+
+
+class _Backward:
+    """One engine run: the streams its nodes ran on, and which node inputs already received a gradient."""
+
+    def __init__(self):
+        self.used: set = set()
+        self.buffers: dict = {}
+
+
+def _posthook(ref, stream, edges):
+    # Holds no node: a hook referring to its own node would keep the graph alive through C++.
+    def posthook(grad_inputs, grad_outputs):
+        model = ref()
+        if model is not None and model.active:
+            model.leave_node(stream, edges, grad_inputs)
+    return posthook
 
 
 def _prehook(ref, stream):
