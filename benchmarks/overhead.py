@@ -1,0 +1,98 @@
+"""Slowdown of a training step under ``--streamrace``'s detector, against plain eager (and, on a GPU, against
+PyTorch's CUDA stream sanitizer on the same step).
+
+    python benchmarks/overhead.py            # CPU: virtual backend; GPU: cuda backend and TORCH_CUDA_SANITIZER
+
+Each configuration runs in its own process (the sanitizer cannot be switched off once on). Prints a table of ms per
+step and the slowdown against plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+MODELS = {  # name: (width, depth, batch)
+    "launch-bound MLP (8x64, batch 8)": (64, 8, 8),
+    "larger MLP (4x2048, batch 256)": (2048, 4, 256),
+}
+
+
+def step_time(model_name: str, mode: str, steps: int) -> float:
+    import torch
+
+    cuda = torch.cuda.is_available()
+    device = "cuda" if cuda else "cpu"
+    width, depth, batch = MODELS[model_name]
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(batch, width, device=device)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(x).pow(2).mean().backward()
+        opt.step()
+
+    def timed():
+        for _ in range(3):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - start) / steps * 1e3
+
+    if mode == "plain":
+        return timed()
+    if mode == "sanitizer":
+        from torch.cuda._sanitizer import enable_cuda_sanitizer
+
+        enable_cuda_sanitizer()
+        return timed()
+    from pytest_streamrace.detector.session import Detector
+
+    with Detector(backend=mode):
+        return timed()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        print(json.dumps(step_time(args.worker[0], args.worker[1], args.steps)))
+        return 0
+
+    import torch
+
+    modes = ["plain", "cuda", "sanitizer"] if torch.cuda.is_available() else ["plain", "virtual"]
+    where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
+    print(f"torch {torch.__version__} on {where}; {args.steps} steps per measurement")
+    print(f"{'model':36} " + " ".join(f"{m + ' ms':>14}" for m in modes) + "  slowdown vs plain")
+    for model in MODELS:
+        ms = {}
+        for mode in modes:
+            out = subprocess.run([sys.executable, __file__, "--steps", str(args.steps), "--worker", model, mode],
+                                 capture_output=True, text=True)
+            if out.returncode != 0:
+                print(f"{model}: {mode} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+                return 1
+            ms[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+        slow = ", ".join(f"{m} {ms[m] / ms['plain']:.2f}x" for m in modes[1:])
+        print(f"{model:36} " + " ".join(f"{ms[m]:14.3f}" for m in modes) + f"  {slow}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
