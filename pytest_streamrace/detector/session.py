@@ -117,6 +117,10 @@ class Detector:
             self.tracker = AccessTracker(self.hb, self._current, "cuda", track_frees=False)
             self.streams = CudaStreams(self.hb, self.tracker)
             patches = self.streams.patches(AttrPatch)
+        from . import collectives
+
+        if collectives.available():
+            patches += collectives.Collectives(self.hb, self.tracker, self._current).patches(AttrPatch)
         for patch in patches:
             self.install(patch)
         self.install(_Mode(self.tracker))  # last in, first out: our own setup is not traced

@@ -38,7 +38,9 @@ def _skip_prefixes() -> tuple[str, ...]:
     pytest = sys.modules.get("pytest")
     if getattr(pytest, "__file__", None):
         dirs.append(os.path.dirname(pytest.__file__))
-    return tuple(d + os.sep for d in dirs)
+    prefixes = tuple(d + os.sep for d in dirs)
+    wrappers = sys.modules.get("typing_extensions")  # its @deprecated wrapper sits around some torch.distributed calls
+    return prefixes + ((wrappers.__file__,) if getattr(wrappers, "__file__", None) else ())
 
 
 _STDLIB = os.path.dirname(os.__file__) + os.sep

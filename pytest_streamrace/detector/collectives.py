@@ -1,0 +1,221 @@
+"""torch.distributed collectives as NCCL runs them: on a communication stream of their process group.
+
+NCCL launches a collective on an internal stream of its process group, which first waits on the caller's current
+stream; the caller's stream is ordered after the collective only when ``work.wait()`` runs (a synchronous
+collective calls it itself). So with ``async_op=True``, touching the tensors before ``wait()`` races — on the GPU and,
+modelled here, under the virtual backend on gloo. NCCL's stream is not visible to the cuda backend's trace callbacks
+either, so under both backends this model is what the detector knows about collectives.
+
+Every collective reaches the dispatch mode as one ``c10d`` op (the ops of a ``_coalescing_manager`` block as one
+coalesced op at its exit). Their schemas carry no alias annotations, so which tensors are written is decided here
+from argument names (``output*`` written, ``input*`` read, in-place ``tensors`` written — a write conflicts with all
+that a read does, so one report per location pair) with the root-dependent and point-to-point cases spelled out. The ``Work`` the op returns is the Python object the caller later waits on (pybind keeps one
+wrapper per C++ work while one is alive), so it is the hb event that ``wait()`` waits on.
+"""
+
+from __future__ import annotations
+
+import collections
+import weakref
+from typing import Callable, Hashable
+
+import torch
+
+READ, WRITE = "r", "w"
+
+# user-facing names of the c10d ops (what the report's op column shows)
+NAMES = {
+    "allreduce_": "all_reduce",
+    "allreduce_coalesced_": "all_reduce (coalesced)",
+    "_allgather_base_": "all_gather_into_tensor",
+    "allgather_": "all_gather",
+    "allgather_coalesced_": "all_gather (coalesced)",
+    "allgather_into_tensor_coalesced_": "all_gather_into_tensor (coalesced)",
+    "_reduce_scatter_base_": "reduce_scatter_tensor",
+    "reduce_scatter_": "reduce_scatter",
+    "reduce_scatter_tensor_coalesced_": "reduce_scatter_tensor (coalesced)",
+    "broadcast_": "broadcast",
+    "reduce_": "reduce",
+    "alltoall_base_": "all_to_all_single",
+    "alltoall_": "all_to_all",
+    "gather_": "gather",
+    "scatter_": "scatter",
+    "send": "send",
+    "recv_": "recv",
+    "recv_any_source_": "recv",
+    "barrier": "barrier",
+    "monitored_barrier_": "monitored_barrier",
+}
+_BARRIERS = {"barrier", "monitored_barrier_"}  # their tensor is an internal dummy; their wait blocks the host
+_P2P = {"send", "recv_", "recv_any_source_"}  # NCCL runs these on a stream per peer, not the group's
+
+
+class _Plan:
+    """How one c10d op touches its arguments, worked out once from its schema."""
+
+    def __init__(self, func):
+        schema = func._schema
+        self.op = func._overloadpacket.__name__
+        self.name = NAMES.get(self.op, f"c10d::{self.op}")
+        self.group = self.root = self.peer = None
+        self.tensors: list[tuple[int, str]] = []  # (argument index, READ | WRITE)
+        for i, arg in enumerate(schema.arguments):
+            kind = str(arg.type)
+            if "ProcessGroup" in kind:
+                self.group = i
+            elif arg.name in ("root_rank", "dstRank", "srcRank"):
+                self.root = self.peer = i
+            elif "Tensor" in kind and self.op not in _BARRIERS:
+                access = READ if "input" in arg.name or self.op == "send" else WRITE
+                self.tensors.append((i, access))
+        self.work = next((i for i, ret in enumerate(schema.returns) if "Work" in str(ret.type)), None)
+
+    def accesses(self, args, group_rank: int | None):
+        """(reads, writes): the tensors the collective reads and writes on this rank."""
+        reads: list[torch.Tensor] = []
+        writes: list[torch.Tensor] = []
+        is_root = self.root is not None and group_rank is not None and _arg(args, self.root) == group_rank
+        for i, access in self.tensors:
+            if self.op == "broadcast_":  # the root sends its tensor, the others receive into theirs
+                access = READ if is_root else WRITE
+            elif self.op == "reduce_":  # every rank sends; only the root receives
+                access = WRITE if is_root else READ
+            (writes if access == WRITE else reads).extend(_flatten(_arg(args, i)))
+        return reads, writes
+
+
+def _arg(args, i: int):
+    """A positional argument of a c10d op (tensors, the group and ranks always come positionally)."""
+    return args[i] if i < len(args) else None
+
+
+def _flatten(value) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _flatten(v)]
+    return []
+
+
+class Collectives:
+    """The model, installed as patches: c10d ops from the tracker come here, and ``Work.wait`` (also
+    ``synchronize`` / ``block_current_stream``) orders the caller's current stream after the collective."""
+
+    def __init__(self, hb, tracker, current_stream: Callable[[], Hashable]):
+        self.hb = hb
+        self.tracker = tracker
+        self.current_stream = current_stream
+        self._plans: dict = {}
+        self._streams: set = set()
+        self._barriers: weakref.WeakSet = weakref.WeakSet()  # barrier works: their wait also blocks the host
+        # The Work wrappers created at dispatch, kept alive until the caller holds them (a later collective has
+        # surely been dispatched after that), so pybind hands the caller these very objects.
+        self._recent: collections.deque = collections.deque(maxlen=64)
+
+    # what happens at dispatch
+
+    def on_op(self, func, args, kwargs, out) -> None:
+        """One c10d op has been issued by the current thread: model it on its communication stream."""
+        from torch._C._distributed_c10d import ProcessGroup, Work
+
+        plan = self._plans.get(func)
+        if plan is None:
+            plan = self._plans[func] = _Plan(func)
+        group = None
+        if plan.group is not None:
+            try:
+                group = ProcessGroup.unbox(_arg(args, plan.group))
+            except (RuntimeError, TypeError):
+                group = None
+        group_rank = group.rank() if group is not None else None
+        current = self.current_stream()
+        comm = self._comm_stream(plan, group, args)
+        self.hb.wait_stream(comm, current)
+        reads, writes = plan.accesses(args, group_rank)
+        self.tracker.run(plan.name, comm, reads, writes)
+        work = None
+        if plan.work is not None:
+            boxed = out[plan.work] if isinstance(out, (tuple, list)) else out
+            try:
+                work = Work.unbox(boxed)
+            except (RuntimeError, TypeError):
+                work = None
+        if work is not None:
+            self._recent.append(work)
+            self.hb.record_event(work, comm)
+            if plan.op in _BARRIERS:
+                self._barriers.add(work)
+
+    def _comm_stream(self, plan: _Plan, group, args) -> Hashable:
+        group_id = group.group_name if group is not None else "?"
+        peer = _arg(args, plan.peer) if plan.op in _P2P and plan.peer is not None else None
+        key = ("communication", group_id, peer)
+        if key not in self._streams:
+            self._streams.add(key)
+            self.hb.add_stream(key, _stream_name(group, peer))
+        return key
+
+    # what happens at wait
+
+    def waited(self, work) -> None:
+        """The caller waited on `work`: its current stream is ordered after the collective. A barrier's wait
+        also blocks the host until the current stream is done (ProcessGroupNCCL synchronizes it)."""
+        self.tracker.drain()
+        current = self.current_stream()
+        self.hb.wait_event(current, work)
+        if work in self._barriers:
+            self.hb.synchronize_stream(current)
+
+    def _wrap(self, original):
+        collectives = self
+
+        def wait(work, *args, **kwargs):
+            # Ops a backend runs inside wait() (gloo copying results out) are the collective's, not the caller's.
+            tracker = collectives.tracker
+            previous, tracker.enabled = tracker.enabled, False
+            try:
+                result = original(work, *args, **kwargs)
+            finally:
+                tracker.enabled = previous
+            collectives.waited(work)
+            return result
+
+        wait.__name__ = getattr(original, "__name__", "wait")
+        wait.__doc__ = getattr(original, "__doc__", None)
+        return wait
+
+    # patch protocol
+
+    def patches(self, attr_patch) -> list:
+        from torch._C._distributed_c10d import Work
+
+        methods = [name for name in ("wait", "synchronize", "block_current_stream") if hasattr(Work, name)]
+        return [self] + [attr_patch(Work, name, self._wrap(getattr(Work, name))) for name in methods]
+
+    def install(self) -> None:
+        self.tracker.namespace_handlers["c10d"] = self.on_op
+
+    def uninstall(self) -> None:
+        self.tracker.namespace_handlers.pop("c10d", None)
+        self._recent.clear()
+
+
+def _stream_name(group, peer) -> str:
+    if group is None:
+        where = "an unknown process group"
+    elif getattr(group, "group_desc", "") == "default_pg":
+        where = "the default process group"
+    else:
+        desc = getattr(group, "group_desc", "undefined")
+        label = f" '{desc}'" if desc and desc != "undefined" else ""
+        where = f"process group {group.group_name}{label} ({group.size()} ranks)"
+    if peer is not None:
+        return f"communication stream of send/recv with rank {peer} in {where}"
+    return f"communication stream of {where}"
+
+
+def available() -> bool:
+    """Whether this torch build has torch.distributed (and so c10d ops to model)."""
+    import torch.distributed as dist
+
+    return dist.is_available()
