@@ -103,6 +103,11 @@ def test_skips_everywhere():
 
 def test_plain_passes():
     print(f"output of rank {RANK}")
+
+
+@pytest.mark.distributed(world_size="two")
+def test_bad_world_size():
+    pass
 """
 
 
@@ -140,7 +145,7 @@ class SimpleResult:
 
     def section(self, name: str) -> str:
         """The failure section of a test in rank 0's report."""
-        m = re.search(rf"_{{3,}} {name} _{{3,}}\n(.*?)(?=\n_{{3,}} |\n={{3,}} )", self.out, re.S)
+        m = re.search(rf"_{{3,}} (?:ERROR at \w+ of )?{name} _{{3,}}\n(.*?)(?=\n_{{3,}} |\n={{3,}} )", self.out, re.S)
         assert m, f"no failure section for {name}\n{self.out}"
         return m.group(1)
 
@@ -185,8 +190,16 @@ def test_skip_on_every_rank_is_a_skip(session):
     assert session.outcome("test_plain_passes").startswith("PASSED")
 
 
+def test_bad_marker_fails_with_one_line_on_every_rank(session):
+    assert session.outcome("test_bad_world_size") == "ERROR"
+    assert "ERROR test_cases.py::test_bad_world_size - ranks 0, 1: Failed: @pytest.mark.distributed" in session.out
+    text = session.section("test_bad_world_size")
+    assert re.search(r"-+ ranks 0, 1 -+\n@pytest.mark.distributed: world_size must be a positive integer, "
+                     r"got 'two'\n*$", text), text
+
+
 def test_only_rank_0_prints(session):
-    summaries = re.findall(r"=+ 3 failed, 2 passed, 2 skipped in [\d.]+s", session.out)
+    summaries = re.findall(r"=+ 3 failed, 2 passed, 2 skipped, 1 error in [\d.]+s", session.out)
     assert len(summaries) == 1, session.out
     assert "torchrun session, rank 0 of 2" in session.out
     assert "torchrun session, rank 1 of 2" not in session.out

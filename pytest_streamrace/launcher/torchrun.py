@@ -60,9 +60,11 @@ from types import SimpleNamespace
 import pytest
 
 from .. import hardware, options
+from . import marker
 
 GRACE = 5.0
-_PHASES = ("setup", "call", "teardown")
+_MARKER_ERROR = pytest.StashKey[str]()
+_TIMEOUT = pytest.StashKey["float | None"]()
 
 
 def install(config: pytest.Config) -> None:
@@ -156,9 +158,9 @@ def disagreement(local: pytest.TestReport, rank: int, phases: dict[int, dict | N
     for r in sorted(r for r, lab in labels.items() if lab == "failed"):
         text = local.longreprtext if r == rank else phases[r]["text"]
         by_text.setdefault(text, []).append(r)
-        crash = crash or f"rank {r}: {phases[r]['crash']}"
     for text, ranks in by_text.items():
         parts.append((_ranks(ranks), local.longrepr if rank in ranks else text))
+        crash = crash or f"{_ranks(ranks)}: {phases[ranks[0]]['crash']}"
     # Besides failures, ranks that merely passed say nothing; any other outcome (a skip, an xfail) is listed.
     others = {r: lab for r, lab in labels.items() if lab != "failed" and (lab != "passed" or not by_text)}
     if len(set(labels.values())) > 1 and others:
@@ -289,33 +291,29 @@ class TorchrunRank:
     def pytest_collection_modifyitems(self, items: list[pytest.Item]) -> None:
         """Skip, at the test's own location, distributed tests this session cannot serve."""
         for item in items:
-            marker = item.get_closest_marker("distributed")
-            if marker is None:
+            mark = item.get_closest_marker("distributed")
+            if mark is None:
                 continue
-            want = marker.kwargs.get("world_size", marker.args[0] if marker.args else None)
-            backend = marker.kwargs.get("backend")
-            if isinstance(want, int) and want != self.world_size:
-                item.add_marker(pytest.mark.skip(reason=f"distributed(world_size={want}) needs {want} ranks; "
-                                                        f"this torchrun session has {self.world_size}"))
-            elif isinstance(backend, str) and backend != self.backend:
-                item.add_marker(pytest.mark.skip(reason=f"distributed(backend={backend!r}) needs {backend}; "
-                                                        f"this torchrun session uses {self.backend}"))
+            try:
+                request = marker.parse(mark)
+            except marker.MarkerError as exc:
+                item.stash[_MARKER_ERROR] = str(exc)
+                continue
+            item.stash[_TIMEOUT] = request.timeout
+            if request.world_size != self.world_size:
+                item.add_marker(pytest.mark.skip(reason=f"distributed(world_size={request.world_size}) needs "
+                                                        f"{request.world_size} ranks; this torchrun session has "
+                                                        f"{self.world_size}"))
+            elif request.backend not in (None, self.backend):
+                item.add_marker(pytest.mark.skip(reason=f"distributed(backend={request.backend!r}) needs "
+                                                        f"{request.backend}; this torchrun session uses "
+                                                        f"{self.backend}"))
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
         """Bad marker arguments fail the test with one line (on every rank alike)."""
-        marker = item.get_closest_marker("distributed")
-        if marker is None:
-            return
-        want = marker.kwargs.get("world_size", marker.args[0] if marker.args else None)
-        if isinstance(want, bool) or not isinstance(want, int) or want < 1:
-            pytest.fail(f"distributed(world_size={want!r}): expected a positive int", pytrace=False)
-        backend = marker.kwargs.get("backend")
-        if backend is not None and not isinstance(backend, str):
-            pytest.fail(f"distributed(backend={backend!r}): expected a backend name", pytrace=False)
-        if _marker_timeout(item) is None:
-            pytest.fail(f"distributed(timeout={marker.kwargs['timeout']!r}): expected a positive number of "
-                        "seconds", pytrace=False)
+        if _MARKER_ERROR in item.stash:
+            pytest.fail(item.stash[_MARKER_ERROR], pytrace=False)
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool:
@@ -325,7 +323,7 @@ class TorchrunRank:
         ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
         key = f"item/{self.counter}"
         self.counter += 1
-        timeout = _marker_timeout(item) or self.default_timeout
+        timeout = item.stash.get(_TIMEOUT, None) or self.default_timeout
         start = time.monotonic()
         watchdog = Watchdog(self, key, item.nodeid, start, timeout)
         watchdog.start()
@@ -407,17 +405,6 @@ class TorchrunRank:
                 return posts, [], {}
             if now >= deadline or (stack_prefix and all(r in stacks for r in pending)):
                 return posts, pending, stacks
-
-
-def _marker_timeout(item: pytest.Item) -> float | None:
-    """The distributed marker's timeout= in seconds; 0.0 when it sets none, None when it is not a positive number."""
-    marker = item.get_closest_marker("distributed")
-    value = marker.kwargs.get("timeout") if marker else None
-    if value is None:
-        return 0.0
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        return None
-    return float(value)
 
 
 def stack_dump() -> str:
