@@ -202,13 +202,11 @@ class TorchrunRank:
         self.terminal_fd = os.dup(sys.stdout.fileno()) if self.rank == 0 else None
         self.gate = Gate(sys.stdout, self.rank == 0)
         if self.rank != 0:
-            from _pytest.terminal import TerminalReporter
-
             pm = config.pluginmanager
             old = pm.get_plugin("terminalreporter")
             if old is not None:
                 pm.unregister(old, "terminalreporter")
-                pm.register(TerminalReporter(config, self.gate), "terminalreporter")
+                pm.register(pytest.TerminalReporter(config, self.gate), "terminalreporter")
 
     # -- process group ----------------------------------------------------------------------------------------
 
