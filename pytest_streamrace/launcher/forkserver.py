@@ -15,6 +15,7 @@ EOF on stdin: kill every rank and exit.
 
 import ctypes
 import faulthandler
+import gc
 import json
 import os
 import select
@@ -101,6 +102,10 @@ def serve() -> None:
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
 
+    # Everything imported so far lives as long as the ranks: keep it out of their garbage collections, which
+    # would otherwise walk (and, touching each object, copy) all of torch's objects — pytest collects at exit.
+    gc.collect()
+    gc.freeze()
     _send({"ready": os.getpid()})
     ranks: set[int] = set()
     pending = b""

@@ -101,9 +101,10 @@ class ParentPlugin:
             argv += ["-W", w]
         if config.pluginmanager.hasplugin("xdist"):
             argv += ["-n", "0"]  # addopts may ask for workers; a rank runs its one item in-process
-        for s in options.SETTINGS:
+        for s in options.SETTINGS:  # the plugin's own settings as this session resolved them
             value = options.get(config, s.name)
-            argv += ["-o", f"{s.name}={str(value).lower() if isinstance(value, bool) else value}"]
+            if value is not None:
+                argv += ["-o", f"{s.name}={str(value).lower() if isinstance(value, bool) else value}"]
         return argv
 
 

@@ -71,6 +71,7 @@ def supervise(server: ForkServer, runs: list[RankRun], timeout: float) -> float:
     """Run until the item is decided; kill every rank tree before returning. Returns the seconds it took."""
     start = time.monotonic()
     trouble_since = None
+    released = False
     try:
         while True:
             _refresh(server, runs, POLL)
@@ -87,8 +88,9 @@ def supervise(server: ForkServer, runs: list[RankRun], timeout: float) -> float:
                 _stop(server, running, "timeout")
                 break
         _release(runs)
-    finally:
-        reap(server, runs, EXIT_WAIT)
+        released = True
+    finally:  # also on KeyboardInterrupt: then nothing was released, and everything is killed at once
+        reap(server, runs, EXIT_WAIT if released else 0.0)
     return time.monotonic() - start
 
 
