@@ -64,9 +64,16 @@ def virtual_stream_accelerator():
 
 @contextlib.contextmanager
 def deepspeed_on_virtual_streams():
-    """Make DeepSpeed use the virtual-stream accelerator for the duration; the previous one is restored after."""
+    """Make DeepSpeed use the virtual-stream accelerator for the duration; the previous one is restored after.
+    Needs an active Detector with the virtual backend: its torch.cuda streams are the ones DeepSpeed gets."""
     from deepspeed.accelerator import real_accelerator
 
+    from ..detector.session import active
+
+    detector = active()
+    if detector is None or detector.backend != "virtual":
+        raise RuntimeError("streamrace: deepspeed_on_virtual_streams() needs an active Detector(backend='virtual') "
+                           "(enter it first, or run under --streamrace on CPU)")
     previous = real_accelerator.ds_accelerator
     real_accelerator.set_accelerator(virtual_stream_accelerator())
     try:
