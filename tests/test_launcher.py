@@ -252,18 +252,29 @@ import pytest, torch, torch.distributed as dist
 
 @pytest.mark.distributed(world_size=2)
 @pytest.mark.parametrize("i", range(6))
-def test_sum(i, rank):
+def test_sum(i, rank, record_property):
     t = torch.full((1,), float(i + rank))
     dist.all_reduce(t)
+    record_property("sum", t.item())
     assert t.item() == 2 * i + 1
+
+@pytest.mark.distributed(world_size=2)
+def test_fails_on_rank1(rank):
+    dist.barrier()
+    assert rank == 0, "only rank 0 is right"
 """
 
 
 def test_several_distributed_tests_under_xdist(run, pytester):
     pytester.makeini("[pytest]\naddopts = -n 2\n")  # ranks must not start workers of their own
-    result = run(XDIST)
-    result.assert_outcomes(passed=6)
+    result = run(XDIST, "--junitxml=report.xml")
+    result.assert_outcomes(passed=6, failed=1)
     result.stdout.fnmatch_lines(["*created: 2/2 workers*"])
+    failure = section(result.stdout.str(), "test_fails_on_rank1")  # shipped from a worker as text
+    assert "---- rank 1: failed in call ----" in failure and "AssertionError: only rank 0 is right" in failure
+    junit = (pytester.path / "report.xml").read_text()
+    assert '<property name="sum (rank 0)" value="5.0"' in junit  # test_sum[2]
+    assert '<property name="sum (rank 1)" value="5.0"' in junit
 
 
 INTERRUPTED = """
@@ -278,7 +289,8 @@ def test_waits(rank):
 """
 
 
-def test_ctrl_c_leaves_no_rank_behind(pytester, monkeypatch, tmp_path):
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["ctrl-c", "parent-killed"])
+def test_interrupted_session_leaves_no_rank_behind(pytester, monkeypatch, tmp_path, sig):
     pids_dir = tmp_path / "pids"
     pids_dir.mkdir()
     monkeypatch.setenv("PIDS_DIR", str(pids_dir))
@@ -291,11 +303,12 @@ def test_ctrl_c_leaves_no_rank_behind(pytester, monkeypatch, tmp_path):
         while not all((pids_dir / f"ready-{r}").exists() for r in (0, 1)):
             assert proc.poll() is None and time.monotonic() < deadline
             time.sleep(0.05)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         out, _ = proc.communicate(timeout=30)
     finally:
         proc.kill()
-    assert "KeyboardInterrupt" in out
+    if sig == signal.SIGINT:
+        assert "KeyboardInterrupt" in out
     for ready in pids_dir.glob("ready-*"):
         ready.unlink()
     assert len(recorded_pids(pids_dir)) >= 2

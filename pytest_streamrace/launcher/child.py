@@ -61,8 +61,8 @@ class RankPlugin:
             found = ", ".join(item.nodeid for item in session.items) or "nothing"
             self._write({"kind": "error", "message": f"expected to collect one item, collected {found}"})
 
-    @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
+        # Not tryfirst: skip/skipif marks (tryfirst) decide first; the fixtures (set up after this) see the group.
         _join_process_group(self.spec)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:

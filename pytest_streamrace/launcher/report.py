@@ -66,12 +66,13 @@ def build(item: pytest.Item, runs: list[RankRun], timeout: float, duration: floa
         by_kind.setdefault(v.kind, []).append(v)
     n = len(runs)
     sections = _sections(runs)
+    props = _user_properties(runs)
 
     if any(k in by_kind for k in ("failed", "error", "died")) or _timed_out(runs) or \
             ("skipped" in by_kind and len(by_kind["skipped"]) < n and "xfailed" not in by_kind):
         when = min((v.when for v in verdicts if v.kind not in ("passed", "stopped")),
                    key=PHASES.index, default="call")
-        return _reports(item, when, "failed", _failure_text(verdicts, runs, timeout), sections, duration)
+        return _reports(item, when, "failed", _failure_text(verdicts, runs, timeout), sections, duration, props)
     if "skipped" in by_kind:  # on every rank
         skips = by_kind["skipped"]
         when = "setup" if all(v.when == "setup" for v in skips) else "call"
@@ -79,12 +80,13 @@ def build(item: pytest.Item, runs: list[RankRun], timeout: float, duration: floa
         path, lineno, reason = skips[0].skip
         if len(reasons) > 1:
             reason = "; ".join(f"rank {v.rank}: {v.skip[2]}" for v in skips)
-        return _reports(item, when, "skipped", (path, lineno, reason), sections, duration)
+        return _reports(item, when, "skipped", (path, lineno, reason), sections, duration, props)
     if "xfailed" in by_kind:
-        return _reports(item, "call", "skipped", None, sections, duration, wasxfail=by_kind["xfailed"][0].wasxfail)
+        return _reports(item, "call", "skipped", None, sections, duration, props,
+                        wasxfail=by_kind["xfailed"][0].wasxfail)
     xpass = [v.wasxfail for v in verdicts if v.wasxfail is not None]
     extra = {"wasxfail": xpass[0]} if len(xpass) == n else {}
-    return _reports(item, "call", "passed", None, sections, duration, **extra)
+    return _reports(item, "call", "passed", None, sections, duration, props, **extra)
 
 
 def setup_outcome(item: pytest.Item, outcome: str, longrepr) -> list[pytest.TestReport]:
@@ -171,7 +173,17 @@ def _sections(runs: list[RankRun]) -> dict[str, list[tuple[str, str]]]:
     return out
 
 
-def _reports(item, when, outcome, longrepr, sections, duration, **extra) -> list[pytest.TestReport]:
+def _user_properties(runs: list[RankRun]) -> list[tuple[str, object]]:
+    """What the ranks recorded with `record_property`, names labelled "(rank N)" (the last phase's list)."""
+    props = []
+    for run in runs:
+        reports = [r for r in run.records if r["kind"] == "report"]
+        if reports:
+            props += [(f"{name} (rank {run.rank})", value) for name, value in reports[-1]["user_properties"]]
+    return props
+
+
+def _reports(item, when, outcome, longrepr, sections, duration, props=(), **extra) -> list[pytest.TestReport]:
     """setup/call/teardown reports with `outcome` at phase `when` (earlier phases passed)."""
     keywords = {k: 1 for k in item.keywords}
     reports = []
@@ -191,7 +203,8 @@ def _reports(item, when, outcome, longrepr, sections, duration, **extra) -> list
             secs += sections["call"]
         reports.append(pytest.TestReport(item.nodeid, item.location, keywords, rep_outcome, rep_longrepr, phase,
                                          sections=secs, duration=duration if phase == "call" else 0.0,
-                                         user_properties=list(item.user_properties), **rep_extra))
+                                         user_properties=[*item.user_properties, *props],
+                                         **rep_extra))
     return reports
 
 
