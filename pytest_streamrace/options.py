@@ -34,6 +34,10 @@ SETTINGS = (
     Setting("streamrace_json", "write every race found (all tests, all ranks) to this JSON file"),
     Setting("streamrace_trace", "write a Chrome-trace timeline of the tested ops and their races to this file "
             "(opens in Perfetto)"),
+    Setting("streamrace_schedules", "run each test that uses injected_delays under N delay schedules (each side "
+            "stream slow in turn, then seeded random ones) and report which schedules failed", None, "int"),
+    Setting("streamrace_nondefault_stream", "run each test body on a fresh non-default stream (needs a GPU or "
+            "--streamrace)", False, "bool"),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -50,6 +54,18 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _positive_int(text: str) -> int:
+    import argparse
+
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
+    return value
+
+
 def register(parser: pytest.Parser) -> None:
     group = parser.getgroup("streamrace", "CUDA stream race detection (pytest-streamrace)")
     for s in SETTINGS:
@@ -62,6 +78,8 @@ def register(parser: pytest.Parser) -> None:
             kwargs["choices"] = s.choices
         elif s.kind == "float":
             kwargs["type"] = _positive_float
+        elif s.kind == "int":
+            kwargs["type"] = _positive_int
         group.addoption(s.flag, **kwargs)
         parser.addini(s.name, s.help, default=None)
 
@@ -82,6 +100,11 @@ def get(config: pytest.Config, name: str) -> Any:
     if s.kind == "float":
         try:
             return _positive_float(raw)
+        except Exception as exc:
+            raise pytest.UsageError(f"ini {s.name}: {exc}") from None
+    if s.kind == "int":
+        try:
+            return _positive_int(raw)
         except Exception as exc:
             raise pytest.UsageError(f"ini {s.name}: {exc}") from None
     return raw

@@ -28,7 +28,9 @@ def pytest_configure(config: pytest.Config) -> None:
     for marker in MARKERS:
         config.addinivalue_line("markers", marker)
     from . import launcher
+    from .forcing import fixtures as forcing
 
+    config.pluginmanager.register(forcing, "streamrace-forcing")
     launcher.install(config)
     if options.get(config, "streamrace"):
         backend = config.stash[_backend_key] = checks.resolve_backend(config)

@@ -1,0 +1,160 @@
+"""The forcing fixtures, marker and options, as a pytest plugin (registered by ``pytest_streamrace.plugin``).
+
+Import-light like the entry point: torch and the forcing modules load when a fixture is first used.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .. import hardware, options
+
+COMPILE_MARKER = ("streamrace_compile(modes=('eager', 'compile', 'compiled_autograd'), backend='aot_eager'): the "
+                  "compile modes (and torch.compile backend) the compile_mode fixture runs a test under")
+SCHEDULE = "streamrace_schedule"  # user_properties key: the delay schedule a report ran under
+
+_delays_key = pytest.StashKey()
+_call_passed_key = pytest.StashKey[bool]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", COMPILE_MARKER)
+    if options.get(config, "streamrace_nondefault_stream"):
+        if not (options.get(config, "streamrace") or hardware.visible_gpus()):
+            raise pytest.UsageError("--streamrace-nondefault-stream needs CUDA streams: run on a GPU, or add "
+                                    "--streamrace to use virtual streams on CPU")
+        from .nondefault import NondefaultStream
+
+        config.pluginmanager.register(NondefaultStream(), "streamrace-nondefault-stream")
+    config.pluginmanager.register(ScheduleSummary(), "streamrace-schedule-summary")
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    schedules = options.get(metafunc.config, "streamrace_schedules")
+    if schedules and "injected_delays" in metafunc.fixturenames:
+        metafunc.parametrize(SCHEDULE, range(schedules), ids=[f"schedule{k}" for k in range(schedules)],
+                             indirect=True)
+    if "compile_mode" in metafunc.fixturenames:
+        from .compile_modes import BACKENDS, MODES
+
+        marker = metafunc.definition.get_closest_marker("streamrace_compile")
+        kwargs = marker.kwargs if marker else {}
+        modes = tuple(kwargs.get("modes", MODES))
+        backend = kwargs.get("backend", "aot_eager")
+        where = metafunc.definition.nodeid
+        if not modes or any(m not in MODES for m in modes):
+            raise pytest.UsageError(f"{where}: streamrace_compile(modes=...) takes some of {', '.join(MODES)}, "
+                                    f"got {modes!r}")
+        if backend not in BACKENDS:
+            raise pytest.UsageError(f"{where}: streamrace_compile(backend=...) takes one of {', '.join(BACKENDS)}, "
+                                    f"got {backend!r}")
+        metafunc.parametrize("compile_mode", [(m, backend) for m in modes], ids=list(modes), indirect=True)
+
+
+def _fail_without_streams(what: str) -> None:
+    from . import streams
+
+    try:
+        streams.require_streams(what)
+    except RuntimeError as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.fixture
+def stream_bound_accumulators():
+    """A binder: ``stream_bound_accumulators(module_or_params, streams=2, policy="round_robin")`` creates each
+    parameter's AccumulateGrad node on a side stream (call it before the framework registers its gradient hooks)
+    and returns the Binding (parameter name -> stream label). The nodes stay alive until the test ends."""
+    _fail_without_streams("stream_bound_accumulators")
+    from .accumulators import bind_accumulators
+
+    bindings = []
+
+    def bind(target, streams=2, policy="round_robin"):
+        binding = bind_accumulators(target, streams, policy)
+        bindings.append(binding)
+        return binding
+
+    yield bind
+    for binding in bindings:
+        binding.release()
+
+
+@pytest.fixture
+def streamrace_schedule(request: pytest.FixtureRequest) -> int:
+    """The number of the delay schedule this test runs under (0 without --streamrace-schedules)."""
+    return getattr(request, "param", 0)
+
+
+@pytest.fixture
+def injected_delays(request: pytest.FixtureRequest, streamrace_schedule: int):
+    """A Delays object under this test's schedule: ``.before_accumulate(binding)``, ``.before_collectives()``,
+    ``.around(obj, "name", before=True, after=False)``; ``.log`` lists what was injected. Patches end with the test."""
+    _fail_without_streams("injected_delays")
+    from .delays import Delays
+
+    delays = Delays(streamrace_schedule)
+    request.node.stash[_delays_key] = delays
+    yield delays
+    delays.restore()
+
+
+@pytest.fixture
+def compile_mode(request: pytest.FixtureRequest):
+    """A CompileMode ("eager", "compile", "compiled_autograd"; parametrized, see the streamrace_compile marker):
+    ``model = compile_mode.compile(model)``; ``with compile_mode.backward(): loss.backward()``. The test fails
+    if the mode compiled nothing."""
+    from .compile_modes import CompileMode
+
+    name, backend = getattr(request, "param", ("eager", "aot_eager"))
+    mode = CompileMode(name, backend)
+    yield mode
+    mode.close()
+    if request.node.stash.get(_call_passed_key, False):
+        try:
+            mode.check()
+        except AssertionError as exc:
+            pytest.fail(str(exc), pytrace=False)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call):
+    report = yield
+    if report.when == "call":
+        item.stash[_call_passed_key] = report.passed
+    delays = item.stash.get(_delays_key, None)
+    if delays is not None and report.when in ("call", "teardown"):
+        if report.when == "call":
+            report.user_properties.append((SCHEDULE, delays._resolve().name))
+        if report.failed:
+            report.sections.append(("injected delays", delays.summary()))
+    return report
+
+
+class ScheduleSummary:
+    """Collects outcomes per schedule (reports travel from xdist workers and rank processes) and lists, per test,
+    the schedules it failed under."""
+
+    def __init__(self):
+        self.outcomes: dict[str, list[tuple[str, str, bool]]] = {}  # test -> [(id, schedule name, failed)]
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        name = next((v for k, v in report.user_properties if k == SCHEDULE), None)
+        if name is None or report.when != "call":
+            return
+        test, _, param = report.nodeid.partition("[")
+        params = param.rstrip("]").split("-") if param else []
+        ident = next((p for p in params if p.startswith("schedule")), "schedule0")
+        others = [p for p in params if not p.startswith("schedule")]
+        test += f"[{'-'.join(others)}]" if others else ""
+        self.outcomes.setdefault(test, []).append((ident, name, report.failed))
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        failing = {t: runs for t, runs in self.outcomes.items() if any(f for _, _, f in runs)}
+        if not failing or not options.get(terminalreporter.config, "streamrace_schedules"):
+            return
+        terminalreporter.section("streamrace delay schedules")
+        for test, runs in failing.items():
+            bad = [f"{ident} ({name})" for ident, name, failed in runs if failed]
+            terminalreporter.write_line(f"{test}: failed under {len(bad)} of {len(runs)} schedules: "
+                                        + "; ".join(bad))

@@ -1,0 +1,65 @@
+"""Side streams with labels: the names bindings, delay schedules and reports use for streams.
+
+A label ("side 0") is stable across runs and backends, unlike a stream's handle or creation line; under a detector
+the stream is also named after it, so race reports and binding records speak the same language.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+DEFAULT = "default"
+
+_labels: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_order: list = []  # weak references to labelled streams, in creation order
+
+
+def require_streams(what: str) -> None:
+    """Fail clearly where no stream API exists: no GPU and no virtual backend active."""
+    from ..detector import session
+
+    if session.active() is None and not torch.cuda.is_available():
+        raise RuntimeError(f"streamrace: {what} needs CUDA streams: run on a GPU, or on CPU with --streamrace "
+                           "(virtual backend)")
+
+
+def new_stream(label: str):
+    """A fresh torch.cuda.Stream known by `label` (and named so in the active detector's reports)."""
+    stream = torch.cuda.Stream()
+    _labels[stream] = label
+    _order.append(weakref.ref(stream))
+    from ..detector import session
+
+    detector = session.active()
+    if detector is not None:
+        detector.hb.add_stream(detector.stream_key(stream), f"{label} (streamrace forcing)")
+    return stream
+
+
+def side_streams(count: int, prefix: str = "side") -> list:
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ValueError(f"streamrace: the number of side streams must be a positive int, got {count!r}")
+    require_streams("binding to side streams")
+    return [new_stream(f"{prefix} {i}") for i in range(count)]
+
+
+def label(stream) -> str | None:
+    """A stream's label: its forcing label, "default" for the default stream, else None."""
+    found = _labels.get(stream)
+    if found is not None:
+        return found
+    return DEFAULT if stream == torch.cuda.default_stream() else None
+
+
+def labels_alive() -> list[str]:
+    """Labels of the forcing streams still alive, oldest first."""
+    out = []
+    for ref in list(_order):
+        stream = ref()
+        if stream is None:
+            _order.remove(ref)
+        elif _labels.get(stream) not in out:
+            out.append(_labels[stream])
+    return out
