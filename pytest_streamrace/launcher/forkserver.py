@@ -3,9 +3,11 @@
 A rank started as a fresh ``python -m pytest`` spends ~1.5 s importing torch before the test runs; forked from
 here it starts in ~0.2 s. Forking is safe because this process never initializes CUDA and runs no threads.
 
-Run as a script (``python forkserver.py``), never imported by the plugin: pytest warns about (and under
-``-W error`` refuses) plugin modules imported before it could rewrite their asserts, so nothing of
-pytest_streamrace is imported before a rank's pytest starts. The rank re-imports it fresh.
+Run as a script (``python forkserver.py``), not as ``-m pytest_streamrace...``: pytest warns about (and under
+``-W error`` refuses) plugin modules imported before it could rewrite their asserts, so this process imports
+nothing of pytest_streamrace; each rank's pytest imports the plugin fresh. (The parent imports this module
+for `die_with_parent` only.) Environment variables read at import time by torch are those of the parent when the
+server started; each rank gets the parent's environment as it is when the rank is forked.
 
 Protocol, JSON lines. stdin: ``{"argv", "env", "cwd", "output"}`` — start a rank. stdout: ``{"ready": pid}``
 once, ``{"pid": N}`` per request, ``{"exit": N, "status": S}`` when a rank exits (S: exit code, or -signal).

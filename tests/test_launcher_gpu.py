@@ -1,0 +1,76 @@
+"""The nccl path: one GPU per rank, GPUs split between xdist workers. Skipped on machines with fewer than 2 GPUs.
+
+Run on a GPU machine: `python -m pytest tests/test_launcher_gpu.py -v` (2+ GPUs).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_streamrace import hardware
+
+pytestmark = pytest.mark.skipif(len(hardware.visible_gpus()) < 2, reason="needs 2 CUDA GPUs")
+
+NCCL = """
+import os
+import pytest, torch, torch.distributed as dist
+
+@pytest.mark.distributed(world_size=2)
+def test_auto_picks_nccl_one_gpu_per_rank(rank):
+    assert dist.get_backend() == "nccl"
+    assert torch.cuda.current_device() == rank == int(os.environ["LOCAL_RANK"])
+    t = torch.full((4,), float(rank + 1), device="cuda")
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
+    assert t.tolist() == [3.0] * 4
+
+@pytest.mark.distributed(world_size=2, backend="nccl")
+def test_nccl_failure_on_rank1(rank):
+    t = torch.ones(1, device="cuda")
+    dist.all_reduce(t)
+    assert rank == 0, "rank 1 fails on purpose"
+
+@pytest.mark.distributed(world_size=2, backend="nccl")
+def test_nccl_raises_before_collective(rank):
+    if rank == 1:
+        raise ValueError("rank one gave up early")
+    dist.all_reduce(torch.ones(1, device="cuda"))
+    torch.cuda.synchronize()
+"""
+
+
+def test_nccl_ranks(pytester):
+    pytester.makepyfile(NCCL)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
+    result.assert_outcomes(passed=1, failed=2)
+    out = result.stdout.str()
+    assert "distributed test failed on rank 1 of 2" in out and "AssertionError: rank 1 fails on purpose" in out
+    assert "distributed test failed on rank 1 of 2 (rank 0 stopped while blocked)" in out
+    assert "ValueError: rank one gave up early" in out
+
+
+SPLIT = """
+import os
+import pytest, torch, torch.distributed as dist
+
+@pytest.mark.distributed(world_size=1)
+@pytest.mark.parametrize("i", range(4))
+def test_worker_gpu(i, rank):
+    assert dist.get_backend() == "nccl"
+    worker = int(os.environ["PYTEST_XDIST_WORKER"][2:])
+    count = torch.cuda.device_count() // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])
+    assert torch.cuda.current_device() == worker * count
+
+@pytest.mark.distributed(world_size=2, backend="nccl")
+def test_too_few_per_worker():
+    pass
+"""
+
+
+def test_gpus_split_between_xdist_workers(pytester):
+    if len(hardware.visible_gpus()) != 2:
+        pytest.skip("written for exactly 2 GPUs")
+    pytester.makepyfile(SPLIT)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "-rs", timeout=300)
+    result.assert_outcomes(passed=4, skipped=1)
+    result.stdout.fnmatch_lines(["*backend nccl needs 2 CUDA GPUs, this machine has 2 (1 for xdist worker gw*)*"])
