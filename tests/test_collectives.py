@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pytest_streamrace.detector.hb import RAW, WAR, WAW
+from pytest_streamrace.detector.hb import FREE, RAW, WAR, WAW
 from pytest_streamrace.detector.session import Detector
 
 DEFAULT_GROUP_STREAM = "communication stream of the default process group"
@@ -150,6 +150,20 @@ def test_coalesced_collectives_are_one_op_ordered_by_the_managers_wait(group):
         a.sum()
     assert [(kind, op, later) for kind, op, _, _, _, _, later in summary(d)] == [
         (RAW, "all_reduce (coalesced)", line("coalesced-read-early"))]
+
+
+def test_collectives_do_not_keep_their_tensors_alive(group):
+    """The model holds no Work past its wait (a Work holds its tensors): the free is seen where the program drops
+    the tensor, so a free while a side stream still reads it is reported there."""
+    with Detector() as d:
+        x = torch.ones(N)
+        dist.all_reduce(x)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            x.sum()
+        del x  # free-after-collective
+    assert [(r.kind, r.later.op.site.frames[0][1]) for r in d.races] == [(FREE, line("free-after-collective"))]
 
 
 def test_work_methods_are_restored_after_the_session(group):

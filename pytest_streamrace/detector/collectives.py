@@ -15,7 +15,7 @@ wrapper per C++ work while one is alive), so it is the hb event that ``wait()`` 
 
 from __future__ import annotations
 
-import collections
+import threading
 import weakref
 from typing import Callable, Hashable
 
@@ -108,9 +108,10 @@ class Collectives:
         self._plans: dict = {}
         self._streams: set = set()
         self._barriers: weakref.WeakSet = weakref.WeakSet()  # barrier works: their wait also blocks the host
-        # The Work wrappers created at dispatch, kept alive until the caller holds them (a later collective has
-        # surely been dispatched after that), so pybind hands the caller these very objects.
-        self._recent: collections.deque = collections.deque(maxlen=64)
+        # The Work wrapper created at dispatch, kept alive until the caller surely holds it (it waits on it, or the
+        # thread issues its next collective), so pybind hands the caller this very object. One per thread: a Work
+        # keeps its tensors alive, and holding more would delay their frees.
+        self._held = threading.local()
 
     # what happens at dispatch
 
@@ -141,7 +142,7 @@ class Collectives:
             except (RuntimeError, TypeError):
                 work = None
         if work is not None:
-            self._recent.append(work)
+            self._held.work = work
             self.hb.record_event(work, comm)
             if plan.op in _BARRIERS:
                 self._barriers.add(work)
@@ -160,6 +161,8 @@ class Collectives:
     def waited(self, work) -> None:
         """The caller waited on `work`: its current stream is ordered after the collective. A barrier's wait
         also blocks the host until the current stream is done (ProcessGroupNCCL synchronizes it)."""
+        if getattr(self._held, "work", None) is work:
+            self._held.work = None
         self.tracker.drain()
         current = self.current_stream()
         self.hb.wait_event(current, work)
@@ -197,7 +200,7 @@ class Collectives:
 
     def uninstall(self) -> None:
         self.tracker.namespace_handlers.pop("c10d", None)
-        self._recent.clear()
+        self._held = threading.local()
 
 
 def _stream_name(group, peer) -> str:
