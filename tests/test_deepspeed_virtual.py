@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from pytest_streamrace.detector.hb import FREE, RAW, WAR, WAW
+from pytest_streamrace.detector.hb import RAW, WAR, WAW
 from pytest_streamrace.detector.report import format_races
 from pytest_streamrace.detector.session import Detector
 
@@ -63,23 +63,13 @@ def frame(access) -> tuple[str, str]:
     return os.path.basename(filename), function
 
 
-def without_frees(races):
-    """The ordering races. A free is also reported: ZeRO's step frees grads_in_partition (allocated on the reduction
-    stream) after the default stream read it, with no record_stream — harmless only because the reduction stream
-    waits on the producers before it allocates again; judged at free time, it is reported."""
-    frees = [r for r in races if r.kind == FREE]
-    assert all(frame(r.later) == (ZERO, "step") and r.alloc_site.frames[0][2] == "copy_grads_in_partition"
-               for r in frees), frees
-    return [r for r in races if r.kind != FREE]
-
-
 def text(detector, races) -> str:
     return format_races([(None, r) for r in races], detector.hb.stream_name)
 
 
 def check_hooks_on_one_stream_are_race_free():
     detector, _ = train_zero2(hooks_on_two_streams=False)
-    races = without_frees(detector.races)
+    races = detector.races
     assert races == [], text(detector, races)
 
 
@@ -111,7 +101,7 @@ def check_stock_release_waits_on_every_producer_but_buffer_reuse_still_races():
     a flush waits on the reduction stream: the other producer stream later copies into the double buffer that an
     earlier reduction still reads (copy_grads_in_partition) or writes (the in-place all-reduce, the copy back)."""
     detector, optimizer = train_zero2(hooks_on_two_streams=True)
-    races = without_frees(detector.races)
+    races = detector.races
     assert not [r for r in races if frame(r.earlier) == (ZERO, FILL)], text(detector, races)
     assert races, "the buffer-reuse race went unreported"
     for race in races:

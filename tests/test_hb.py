@@ -6,6 +6,7 @@ from pytest_streamrace.detector.hb import FREE, RAW, WAR, WAW, HappensBefore, Si
 
 T = TensorInfo((256,), "float32", "buf")
 BUF = "buf"  # a storage key
+OTHER = "other"  # another storage, allocated after a free
 
 
 def site(line, op="aten::op"):
@@ -183,7 +184,8 @@ def test_free_while_another_stream_reads_races():
     write(hb, "s1", 10)
     hb.wait_stream("s2", "s1")
     read(hb, "s2", 20)
-    (race,) = hb.free(BUF, Site("free", (("test_x.py", 30, "step"),)))
+    assert hb.free(BUF, Site("free", (("test_x.py", 30, "step"),))) == []  # judged when the block may be reused
+    (race,) = hb.alloc(OTHER, 512, "s1", site(31, "empty"), T)
     assert race.kind == FREE
     assert race.earlier.op.stream == "s2" and race.earlier.op.site.location() == "test_x.py:20"
     assert race.later.op.site.op == "free" and race.later.op.stream == "s1"
@@ -204,8 +206,32 @@ def test_free_after_record_stream_wait_or_sync_is_clean(protect):
     hb.wait_stream("s2", "s1")
     read(hb, "s2", 20)
     protect(hb)
-    assert hb.free(BUF, site(30, "free")) == []
+    hb.free(BUF, site(30, "free"))
+    assert hb.alloc(OTHER, 512, "s1", site(31, "empty"), T) == []
     assert hb.races == []
+
+
+def test_free_is_clean_when_the_allocation_stream_waits_before_it_allocates_again():
+    """DeepSpeed's reduction stream: its buffer is read on the default stream and freed; the reduction stream
+    waits on the default stream before its next allocation, so the block cannot be reused under the read."""
+    hb = HappensBefore()
+    hb.alloc(BUF, 1024, "reduction", site(1, "empty"), T)
+    hb.wait_stream("default", "reduction")
+    read(hb, "default", 20)
+    hb.free(BUF, site(30, "free"))
+    hb.wait_stream("reduction", "default")
+    assert hb.alloc(OTHER, 1024, "reduction", site(40, "empty"), T) == []
+    assert hb.races == []
+
+
+def test_free_hazard_is_judged_once():
+    hb = HappensBefore()
+    hb.alloc(BUF, 1024, "s1", site(1, "empty"), T)
+    read(hb, "s2", 20)
+    hb.free(BUF, site(30, "free"))
+    assert [r.kind for r in hb.alloc(OTHER, 8, "s1", site(31, "empty"), T)] == [FREE]
+    assert hb.alloc("third", 8, "s1", site(32, "empty"), T) == []
+    assert len(hb.races) == 1
 
 
 def test_record_stream_for_another_stream_does_not_protect():
@@ -213,7 +239,8 @@ def test_record_stream_for_another_stream_does_not_protect():
     hb.alloc(BUF, 1024, "s1", site(1, "empty"), T)
     read(hb, "s2", 20)
     hb.record_stream(BUF, "s3")
-    assert [r.kind for r in hb.free(BUF, site(30, "free"))] == [FREE]
+    hb.free(BUF, site(30, "free"))
+    assert [r.kind for r in hb.alloc(OTHER, 8, "s1", site(31, "empty"), T)] == [FREE]
 
 
 def test_free_forgets_history():
@@ -337,7 +364,8 @@ def test_free_after_the_allocation_stream_waited_on_the_wrong_stream_races():
     hb.alloc(BUF, 1024, "s1", site(1, "empty"), T)
     read(hb, "s2", 20)
     hb.wait_stream("s1", "s3")
-    assert [r.kind for r in hb.free(BUF, site(30, "free"))] == [FREE]
+    hb.free(BUF, site(30, "free"))
+    assert [r.kind for r in hb.alloc(OTHER, 8, "s1", site(31, "empty"), T)] == [FREE]
 
 
 def test_event_objects_are_not_kept_alive():

@@ -41,7 +41,8 @@ def race_of(kind):
     first_stream = "b" if kind == FREE else "a"  # a free races with use on a stream other than the allocation's
     hb.access(hb.launch(first_stream, Site("aten::mul_", frames(10, 11))), "t", 0, 64, first_write, t)
     if kind == FREE:
-        (race,) = hb.free("t", Site("free", frames(30)))
+        hb.free("t", Site("free", frames(30)))
+        (race,) = hb.alloc("next", 64, "a", Site("aten::empty", frames(31)))  # the block may be reused here
     else:
         (race,) = hb.access(hb.launch("b", Site("aten::add_", frames(20))), "t", 0, 64, kind != RAW, t)
     return race, hb.stream_name
@@ -98,7 +99,8 @@ def test_free_while_in_use_suggests_record_stream_or_wait():
     hb.add_stream("b", "stream created at test_x.py:12")
     hb.alloc("t", 64, "a", Site("aten::empty", frames(5, file="model.py")), TensorInfo((16,), "float32", "x"))
     hb.access(hb.launch("b", Site("aten::sum", frames(20))), "t", 0, 64, False, TensorInfo((16,), "float32", "x"))
-    (race,) = hb.free("t", Site("free", frames(30)))
+    hb.free("t", Site("free", frames(30)))
+    (race,) = hb.alloc("next", 64, "a", Site("aten::empty", frames(31)))
     text = report.format_race(race, hb.stream_name)
     lines = text.splitlines()
     assert lines[0] == "stream race: free-while-in-use on tensor 'x' float32[16] (allocated at model.py:5)"
@@ -250,6 +252,7 @@ def test_trace_of_a_free_race_and_a_clean_run():
     race_hb.alloc("t", 64, "a", Site("aten::empty"), TensorInfo((16,), "float32"))
     race_hb.access(race_hb.launch("b", Site("aten::sum")), "t", 0, 64, False, TensorInfo((16,), "float32"))
     race_hb.free("t", Site("free"))
+    race_hb.alloc("next", 64, "a", Site("aten::empty"))
     _, slices, flows = _check_trace(trace.chrome_trace([trace.trace_events(race_hb.timeline, race_hb.races)]))
     (pair,) = flows.values()
     assert next(e for e in pair if e["ph"] == "f")["slice"]["name"] == "free"

@@ -317,3 +317,32 @@ def test_xdist_inside_torchrun_is_a_usage_error(pytester):
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["ERROR: pytest-xdist (-n) cannot run inside a torchrun session*"])
     assert "Traceback" not in result.stderr.str()
+
+
+NCCL_CASES = """
+import pytest, torch, torch.distributed as dist
+
+@pytest.mark.distributed(world_size=2)
+def test_nccl_all_reduce(rank):
+    assert dist.get_backend() == "nccl"
+    assert torch.cuda.current_device() == rank
+    x = torch.ones(1 << 20, device="cuda")
+    dist.all_reduce(x)
+    torch.cuda.synchronize()
+    assert x[0].item() == 2.0
+
+@pytest.mark.distributed(world_size=2)
+def test_nccl_fails_on_rank_1(rank):
+    x = torch.ones(4, device="cuda")
+    dist.all_reduce(x)
+    assert rank == 0, "rank one saw " + str(x.sum().item())
+"""
+
+
+@pytest.mark.skipif(len(__import__("pytest_streamrace.hardware").hardware.visible_gpus()) < 2,
+                    reason="needs 2 CUDA GPUs")
+def test_torchrun_on_nccl(tmp_path):
+    write(tmp_path, test_nccl=NCCL_CASES)
+    out = torchrun(tmp_path, "-rA", "test_nccl.py").stdout
+    assert "1 failed, 1 passed" in out, out
+    assert "rank one saw 8.0" in out and "rank 1" in out, out

@@ -334,6 +334,7 @@ def test_free_while_another_stream_still_reads_races():
         with torch.cuda.stream(s):
             x.sum()  # free-read
         del x  # free-del
+        torch.empty(64)  # the next allocation on the default stream may get x's block
     race = only_race(d, FREE, "free-read", "free-del")
     assert race.later.op.site.op == "free"
     assert race.alloc_site is not None and race.alloc_site.frames[0][1] == line("free-alloc")
@@ -347,6 +348,7 @@ def test_free_after_record_stream_is_clean():
             x.sum()
         x.record_stream(s)
         del x
+        torch.empty(64)
     assert d.races == []
 
 
@@ -358,6 +360,21 @@ def test_free_after_the_allocation_stream_waited_is_clean():
             x.sum()
         torch.cuda.current_stream().wait_stream(s)
         del x
+        torch.empty(64)
+    assert d.races == []
+
+
+def test_free_is_judged_when_the_block_can_be_reused():
+    """Freed while a side stream still reads it, but the allocation stream waits for that stream before it
+    allocates again: on a GPU the block cannot be reused under the read, so this is clean."""
+    with Detector() as d:
+        x = torch.randn(64)
+        s = side_stream()
+        with torch.cuda.stream(s):
+            x.sum()
+        del x
+        torch.cuda.current_stream().wait_stream(s)
+        torch.empty(64)
     assert d.races == []
 
 

@@ -110,7 +110,7 @@ def _merge(clock: dict, other: dict) -> dict:
 
 
 class _Stream:
-    __slots__ = ("key", "name", "epoch", "known", "host_seen")
+    __slots__ = ("key", "name", "epoch", "known", "host_seen", "freed")
 
     def __init__(self, key, name: str):
         self.key = key
@@ -118,6 +118,9 @@ class _Stream:
         self.epoch = 0  # epoch of the latest op launched here
         self.known: dict = {}  # what this stream's next op is ordered after (other streams' epochs)
         self.host_seen = 0  # the host clock version already merged into `known`
+        # blocks freed back to this stream's pool while other streams' accesses to them were not yet ordered
+        # before the free: (storage, free op, those accesses, alloc site, tensor) — judged at the next allocation
+        self.freed: list[tuple] = []
 
     def now(self) -> dict:
         """Snapshot of everything ordered before this stream's next op, its own work included."""
@@ -285,10 +288,28 @@ class HappensBefore:
     # memory
 
     def alloc(self, storage: Hashable, nbytes: int, stream: Hashable, site: Site,
-              tensor: TensorInfo | None = None) -> None:
+              tensor: TensorInfo | None = None) -> list[Race]:
+        """A new block for work on `stream`. The caching allocator may hand out any block freed to this stream's
+        pool, so this is where a free's hazards become races: an access to a freed block not ordered before this
+        point may still be running when the new owner writes the memory. Returns the races not reported before."""
         with self._lock:
-            self._stream(stream)
+            state = self._stream(stream)
             self._storages[storage] = _Storage(nbytes, stream, site, tensor)
+            if not state.freed:
+                return []
+            if state.host_seen != self._host_version:
+                state.known = _merge(state.known, self._host)
+                state.host_seen = self._host_version
+            now = _merge(self._host, state.now())
+            found: dict[tuple, Race] = {}
+            for freed_storage, free_op, hazards, alloc_site, freed_tensor, nbytes_freed in state.freed:
+                left = [a for a in hazards if now.get(a.op.stream, 0) < a.op.epoch]
+                for a in left:
+                    race = Race(FREE, a, Access(free_op, freed_storage, 0, nbytes_freed, True, freed_tensor or a.tensor),
+                                alloc_site)
+                    found.setdefault(race.key(), race)
+            state.freed = []  # each hazard is judged once: resolved (ordered) or reported here
+            return self._collect(found)
 
     def record_stream(self, storage: Hashable, stream: Hashable) -> None:
         """Tensor.record_stream. Like the caching allocator, which records an event on every such stream when the
@@ -300,10 +321,13 @@ class HappensBefore:
             st.used_on.add(stream)
 
     def free(self, storage: Hashable, site: Site) -> list[Race]:
-        """The host frees storage; the block is reusable on its allocation stream at once. Forgets its history.
+        """The host frees storage: the block goes back to its allocation stream's pool, reusable by that stream's
+        next allocation. Accesses from other streams not yet ordered before that point (and not covered by
+        record_stream) are kept and judged at the stream's next allocation (see ``alloc``) — so a stream that waits
+        for the other streams before it allocates again is clean, as it is on a GPU. Forgets the storage's history.
 
         A storage whose allocation was never seen (it existed before tracking began) reports nothing: without its
-        allocation stream there is no telling which work may reuse the block."""
+        allocation stream there is no telling which work may reuse the block. Returns [] (kept for symmetry)."""
         with self._lock:
             st = self._storages.pop(storage, None)
             if st is None or st.alloc_stream is None:
@@ -311,18 +335,17 @@ class HappensBefore:
             stream = st.alloc_stream
             state = self._stream(stream)
             safe = _merge(self._host, state.now())  # ordered before any reuse of the block
+            hazards = [Access(a_op, storage, a_start, a_end, a_write, a_tensor)
+                       for a_op, a_start, a_end, a_write, a_tensor in st.history
+                       if a_op.stream != stream and a_op.stream not in st.used_on
+                       and safe.get(a_op.stream, 0) < a_op.epoch]
             self._seq += 1
             op = Op(stream, state.epoch, self._seq, site, safe)
             if self._trace:
                 self._timeline.append(op)
-            found: dict[tuple, Race] = {}
-            for a_op, a_start, a_end, a_write, a_tensor in st.history:
-                if a_op.stream == stream or a_op.stream in st.used_on or safe.get(a_op.stream, 0) >= a_op.epoch:
-                    continue
-                race = Race(FREE, Access(a_op, storage, a_start, a_end, a_write, a_tensor),
-                            Access(op, storage, 0, st.nbytes, True, st.tensor or a_tensor), st.alloc_site)
-                found.setdefault(race.key(), race)
-            return self._collect(found)
+            if hazards:
+                state.freed.append((storage, op, hazards, st.alloc_site, st.tensor, st.nbytes))
+            return []
 
     # results
 
