@@ -112,7 +112,7 @@ class Delays:
     Node hooks live as long as their nodes: they stop delaying after `restore()`.
 
     `schedule` may be a number k: it becomes `numbered(k, labels, ms)` over the side streams alive when the first
-    injection point is set up (so bind first, then inject)."""
+    injection point is set up, created after this object (so bind first, then inject)."""
 
     schedule: Schedule | int
     ms: float = DEFAULT_MS
@@ -120,10 +120,11 @@ class Delays:
     _undo: list = field(default_factory=list, repr=False)
     _active: bool = True
     _rng: random.Random | None = field(default=None, repr=False)
+    _since: int = field(default_factory=_streams.mark, repr=False)
 
     def _resolve(self) -> Schedule:
         if isinstance(self.schedule, int):
-            labels = [label for label in _streams.labels_alive() if label != _streams.DEFAULT]
+            labels = [label for label in _streams.labels_alive(self._since) if label != _streams.DEFAULT]
             self.schedule = numbered(self.schedule, labels, self.ms)
             self._rng = self.schedule.rng()
         elif self._rng is None:
@@ -155,11 +156,11 @@ class Delays:
             self._inject(where)
         return prehook
 
-    def around(self, owner, name: str, before: bool = True, after: bool = False) -> None:
+    def around(self, owner, name: str, before: bool = True, after: bool = False, label: str | None = None) -> None:
         """Patch `owner.name` (a function or method) for this scope: delay before and/or after each call."""
         self._resolve()
         original = getattr(owner, name)
-        label = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
+        label = label or f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
 
         @functools.wraps(original)
         def delayed(*args, **kwargs):
@@ -181,7 +182,7 @@ class Delays:
         for name in names:
             if not hasattr(dist, name):
                 raise ValueError(f"streamrace: torch.distributed has no collective {name!r}")
-            self.around(dist, name)
+            self.around(dist, name, label=name)
 
     def __repr__(self) -> str:
         name = self.schedule.name if isinstance(self.schedule, Schedule) else f"schedule {self.schedule}"

@@ -13,7 +13,7 @@ import torch
 DEFAULT = "default"
 
 _labels: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_order: list = []  # weak references to labelled streams, in creation order
+_order: list = []  # weak references to labelled streams, in creation order (one small ref per stream ever made)
 
 
 def require_streams(what: str) -> None:
@@ -53,13 +53,16 @@ def label(stream) -> str | None:
     return DEFAULT if stream == torch.cuda.default_stream() else None
 
 
-def labels_alive() -> list[str]:
-    """Labels of the forcing streams still alive, oldest first."""
+def mark() -> int:
+    """A point in the sequence of labelled streams: `labels_alive(mark())` sees only streams created later."""
+    return len(_order)
+
+
+def labels_alive(since: int = 0) -> list[str]:
+    """Labels of the forcing streams created since `since` and still alive, oldest first."""
     out = []
-    for ref in list(_order):
+    for ref in _order[since:]:
         stream = ref()
-        if stream is None:
-            _order.remove(ref)
-        elif _labels.get(stream) not in out:
+        if stream is not None and _labels.get(stream) not in out:
             out.append(_labels[stream])
     return out
