@@ -80,8 +80,8 @@ def timed_run(path: str, k: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tests", type=int, default=10, help="tests per suite (K, >= 2)")
-    parser.add_argument("--repeat", type=int, default=1, help="runs per suite; the fastest counts")
+    parser.add_argument("--tests", type=int, default=8, help="tests per suite (K, >= 2)")
+    parser.add_argument("--repeat", type=int, default=2, help="runs per suite; the fastest counts")
     args = parser.parse_args()
     if args.tests < 2 or args.repeat < 1:
         parser.error("--tests must be >= 2 and --repeat >= 1")

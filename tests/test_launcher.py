@@ -6,7 +6,6 @@ what it started) so each test can check that no process outlived its item.
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys

@@ -32,7 +32,9 @@ class ParentPlugin:
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         # Start importing torch in the fork server now, while the other tests run.
-        if any(item.get_closest_marker("distributed") for item in session.items) and not session.config.option.collectonly:
+        if session.config.option.collectonly:
+            return
+        if any(item.get_closest_marker("distributed") for item in session.items):
             self.server.start(str(self.config.invocation_params.dir))
 
     def pytest_unconfigure(self) -> None:
@@ -88,12 +90,16 @@ class ParentPlugin:
         argv = [str(item.path) + item.nodeid[len(file_part):],
                 "--rootdir", str(config.rootpath), "-p", "no:cacheprovider",
                 "--basetemp", os.path.join(workdir, f"rank{rank}.tmp"),
-                f"--import-mode={config.option.importmode}", f"--tb={config.option.tbstyle}",
-                f"--verbosity={config.option.verbose}",
+                f"--import-mode={config.option.importmode}",
                 f"--capture={'tee-sys' if config.option.capture == 'no' else config.option.capture}"]
+        # reporting options exist only with the terminal plugin (absent under `-p no:terminal`)
+        if getattr(config.option, "tbstyle", None):
+            argv.append(f"--tb={config.option.tbstyle}")
+        if getattr(config.option, "verbose", None) is not None:
+            argv.append(f"--verbosity={config.option.verbose}")
         if config.inipath:
             argv += ["-c", str(config.inipath)]
-        if config.option.showlocals:
+        if getattr(config.option, "showlocals", False):
             argv.append("-l")
         for name in config.option.plugins or ():
             argv += ["-p", name]

@@ -82,10 +82,10 @@ def supervise(server: ForkServer, runs: list[RankRun], timeout: float) -> float:
             if trouble_since is None and any(r.in_trouble for r in runs):
                 trouble_since = now
             if trouble_since is not None and now - trouble_since > GRACE:
-                _stop(server, running, "blocked")
+                _stop(running, "blocked")
                 break
             if now - start > timeout:
-                _stop(server, running, "timeout")
+                _stop(running, "timeout")
                 break
         _release(runs)
         released = True
@@ -117,7 +117,7 @@ def _refresh(server: ForkServer, runs: list[RankRun], wait: float) -> None:
             r.read_records()
 
 
-def _stop(server: ForkServer, runs: list[RankRun], why: str) -> None:
+def _stop(runs: list[RankRun], why: str) -> None:
     """Dump each rank's Python stack (faulthandler on SIGUSR1), then kill its tree."""
     for r in runs:
         r.stopped = why
