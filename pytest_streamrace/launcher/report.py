@@ -8,6 +8,7 @@ usually consequences ("connection closed" from gloo): they are shown after it, s
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -16,6 +17,7 @@ from .ranks import describe_exit, tail
 from .supervise import RankRun
 
 PHASES = ("setup", "call", "teardown")
+OWN_PROPERTIES = "streamrace_"  # user_properties the plugin itself records in ranks
 OUTPUT_TAIL = 30  # lines of a dead rank's output shown
 
 
@@ -174,12 +176,13 @@ def _sections(runs: list[RankRun]) -> dict[str, list[tuple[str, str]]]:
 
 
 def _user_properties(runs: list[RankRun]) -> list[tuple[str, object]]:
-    """What the ranks recorded with `record_property`, names labelled "(rank N)" (the last phase's list)."""
+    """What the ranks recorded (`record_property`, plugins), rank 0's first, names unchanged so that plugins
+    reading their own keys in the parent find them; each rank's list is its last report's, which holds them all."""
     props = []
     for run in runs:
         reports = [r for r in run.records if r["kind"] == "report"]
         if reports:
-            props += [(f"{name} (rank {run.rank})", value) for name, value in reports[-1]["user_properties"]]
+            props += [(name, value) for name, value in reports[-1]["user_properties"]]
     return props
 
 
@@ -203,7 +206,8 @@ def _reports(item, when, outcome, longrepr, sections, duration, props=(), **extr
             secs += sections["call"]
         reports.append(pytest.TestReport(item.nodeid, item.location, keywords, rep_outcome, rep_longrepr, phase,
                                          sections=secs, duration=duration if phase == "call" else 0.0,
-                                         user_properties=[*item.user_properties, *props],
+                                         user_properties=[*item.user_properties,
+                                                          *(props if phase == "teardown" else ())],
                                          **rep_extra))
     return reports
 
