@@ -1,0 +1,126 @@
+"""Runs one variant of a repro: its shipped pytest item, through the plugin's launcher, and returns the verdict.
+
+Going through pytest (in this process, its terminal output off) means a repro's ranks get everything a user's
+distributed test gets: fresh rank processes, crash and hang reports with rank stacks, the race detector per rank.
+The evidence comes back on the item's report (``user_properties``), merged over the ranks by the launcher.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .evidence import EVIDENCE, judge
+
+
+
+def _test_module() -> Path:
+    import pytest_streamrace.repros as shipped  # a mapped folder in editable installs: ask the package
+
+    return Path(shipped.__file__).resolve().parent / "test_repros.py"
+
+
+@dataclass
+class Outcome:
+    repro: str
+    variant: str
+    expect: str
+    backend: str
+    verdict: str  # reproduced | clean | inconclusive | error
+    reason: str
+    seconds: float
+    races: list = field(default_factory=list)
+    numeric: list = field(default_factory=list)
+    failure: str = ""  # the item's report when the run itself failed (crash, hang, exception in a rank)
+
+    @property
+    def expected(self) -> bool:
+        return self.verdict == self.expect
+
+
+class _Collector:
+    """Catches the item's reports inside pytest.main."""
+
+    def __init__(self):
+        self.evidence: list[dict] = []
+        self.failures: list[str] = []
+        self.skipped = ""
+
+    def pytest_runtest_logreport(self, report):
+        for key, value in report.user_properties:
+            if key == EVIDENCE:
+                self.evidence.append(value)
+        if report.failed:
+            self.failures.append(f"[{report.when}] {report.longreprtext}")
+        elif report.skipped and isinstance(report.longrepr, tuple):
+            self.skipped = report.longrepr[2]
+
+    def pytest_collectreport(self, report):
+        if report.failed:
+            self.failures.append(f"[collect] {report.longreprtext}")
+
+
+def _tail_progress(path: str, stop: threading.Event, prefix: str) -> None:
+    with open(path, "a+", encoding="utf-8") as f:
+        f.seek(0)
+        while not stop.is_set():
+            line = f.readline()
+            if line:
+                print(f"{prefix}{line.rstrip()}", flush=True)
+            else:
+                time.sleep(0.05)
+        for line in f.readlines():
+            print(f"{prefix}{line.rstrip()}", flush=True)
+
+
+def run_variant(repro, variant: str, backend: str, world_size: int, steps: int, trace: str | None = None,
+                timeout: float = 600.0) -> Outcome:
+    import pytest
+
+    expect = repro.variant(variant).expect
+    collector = _Collector()
+    with tempfile.TemporaryDirectory(prefix="streamrace-repro-") as tmp:
+        ini = os.path.join(tmp, "pytest.ini")
+        Path(ini).write_text("[pytest]\n")  # the user's own pytest configuration must not leak into the run
+        progress = os.path.join(tmp, "progress")
+        args = [f"{_test_module()}::test_repro[{repro.name}-{variant}]", "-c", ini, "--rootdir", tmp,
+                "-p", "no:terminal", "-p", "no:cacheprovider", "--streamrace", f"--streamrace-backend={backend}",
+                f"--streamrace-timeout={timeout}"]
+        if trace:
+            args.append(f"--streamrace-trace={trace}")
+        env = {"STREAMRACE_PROGRESS": progress,
+               "STREAMRACE_REPRO": json.dumps({"world_size": world_size, "steps": steps})}
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        stop = threading.Event()
+        tail = threading.Thread(target=_tail_progress, args=(progress, stop, f"  [{variant}] "), daemon=True)
+        tail.start()
+        start = time.perf_counter()
+        try:
+            pytest.main(args, plugins=[collector])
+        finally:
+            stop.set()
+            tail.join()
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+        seconds = time.perf_counter() - start
+    outcome = Outcome(repro.name, variant, expect, backend, "error", "", seconds)
+    if collector.skipped:
+        outcome.reason = f"skipped: {collector.skipped}"
+        return outcome
+    if not collector.evidence:
+        outcome.reason = "the ranks reported no evidence (the run failed; see below)"
+        outcome.failure = "\n".join(collector.failures) or "no report came back"
+        return outcome
+    verdict = judge(collector.evidence, repro.relevant)
+    outcome.verdict, outcome.reason = verdict.verdict, verdict.reason
+    outcome.races, outcome.numeric = verdict.races, verdict.numeric
+    return outcome

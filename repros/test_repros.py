@@ -1,0 +1,71 @@
+"""Every shipped and registered repro as a pytest item per variant, so CI can run them:
+
+    pytest --streamrace --pyargs pytest_streamrace.repros
+
+Each item runs on the repro's number of ranks, under the race detector, and passes when the variant gets its
+expected verdict (unpatched: reproduced, patched: clean). ``python -m pytest_streamrace.repro`` runs these same items.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from pytest_streamrace import hardware
+from pytest_streamrace.repro import registry
+from pytest_streamrace.repro.evidence import EVIDENCE, RankContext, judge
+
+_SETTINGS = json.loads(os.environ.get("STREAMRACE_REPRO") or "{}")  # from the repro CLI
+
+
+def _cases():
+    for name, repro in sorted(registry.discover().items()):
+        problem = repro.framework.problem() if repro.framework else None
+        world_size = _SETTINGS.get("world_size") or repro.world_size
+        for variant in repro.variants:
+            marks = [pytest.mark.distributed(world_size=world_size),
+                     pytest.mark.streamrace(expect="race" if variant.expect == "reproduced" else "clean")]
+            if problem:
+                marks.append(pytest.mark.skip(reason=problem))
+            yield pytest.param(repro, variant.name, id=f"{name}-{variant.name}", marks=marks)
+
+
+@pytest.mark.parametrize("repro, variant", list(_cases()))
+def test_repro(repro, variant, rank, world_size, request):
+    import torch
+    import torch.distributed as dist
+
+    from pytest_streamrace.detector import report, session
+
+    detector = session.active()
+    own = None
+    if detector is None:  # run without --streamrace: the repro still needs its detector
+        own = detector = session.Detector(backend="cuda" if hardware.visible_gpus() else "virtual")
+        own.__enter__()
+    if detector.backend not in repro.backends:
+        if own:
+            own.__exit__(None, None, None)
+        pytest.skip(f"{repro.name} runs on the {' or '.join(repro.backends)} backend, not {detector.backend}")
+    device = torch.device("cuda", torch.cuda.current_device()) if detector.backend == "cuda" else torch.device("cpu")
+    ctx = RankContext(variant, detector.backend, device, rank, world_size, _SETTINGS.get("steps") or 2, detector)
+    start = time.perf_counter()
+    try:
+        numeric = repro.run(ctx)
+        races = [report.to_dict(r, detector.hb.stream_name, rank) for r in detector.races]
+    finally:
+        if own:
+            own.__exit__(None, None, None)
+    framework = repro.framework
+    evidence = {"rank": rank, "backend": detector.backend, "races": races, "numeric": numeric,
+                "seconds": time.perf_counter() - start,
+                "framework": f"{framework.package} {framework.installed()}" if framework else f"torch {torch.__version__}"}
+    request.node.user_properties.append((EVIDENCE, evidence))
+
+    everyone: list = [None] * world_size
+    dist.all_gather_object(everyone, evidence)
+    verdict = judge(everyone, repro.relevant)
+    expect = repro.variant(variant).expect
+    assert verdict.verdict == expect, f"{repro.name}/{variant}: expected {expect}, got {verdict.verdict}: {verdict.reason}"
