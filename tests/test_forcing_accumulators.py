@@ -84,7 +84,7 @@ def test_bound_hooks_race_with_the_reduction(stream_bound_accumulators, streamra
 
 def test_bound_accumulators_through_the_detector(pytester):
     pytester.makepyfile(test_bound=BOUND)
-    result = pytester.runpytest_subprocess("--streamrace", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=6, failed=2)
     result.stdout.fnmatch_lines([
         "*ValueError: streamrace: bind_accumulators mapping names unknown parameters: nope.weight",

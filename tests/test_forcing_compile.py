@@ -69,7 +69,8 @@ def test_each_mode_compiles_and_a_mode_that_compiled_nothing_fails(pytester):
 
 def test_compile_modes_combine_with_bound_streams_and_delays_under_the_detector(pytester):
     pytester.makepyfile(test_modes=MODES)
-    result = pytester.runpytest_subprocess("--streamrace", "-p", "no:cacheprovider", "-k", "bound")
+    result = pytester.runpytest_subprocess(
+        "--streamrace", "--streamrace-backend=virtual", "-p", "no:cacheprovider", "-k", "bound")
     result.assert_outcomes(passed=2)
 
 

@@ -21,10 +21,11 @@ def test_waits_on_the_default_stream_instead_of_the_current_one(streamrace_devic
 
 def test_default_stream_assumptions_race_only_on_a_nondefault_stream(pytester):
     pytester.makepyfile(test_streams=ASSUMES_DEFAULT)
-    plain = pytester.runpytest_subprocess("--streamrace", "-p", "no:cacheprovider")
+    plain = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "-p", "no:cacheprovider")
     plain.assert_outcomes(passed=1, failed=1)  # the first test fails: it is on the default stream
     assert "stream race" not in plain.stdout.str()
-    forced = pytester.runpytest_subprocess("--streamrace", "--streamrace-nondefault-stream", "-p", "no:cacheprovider")
+    forced = pytester.runpytest_subprocess(
+        "--streamrace", "--streamrace-backend=virtual", "--streamrace-nondefault-stream", "-p", "no:cacheprovider")
     forced.assert_outcomes(passed=1, failed=1)
     forced.stdout.fnmatch_lines([
         "*_ test_waits_on_the_default_stream_instead_of_the_current_one _*",

@@ -105,7 +105,7 @@ def bind_accumulators(target, streams: int | list = 2,
             raise ValueError("streamrace: bind_accumulators needs at least one stream")
         for i, s in enumerate(chosen):
             if _streams.label(s) is None:
-                _streams._labels[s] = f"given {i}"
+                _streams.set_label(s, f"given {i}")
     where = _choose(named, len(chosen), policy)
     nodes, record, params = [], {}, {}
     for name, p in named:

@@ -12,7 +12,8 @@ import torch
 
 DEFAULT = "default"
 
-_labels: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_virtual_labels: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # virtual stream -> label
+_cuda_labels: dict[int, str] = {}  # cudaStream_t -> label (pooled handles come back: the newest label wins)
 _order: list = []  # weak references to labelled streams, in creation order (one small ref per stream ever made)
 
 
@@ -25,10 +26,21 @@ def require_streams(what: str) -> None:
                            "(virtual backend)")
 
 
+def _is_virtual(stream) -> bool:
+    return type(stream).__module__.endswith("virtual_streams")
+
+
+def set_label(stream, label: str) -> None:
+    if _is_virtual(stream):
+        _virtual_labels[stream] = label
+    else:
+        _cuda_labels[stream.cuda_stream] = label
+
+
 def new_stream(label: str):
     """A fresh torch.cuda.Stream known by `label` (and named so in the active detector's reports)."""
     stream = torch.cuda.Stream()
-    _labels[stream] = label
+    set_label(stream, label)
     _order.append(weakref.ref(stream))
     from ..detector import session
 
@@ -47,7 +59,7 @@ def side_streams(count: int, prefix: str = "side") -> list:
 
 def label(stream) -> str | None:
     """A stream's label: its forcing label, "default" for the default stream, else None."""
-    found = _labels.get(stream)
+    found = _virtual_labels.get(stream) if _is_virtual(stream) else _cuda_labels.get(stream.cuda_stream)
     if found is not None:
         return found
     return DEFAULT if stream == torch.cuda.default_stream() else None
@@ -63,6 +75,7 @@ def labels_alive(since: int = 0) -> list[str]:
     out = []
     for ref in _order[since:]:
         stream = ref()
-        if stream is not None and _labels.get(stream) not in out:
-            out.append(_labels[stream])
+        found = label(stream) if stream is not None else None
+        if found is not None and found not in out:
+            out.append(found)
     return out
