@@ -100,16 +100,18 @@ class RaceChecks:
         fresh = races[judged:]
         item.stash[_judged_key] = len(races)
         rank = _rank()
+        # Recorded on the item, so the teardown report — the one collected, here and in a launching parent —
+        # carries every phase's; the teardown report itself is already built, so it gets its own directly.
+        record = report.user_properties if report.when == "teardown" else item.user_properties
         if fresh:
             from .detector.report import to_dict
 
-            report.user_properties.append(
-                (RACES, [to_dict(r, detector.hb.stream_name, rank) for r in fresh]))
+            record.append((RACES, [to_dict(r, detector.hb.stream_name, rank) for r in fresh]))
         if report.when == "teardown" and self.trace_path:
             from .detector.trace import trace_events
 
             events = trace_events(detector.hb.timeline, races, detector.hb.stream_name, rank)
-            report.user_properties.append((TRACE, events))
+            record.append((TRACE, events))
         self._judge(item, report, fresh, rank)
         return report
 
@@ -139,6 +141,8 @@ class RaceChecks:
 
     @pytest.hookimpl
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when != "teardown":
+            return  # the teardown report carries every phase's records
         for key, value in report.user_properties:
             if key == RACES:
                 self.races.extend((report.nodeid, race) for race in value)

@@ -110,3 +110,27 @@ def test_bad_expect_value_is_an_error(pytester):
     result = pytester.runpytest_subprocess("--streamrace")
     assert result.ret != 0
     result.stdout.fnmatch_lines(["*streamrace(expect=...) takes 'race' or 'clean', got 'maybe'*"])
+
+
+def test_distributed_item_detects_in_every_rank_and_merges_into_the_json(pytester):
+    pytester.makepyfile(test_ranks="""
+        import pytest, torch
+
+        @pytest.mark.distributed(world_size=2)
+        def test_racy_on_each_rank(rank, streamrace_device):
+            side = torch.cuda.Stream()
+            x = torch.zeros(64, device=streamrace_device)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                x.add_(rank + 1)
+            x.sum()  # RACY-READ
+            torch.cuda.current_stream().wait_stream(side)
+    """)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-json", "races.json")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["distributed test failed on ranks 0, 1 of 2",
+                                 "*stream race on rank 0: read-after-write*",
+                                 "*stream race on rank 1: read-after-write*"])
+    races = json.loads(pytester.path.joinpath("races.json").read_text())["races"]
+    assert sorted(r["rank"] for r in races if r["kind"] == "read-after-write") == [0, 1]
+    assert all(r["test"] == "test_ranks.py::test_racy_on_each_rank" for r in races)

@@ -17,7 +17,6 @@ from .ranks import describe_exit, tail
 from .supervise import RankRun
 
 PHASES = ("setup", "call", "teardown")
-OWN_PROPERTIES = "streamrace_"  # user_properties the plugin itself records in ranks
 OUTPUT_TAIL = 30  # lines of a dead rank's output shown
 
 
