@@ -23,6 +23,8 @@ from pytest_streamrace.forcing.accumulators import bind_accumulators, built_on_s
 from pytest_streamrace.forcing.delays import Delays, cycles_per_ms, no_delay, one_slow
 from pytest_streamrace.forcing.referee import compare
 
+DEVICE = "cuda"  # a CPU dry run under the virtual backend sets "cpu"
+
 
 def _params(module) -> dict:
     torch.cuda.synchronize()
@@ -37,7 +39,7 @@ def deepspeed_run(overlap: bool, forced: bool, sleep_ms: float) -> dict:
 
     torch.manual_seed(0)
     width = 512
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(12)]).cuda()
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(12)]).to(DEVICE)
     binding, delays = None, None
     if forced:  # before deepspeed.initialize: its hooks then land on the bound nodes
         binding = bind_accumulators(model, streams=2, policy="round_robin")
@@ -49,9 +51,9 @@ def deepspeed_run(overlap: bool, forced: bool, sleep_ms: float) -> dict:
                                     "allgather_bucket_size": width * width * 3}}
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                                       config=config)
-    data = torch.Generator(device="cuda").manual_seed(1 + dist.get_rank())
+    data = torch.Generator(device=DEVICE).manual_seed(1 + dist.get_rank())
     for _ in range(2):
-        loss = engine(torch.randn(8, width, device="cuda", generator=data)).pow(2).mean()
+        loss = engine(torch.randn(8, width, device=DEVICE, generator=data)).pow(2).mean()
         engine.backward(loss)
         engine.step()
     params = _params(engine.module)
@@ -83,7 +85,7 @@ def megatron_run(overlap: bool, side: bool, sleep_ms: float, iterations: int) ->
     from megatron.core.transformer import TransformerConfig
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).cuda()
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(8)]).to(DEVICE)
     config = DistributedDataParallelConfig(overlap_grad_reduce=overlap, use_distributed_optimizer=True,
                                            num_distributed_optimizer_instances=2, grad_reduce_in_fp32=True)
 
@@ -97,11 +99,11 @@ def megatron_run(overlap: bool, side: bool, sleep_ms: float, iterations: int) ->
     delays = Delays(one_slow("build side", sleep_ms) if side and sleep_ms else no_delay())
     delays.before_accumulate(ddp.grad_accs)
     torch.cuda.synchronize()
-    data = torch.Generator(device="cuda").manual_seed(1234 + dist.get_rank())
+    data = torch.Generator(device=DEVICE).manual_seed(1234 + dist.get_rank())
     shards = []
     for _ in range(iterations):
         ddp.zero_grad_buffer()
-        ddp(torch.randn(64, 2048, device="cuda", generator=data)).pow(2).mean().backward()
+        ddp(torch.randn(64, 2048, device=DEVICE, generator=data)).pow(2).mean().backward()
         ddp.finish_grad_sync()
         torch.cuda.synchronize()
         mine = []
