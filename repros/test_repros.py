@@ -16,7 +16,7 @@ import pytest
 
 from pytest_streamrace import hardware
 from pytest_streamrace.repro import registry
-from pytest_streamrace.repro.evidence import EVIDENCE, RankContext, judge
+from pytest_streamrace.repro.evidence import EVIDENCE, RankContext, judge, per_run
 
 _SETTINGS = json.loads(os.environ.get("STREAMRACE_REPRO") or "{}")  # from the repro CLI
 
@@ -51,21 +51,28 @@ def test_repro(repro, variant, rank, world_size, request):
         pytest.skip(f"{repro.name} runs on the {' or '.join(repro.backends)} backend, not {detector.backend}")
     device = torch.device("cuda", torch.cuda.current_device()) if detector.backend == "cuda" else torch.device("cpu")
     ctx = RankContext(variant, detector.backend, device, rank, world_size, _SETTINGS.get("steps") or 2, detector)
+    runs = []
     start = time.perf_counter()
     try:
-        numeric = repro.run(ctx)
-        races = [report.to_dict(r, detector.hb.stream_name, rank) for r in detector.races]
+        for i in range(_SETTINGS.get("repeat") or 1):
+            ctx.repeat = i
+            seen = {race.key(): race.count for race in detector.races}
+            numeric = repro.run(ctx)
+            # races of this run: new ones, and known ones seen again (dedup counts them)
+            races = [report.to_dict(r, detector.hb.stream_name, rank) for r in detector.races
+                     if r.count > seen.get(r.key(), 0)]
+            runs.append({"races": races, "numeric": numeric})
     finally:
         if own:
             own.__exit__(None, None, None)
     framework = repro.framework
-    evidence = {"rank": rank, "backend": detector.backend, "races": races, "numeric": numeric,
-                "seconds": time.perf_counter() - start,
+    evidence = {"rank": rank, "backend": detector.backend, "runs": runs, "seconds": time.perf_counter() - start,
                 "framework": f"{framework.package} {framework.installed()}" if framework else f"torch {torch.__version__}"}
     request.node.user_properties.append((EVIDENCE, evidence))
 
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, evidence)
-    verdict = judge(everyone, repro.relevant)
     expect = repro.variant(variant).expect
-    assert verdict.verdict == expect, f"{repro.name}/{variant}: expected {expect}, got {verdict.verdict}: {verdict.reason}"
+    verdicts = [judge(per_run(everyone, i), repro.relevant) for i in range(len(runs))]
+    wrong = [f"run {i + 1}: {v.verdict} ({v.reason})" for i, v in enumerate(verdicts) if v.verdict != expect]
+    assert not wrong, f"{repro.name}/{variant}: expected {expect} in every run; " + "; ".join(wrong)

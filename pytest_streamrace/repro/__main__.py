@@ -41,7 +41,8 @@ def _parser() -> argparse.ArgumentParser:
                              "auto: cuda when there are enough GPUs")
     parser.add_argument("--world-size", type=_positive, help="number of ranks (default: the repro's)")
     parser.add_argument("--steps", type=_positive, help="training steps per run (default: the repro's)")
-    parser.add_argument("--repeat", type=_positive, default=1, help="runs per variant")
+    parser.add_argument("--repeat", type=_positive, default=1,
+                        help="runs per variant (in the same rank processes, one launch per variant)")
     parser.add_argument("--json", metavar="PATH", help="write every run's verdict and evidence to PATH")
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome-trace timeline of the last run to PATH")
     return parser
@@ -60,9 +61,9 @@ def _backend(repro, requested: str, world_size: int) -> str:
     return requested
 
 
-def _print_outcome(outcome, framework: str) -> None:
+def _print_outcome(outcome, label: str) -> None:
     mark = "as expected" if outcome.expected else f"EXPECTED {outcome.expect}"
-    print(f"{outcome.repro}/{outcome.variant}: {outcome.verdict} ({mark}) — {outcome.reason}  [{outcome.seconds:.1f} s]")
+    print(f"{outcome.repro}/{outcome.variant}{label}: {outcome.verdict} ({mark}) — {outcome.reason}  [{outcome.seconds:.1f} s]")
     for race in outcome.races[:4]:
         later, earlier = race["later"], race["earlier"]
         where = lambda a: (f"{a['frames'][0]['file'].rsplit('site-packages/', 1)[-1]}:{a['frames'][0]['line']}"
@@ -94,16 +95,17 @@ def run(args) -> int:
           f"variants: {', '.join(variants)}; repeat {args.repeat}", flush=True)
     outcomes = []
     for variant in variants:
-        for i in range(args.repeat):
-            label = f" (run {i + 1}/{args.repeat})" if args.repeat > 1 else ""
-            print(f"  [{variant}] starting {world_size} ranks{label}...", flush=True)
-            outcome = run_variant(repro, variant, backend, world_size, args.steps or 0, trace=args.trace)
+        runs = f" for {args.repeat} runs" if args.repeat > 1 else ""
+        print(f"  [{variant}] starting {world_size} ranks{runs}...", flush=True)
+        results = run_variant(repro, variant, backend, world_size, args.steps or 0, args.repeat, args.trace)
+        for i, outcome in enumerate(results, 1):
             outcomes.append(outcome)
-            _print_outcome(outcome, framework)
+            _print_outcome(outcome, f" run {i}/{len(results)}" if len(results) > 1 else "")
     if args.repeat > 1:
         for variant in variants:
             counts = Counter(o.verdict for o in outcomes if o.variant == variant)
-            print(f"{repro.name}/{variant}: " + ", ".join(f"{k} {n}/{args.repeat}" for k, n in counts.most_common()))
+            total = sum(counts.values())
+            print(f"{repro.name}/{variant}: " + ", ".join(f"{k} {n}/{total}" for k, n in counts.most_common()))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump({"repro": repro.name, "framework": framework, "backend": backend, "world_size": world_size,

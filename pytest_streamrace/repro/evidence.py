@@ -26,6 +26,7 @@ class RankContext:
     world_size: int
     steps: int
     detector: object  # the active detector.session.Detector
+    repeat: int = 0  # which of the --repeat runs this is (0-based)
 
     def progress(self, message: str) -> None:
         """A progress line the repro CLI shows while ranks run (rank 0's only, to keep it readable)."""
@@ -50,8 +51,13 @@ def wrong(numeric: dict | None) -> bool:
                 or numeric.get("retained"))
 
 
+def per_run(evidence: list[dict], i: int) -> list[dict]:
+    """Run i of every rank's evidence ({rank, runs: [{races, numeric}]}) as judge() takes it."""
+    return [{"rank": ev["rank"], **ev["runs"][i]} for ev in evidence if i < len(ev["runs"])]
+
+
 def judge(evidence: list[dict], relevant) -> Verdict:
-    """The verdict over all ranks' evidence dicts ({rank, races, numeric})."""
+    """The verdict of one run over all ranks' evidence for it ({rank, races, numeric})."""
     races = [race for ev in evidence for race in ev.get("races", [])]
     mine = [race for race in races if relevant(race)]
     numeric = [ev["numeric"] for ev in evidence if ev.get("numeric")]

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .evidence import EVIDENCE, judge
+from .evidence import EVIDENCE, judge, per_run
 
 
 
@@ -78,8 +78,9 @@ def _tail_progress(path: str, stop: threading.Event, prefix: str) -> None:
             print(f"{prefix}{line.rstrip()}", flush=True)
 
 
-def run_variant(repro, variant: str, backend: str, world_size: int, steps: int, trace: str | None = None,
-                timeout: float = 600.0) -> Outcome:
+def run_variant(repro, variant: str, backend: str, world_size: int, steps: int, repeat: int = 1,
+                trace: str | None = None, timeout: float = 600.0) -> list[Outcome]:
+    """Run `repeat` runs of one variant in one launch of its ranks; one Outcome per run."""
     import pytest
 
     expect = repro.variant(variant).expect
@@ -94,7 +95,7 @@ def run_variant(repro, variant: str, backend: str, world_size: int, steps: int, 
         if trace:
             args.append(f"--streamrace-trace={trace}")
         env = {"STREAMRACE_PROGRESS": progress,
-               "STREAMRACE_REPRO": json.dumps({"world_size": world_size, "steps": steps})}
+               "STREAMRACE_REPRO": json.dumps({"world_size": world_size, "steps": steps, "repeat": repeat})}
         saved = {k: os.environ.get(k) for k in env}
         os.environ.update(env)
         stop = threading.Event()
@@ -112,15 +113,18 @@ def run_variant(repro, variant: str, backend: str, world_size: int, steps: int, 
                 else:
                     os.environ[k] = v
         seconds = time.perf_counter() - start
-    outcome = Outcome(repro.name, variant, expect, backend, "error", "", seconds)
+    failed = Outcome(repro.name, variant, expect, backend, "error", "", seconds)
     if collector.skipped:
-        outcome.reason = f"skipped: {collector.skipped}"
-        return outcome
-    if not collector.evidence:
-        outcome.reason = "the ranks reported no evidence (the run failed; see below)"
-        outcome.failure = "\n".join(collector.failures) or "no report came back"
-        return outcome
-    verdict = judge(collector.evidence, repro.relevant)
-    outcome.verdict, outcome.reason = verdict.verdict, verdict.reason
-    outcome.races, outcome.numeric = verdict.races, verdict.numeric
-    return outcome
+        failed.reason = f"skipped: {collector.skipped}"
+        return [failed]
+    runs = min((len(ev["runs"]) for ev in collector.evidence), default=0)
+    if not runs:
+        failed.reason = "the ranks reported no evidence (the run failed; see below)"
+        failed.failure = "\n".join(collector.failures) or "no report came back"
+        return [failed]
+    outcomes = []
+    for i in range(runs):
+        verdict = judge(per_run(collector.evidence, i), repro.relevant)
+        outcomes.append(Outcome(repro.name, variant, expect, backend, verdict.verdict, verdict.reason,
+                                seconds / runs, verdict.races, verdict.numeric))
+    return outcomes
