@@ -2,8 +2,8 @@
 # GPU part of issue 4: forcing turns stock DeepSpeed 0.19.2 ZeRO-2 (bit-identical) and megatron-core 0.15.2 DDP
 # (nDOI=2, 0/N wrong iterations) wrong, over >= 10 repeats each. Run on a 2-GPU machine (nvidia-h200-x2):
 #   bash scripts/device/forcing.sh            (REPEATS=10 by default)
-# Needs wheels under .whl/ (see ../shared/notes/gpu-recipes.md): .whl/ds192/deepspeed-0.19.2*.whl,
-# .whl/{hjson,pydantic,pydantic_core,annotated_types,typing_inspection,typing_extensions}*.whl, .whl/mc0152/*.whl.
+# Needs wheels under .whl/ (see ../shared/notes/gpu-recipes.md): .whl/deepspeed-0.19.2-*.whl,
+# .whl/{hjson,pydantic,pydantic_core,annotated_types,typing_inspection,typing_extensions}*.whl, .whl/megatron_core-0.15.2-*.whl.
 # Logs and the tables land in $OUT; docs/gpu-validation.md records what they said.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
@@ -12,10 +12,10 @@ OUT=${OUT:-/tmp/streamrace-forcing}; mkdir -p "$OUT"
 REPEATS=${REPEATS:-10}
 cd "$(dirname "$0")/../.."
 shopt -s nullglob
-ds=(.whl/ds192/deepspeed-0.19.2*.whl); mc=(.whl/mc0152/*.whl)
+ds=(.whl/deepspeed-0.19.2-*.whl); mc=(.whl/megatron_core-0.15.2-*.whl)
 deps=(.whl/hjson*.whl .whl/pydantic*.whl .whl/annotated*.whl .whl/typing*.whl)
 if [ ${#ds[@]} -eq 0 ] || [ ${#mc[@]} -eq 0 ] || [ ${#deps[@]} -lt 4 ]; then
-  echo "forcing.sh: missing wheels under .whl/ (need ds192/deepspeed-0.19.2, mc0152/megatron-core 0.15.2, hjson," \
+  echo "forcing.sh: missing wheels under .whl/ (need deepspeed-0.19.2, megatron_core-0.15.2, hjson," \
        "pydantic, pydantic-core, annotated-types, typing-*); see ../shared/notes/gpu-recipes.md" >&2
   exit 2
 fi
