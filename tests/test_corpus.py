@@ -16,6 +16,7 @@ RACY = {
     "test_multi_producer_bucket_reduction_waits_on_one_producer": "write-after-write",
     "test_backward_on_side_stream_grad_read_without_wait": "read-after-write",
     "test_async_collective_output_read_before_wait": "read-after-write",
+    "test_sync_collective_output_read_on_another_stream": "read-after-write",
     "test_collective_on_stream_that_waited_on_the_wrong_stream": "write-after-write",
     "test_free_while_another_stream_reads": "free-while-in-use",
 }

@@ -32,9 +32,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(path: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-    """Run `torchrun --nproc_per_node 2 -m pytest ARGS` in path; stdout and stderr merged."""
+def torchrun(path: Path, *args: str, timeout: float = 120, gpus: bool = False) -> subprocess.CompletedProcess:
+    """Run `torchrun --nproc_per_node 2 -m pytest ARGS` in path; stdout and stderr merged. Without `gpus` the
+    ranks see no GPU, so the session is on gloo (CPU tensors) on GPU machines too."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "240"}
+    if not gpus:
+        env["CUDA_VISIBLE_DEVICES"] = ""
     env.pop("PYTEST_XDIST_WORKER", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
@@ -343,6 +346,6 @@ def test_nccl_fails_on_rank_1(rank):
                     reason="needs 2 CUDA GPUs")
 def test_torchrun_on_nccl(tmp_path):
     write(tmp_path, test_nccl=NCCL_CASES)
-    out = torchrun(tmp_path, "-rA", "test_nccl.py").stdout
+    out = torchrun(tmp_path, "-rA", "test_nccl.py", gpus=True).stdout
     assert "1 failed, 1 passed" in out, out
     assert "rank one saw 8.0" in out and "rank 1" in out, out

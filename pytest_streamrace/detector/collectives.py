@@ -69,6 +69,12 @@ class _Plan:
                 access = READ if "input" in arg.name or self.op == "send" else WRITE
                 self.tensors.append((i, access))
         self.work = next((i for i, ret in enumerate(schema.returns) if "Work" in str(ret.type)), None)
+        self.async_op = next((i for i, arg in enumerate(schema.arguments) if arg.name == "async_op"), None)
+
+    def synchronous(self, args) -> bool:
+        """Issued with async_op=False: the backend orders the caller's stream after it by itself (ProcessGroupNCCL
+        runs it on the current stream and returns no Work to wait on), so the model must not wait for a wait()."""
+        return self.async_op is not None and self.async_op < len(args) and args[self.async_op] is False
 
     def accesses(self, args, group_rank: int | None):
         """(reads, writes): the tensors the collective reads and writes on this rank."""
@@ -134,6 +140,8 @@ class Collectives:
         self.hb.wait_stream(comm, current)
         reads, writes = plan.accesses(args, group_rank)
         self.tracker.run(plan.name, comm, reads, writes)
+        if plan.synchronous(args):
+            self.hb.wait_stream(current, comm)
         work = None
         if plan.work is not None:
             boxed = out[plan.work] if isinstance(out, (tuple, list)) else out

@@ -115,6 +115,7 @@ class Detector:
             from .cuda import CudaStreams
 
             self.tracker = AccessTracker(self.hb, self._current, "cuda", track_frees=False)
+            self.tracker.engine_records_streams = True
             self.streams = CudaStreams(self.hb, self.tracker)
             patches = self.streams.patches(AttrPatch)
         from . import collectives

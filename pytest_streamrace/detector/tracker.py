@@ -25,6 +25,7 @@ from .hb import HappensBefore, Race, Site, TensorInfo
 _METADATA_INPUTS = re.compile(r"^aten::(new_.*|.*_like|empty.*)$")
 _NO_KERNEL = re.compile(r"^aten::(empty.*|new_empty.*)$")
 _SKIPPED_OPS = {"aten::record_stream"}  # not a kernel: the backend turns it into hb.record_stream
+_HANDLED_NAMESPACES = {"c10d"}  # modelled by a namespace handler (detector.collectives), never as plain ops
 
 
 def _skip_prefixes() -> tuple[str, ...]:
@@ -65,26 +66,61 @@ def user_frames(limit: int = 5, depth: int = 1) -> tuple[tuple[str, int, str], .
     """The innermost `limit` frames outside torch, pytest and this package — cheap enough to take per op."""
     frame = sys._getframe(depth)
     out = []
+    skip = _code_skip
     while frame is not None and len(out) < limit:
         code = frame.f_code
-        if not _is_internal(code.co_filename):
+        internal = skip.get(code)
+        if internal is None:
+            internal = skip[code] = _is_internal(code.co_filename)
+        if not internal:
             out.append((code.co_filename, frame.f_lineno, code.co_name))
         frame = frame.f_back
     return tuple(out)
 
 
+_code_skip: dict = {}  # code object -> whether its frames are machinery
+
+
 def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
     """[start, end) bytes of its storage that a tensor's elements span; None when it has no elements."""
-    if t.numel() == 0:
+    numel = t.numel()
+    if numel == 0:
         return None
     size = t.element_size()
-    span = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    span = numel - 1 if t.is_contiguous() else sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     start = t.storage_offset() * size
     return start, start + (span + 1) * size
 
 
 def tensor_info(t: torch.Tensor, name: str | None) -> TensorInfo:
     return TensorInfo(tuple(t.shape), str(t.dtype).removeprefix("torch."), name)
+
+
+_HANDLED = "handled"  # plan of ops a namespace handler models (collectives)
+_SKIPPED = "skipped"  # plan of ops that are no kernel on any stream
+
+
+def _plan(func):
+    """How an op touches its arguments, worked out once per op from its schema: (name, (index, name, is_write) of
+    the arguments it reads or writes, per return whether it is a fresh tensor, whether its kernel writes its
+    output). Arguments aliased without a write are views (no data moves); the inputs of *_like / new_* / empty*
+    factories only lend metadata."""
+    if func.namespace in _HANDLED_NAMESPACES:
+        return _HANDLED
+    schema = func._schema
+    name = schema.name
+    if name in _SKIPPED_OPS:
+        return _SKIPPED
+    metadata_inputs = _METADATA_INPUTS.match(name) is not None
+    inputs = []
+    for i, arg in enumerate(schema.arguments):
+        alias = arg.alias_info
+        if alias is not None and alias.is_write:
+            inputs.append((i, arg.name, True))
+        elif alias is None and not metadata_inputs and "Tensor" in str(arg.type):
+            inputs.append((i, arg.name, False))
+    fresh = tuple(ret.alias_info is None and "Tensor" in str(ret.type) for ret in schema.returns)
+    return name, tuple(inputs), fresh if any(fresh) else (), _NO_KERNEL.match(name) is None
 
 
 def _tensors(value) -> list[torch.Tensor]:
@@ -120,6 +156,10 @@ class AccessTracker(TorchDispatchMode):
         self._frees: collections.deque = collections.deque()
         self._lock = threading.RLock()
         self.enabled = True
+        self._plans: dict = {}  # op -> _plan(...)
+        # Real autograd (cuda backend): the engine record_stream()s a gradient produced on one stream for the stream
+        # of the node that consumes it — in C++, where no hook sees it. The virtual model does this in its hooks.
+        self.engine_records_streams = False
 
     # storages
 
@@ -192,6 +232,9 @@ class AccessTracker(TorchDispatchMode):
             return
         if write:
             self.last_writer[key] = op.stream
+        elif self.engine_records_streams and self.last_writer.get(key, op.stream) != op.stream \
+                and torch._C._current_autograd_node() is not None:
+            self.hb.record_stream(key, op.stream)  # read inside a node: taken as one of its incoming gradients
         self._report(self.hb.access(op, key, span[0], span[1], write, tensor_info(t, self.names.get(key))))
 
     def _alloc(self, op, t: torch.Tensor) -> bool:
@@ -215,48 +258,45 @@ class AccessTracker(TorchDispatchMode):
         out = func(*args, **kwargs)
         if not self.enabled:
             return out
-        if self.namespace_handlers:
+        plan = self._plans.get(func)
+        if plan is None:
+            plan = self._plans[func] = _plan(func)
+        if plan is _HANDLED:
             handler = self.namespace_handlers.get(func.namespace)
             if handler is not None:
                 with self._lock:
                     self.drain()
                     handler(func, args, kwargs, out)
-                return out
-        schema = func._schema
-        name = schema.name
-        if name in _SKIPPED_OPS:
+            return out
+        if plan is _SKIPPED:
             return out
         with self._lock:
             self.drain()
-            self._record(schema, name, args, kwargs, out)
+            self._record(plan, args, kwargs, out)
         return out
 
-    def _record(self, schema, name: str, args, kwargs, out) -> None:
+    def _record(self, plan, args, kwargs, out) -> None:
+        name, inputs, fresh_returns, writes_output = plan
         reads: list[torch.Tensor] = []
         writes: list[torch.Tensor] = []
-        metadata_inputs = _METADATA_INPUTS.match(name) is not None
-        arguments = schema.arguments
-        for i, arg in enumerate(arguments):
-            if i < len(args):
+        nargs = len(args)
+        for i, arg_name, write in inputs:
+            if i < nargs:
                 value = args[i]
-            elif arg.name in kwargs:
-                value = kwargs[arg.name]
+            elif arg_name in kwargs:
+                value = kwargs[arg_name]
             else:
                 continue
-            tensors = _tensors(value)
-            if not tensors:
-                continue
-            alias = arg.alias_info
-            if alias is not None and alias.is_write:
-                writes.extend(tensors)
-            elif alias is None and not metadata_inputs:
-                reads.extend(tensors)
-            # alias without write: the op returns a view of it; no data moves
+            if isinstance(value, torch.Tensor):
+                (writes if write else reads).append(value)
+            elif isinstance(value, (list, tuple)):
+                (writes if write else reads).extend(v for v in value if isinstance(v, torch.Tensor))
         fresh: list[torch.Tensor] = []
-        results = out if isinstance(out, (tuple, list)) and len(schema.returns) == len(out) else (out,)
-        for ret, value in zip(schema.returns, results):
-            if ret.alias_info is None:
-                fresh.extend(t for t in _tensors(value) if self.on_device(t))
+        if fresh_returns:
+            results = out if isinstance(out, (tuple, list)) and len(fresh_returns) == len(out) else (out,)
+            for is_fresh, value in zip(fresh_returns, results):
+                if is_fresh:
+                    fresh.extend(t for t in _tensors(value) if self.on_device(t))
         if not (reads or writes or fresh):
             return
         if not any(self.on_device(t) for t in reads + writes + fresh):
@@ -273,7 +313,6 @@ class AccessTracker(TorchDispatchMode):
             self._access(op, t, False)
         for t in writes:
             self._access(op, t, True)
-        writes_output = _NO_KERNEL.match(name) is None
         for t in fresh:
             if byte_range(t) is None:
                 continue

@@ -296,6 +296,24 @@ def test_async_collective_output_read_after_wait(dev, group):
     x.sum()
 
 
+@clean
+def test_sync_collective_output_read_on_the_same_stream(dev, group):
+    x = torch.ones(N, device=dev)
+    dist.all_reduce(x)  # NCCL runs a synchronous collective on the current stream; gloo waits on it in Python
+    x.sum()
+
+
+@race
+def test_sync_collective_output_read_on_another_stream(dev, group):
+    x = torch.ones(N, device=dev)
+    reader = torch.cuda.Stream()
+    reader.wait_stream(torch.cuda.current_stream())  # before the collective: not ordered after it
+    dist.all_reduce(x)
+    with torch.cuda.stream(reader):
+        x.sum()
+    torch.cuda.current_stream().wait_stream(reader)
+
+
 def collective_from_side_stream(dev, sync):
     """Data written on the default stream, all-reduced from a side stream: the communication stream waits on the
     current (side) stream only — Megatron #3670's shape."""
