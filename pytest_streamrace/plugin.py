@@ -29,8 +29,10 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", marker)
     from . import launcher
     from .forcing import fixtures as forcing
+    from .lifetime import fixtures as lifetime
 
     config.pluginmanager.register(forcing, "streamrace-forcing")
+    config.pluginmanager.register(lifetime, "streamrace-lifetime")
     launcher.install(config)
     if options.get(config, "streamrace"):
         backend = config.stash[_backend_key] = checks.resolve_backend(config)
