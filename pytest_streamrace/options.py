@@ -54,7 +54,7 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _positive_int(text: str) -> int:
+def positive_int(text: str) -> int:
     import argparse
 
     try:
@@ -79,7 +79,7 @@ def register(parser: pytest.Parser) -> None:
         elif s.kind == "float":
             kwargs["type"] = _positive_float
         elif s.kind == "int":
-            kwargs["type"] = _positive_int
+            kwargs["type"] = positive_int
         group.addoption(s.flag, **kwargs)
         parser.addini(s.name, s.help, default=None)
 
@@ -104,7 +104,7 @@ def get(config: pytest.Config, name: str) -> Any:
             raise pytest.UsageError(f"ini {s.name}: {exc}") from None
     if s.kind == "int":
         try:
-            return _positive_int(raw)
+            return positive_int(raw)
         except Exception as exc:
             raise pytest.UsageError(f"ini {s.name}: {exc}") from None
     return raw

@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+from tagged_lines import line
 
 from pytest_streamrace.detector.hb import FREE, RAW, WAR, WAW
 from pytest_streamrace.detector.session import Detector
@@ -11,12 +12,6 @@ DEFAULT_GROUP_STREAM = "communication stream of the default process group"
 N = 8
 
 
-def line(tag: str) -> int:
-    with open(__file__) as f:
-        for number, text in enumerate(f, 1):
-            if text.rstrip().endswith(f"# {tag}"):
-                return number
-    raise LookupError(tag)
 
 
 @pytest.fixture(scope="module")

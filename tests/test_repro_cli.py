@@ -30,7 +30,7 @@ def test_show_describes_variants_and_references():
     (["nosuch"], "error: unknown repro 'nosuch'; available: "),
     (["show"], "error: show needs a repro name"),
     (["zero_overlap", "--variant", "sideways"], "error: argument --variant: invalid choice: 'sideways'"),
-    (["zero_overlap", "--repeat", "0"], "error: argument --repeat: expected a positive integer, got '0'"),
+    (["zero_overlap", "--repeat", "0"], "error: argument --repeat: expected a positive whole number, got '0'"),
     (["zero_overlap", "--backend", "cuda"], "error: zero_overlap on the cuda backend needs 2 GPUs, this machine has 0"),
     ([], "error: the following arguments are required: command"),
 ])

@@ -3,17 +3,10 @@
 import os
 
 import torch
+from tagged_lines import line
 
 from pytest_streamrace.detector.session import Detector
 from pytest_streamrace.detector.tracker import byte_range, user_frames
-
-
-def line(tag: str) -> int:
-    with open(__file__) as f:
-        for number, text in enumerate(f, 1):
-            if text.rstrip().endswith(f"# {tag}"):
-                return number
-    raise LookupError(tag)
 
 
 def side_stream():

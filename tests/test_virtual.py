@@ -5,19 +5,13 @@ import threading
 
 import pytest
 import torch
+from tagged_lines import line
 
 from pytest_streamrace.detector.session import Detector, streamrace_device
 
 RAW, WAR, WAW, FREE = "read-after-write", "write-after-read", "write-after-write", "free-while-in-use"
 
 
-def line(tag: str) -> int:
-    """The line of this file ending with the comment `# tag`."""
-    with open(__file__) as f:
-        for number, text in enumerate(f, 1):
-            if text.rstrip().endswith(f"# {tag}"):
-                return number
-    raise LookupError(tag)
 
 
 def where(access) -> tuple[str, int]:

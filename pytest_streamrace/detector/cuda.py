@@ -8,20 +8,11 @@ autograd is modelled here: its ops and the events it records reach hb like every
 
 from __future__ import annotations
 
-import os
 
 import torch
 
 from .hb import Site
-from .tracker import user_frames
-
-
-def _created_at() -> str:
-    frames = user_frames()
-    if not frames:
-        return "<unknown>"
-    filename, lineno, _ = frames[0]
-    return f"{os.path.basename(filename)}:{lineno}"
+from .tracker import created_at, user_frames
 
 
 class CudaStreams:
@@ -55,7 +46,7 @@ class CudaStreams:
     # callbacks (they run inside torch calls: keep them small; hb serializes itself)
 
     def _stream_created(self, handle: int) -> None:
-        self.hb.add_stream(handle, f"stream created at {_created_at()}")
+        self.hb.add_stream(handle, f"stream created at {created_at()}")
 
     def _event_record(self, event: int, stream: int) -> None:
         self.tracker.drain()

@@ -14,7 +14,7 @@ import re
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Hashable
+from typing import Callable, Hashable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -79,6 +79,15 @@ def user_frames(limit: int = 5, depth: int = 1) -> tuple[tuple[str, int, str], .
 
 
 _code_skip: dict = {}  # code object -> whether its frames are machinery
+
+
+def created_at() -> str:
+    """"file.py:line" of the innermost user frame: how streams are named after the line that created them."""
+    frames = user_frames(limit=1, depth=2)
+    if not frames:
+        return "<unknown>"
+    filename, lineno, _ = frames[0]
+    return f"{os.path.basename(filename)}:{lineno}"
 
 
 def byte_range(t: torch.Tensor) -> tuple[int, int] | None:

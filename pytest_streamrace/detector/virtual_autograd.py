@@ -17,18 +17,25 @@ after waiting on both: a post-hook on each node sees the second gradient arrive 
 reading it (that add) on the consumer's stream.
 
 Known gap: tensor hooks (Tensor.register_hook) run before node pre-hooks, so on the previous node's stream.
+
+Like the engine of torch >= 2.10 on a GPU, the model warns (same text, so the same filters apply) when an
+AccumulateGrad node runs on another stream than the one that produced its gradient: the sign that gradient hooks
+run off the backward's stream (``hints`` turns the warning into a finding under --streamrace).
 """
 
 from __future__ import annotations
 
 import functools
 import threading
+import warnings
 import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
 
 _TAG = "streamrace.stream"
+MISMATCH = ("The AccumulateGrad node's stream does not match the stream of the node that produced the incoming "
+            "gradient.")  # torch's own wording (input_buffer.cpp), so filters written for torch's warning apply
 
 
 def _grad_fns(out) -> list:
@@ -64,6 +71,7 @@ class VirtualAutograd:
         self._tls = threading.local()
         self._mode: _NewNodes | None = None
         self._saved: list = []
+        self._mismatches: set = set()  # (node stream, producer stream) pairs already warned about
         self.active = False
 
     # graph nodes
@@ -86,7 +94,7 @@ class VirtualAutograd:
             if tag is not None and tag[0] is self._token:
                 continue
             meta[_TAG] = (self._token, stream)
-            node.register_prehook(_prehook(ref, stream))
+            node.register_prehook(_prehook(ref, stream, node.name() == "torch::autograd::AccumulateGrad"))
             edges = []
             for next_node, input_nr in node.next_functions:
                 if next_node is None:
@@ -97,8 +105,9 @@ class VirtualAutograd:
             if edges:
                 node.register_hook(_posthook(ref, stream, edges))
 
-    def enter_node(self, stream, grads) -> None:
-        """A bound node is about to run: its stream becomes current, after the streams that wrote its inputs."""
+    def enter_node(self, stream, grads, accumulate: bool = False) -> None:
+        """A bound node is about to run: its stream becomes current, after the streams that wrote its inputs.
+        `accumulate`: the node is an AccumulateGrad (a stream mismatch with its gradient's producer warns)."""
         self.streams.set_current(stream)
         frames = getattr(self._tls, "frames", None)
         if frames:
@@ -111,6 +120,15 @@ class VirtualAutograd:
                 if writer is not None and writer is not stream:
                     self.hb.wait_stream(stream, writer)
                     self.hb.record_stream(key, stream)  # the engine's input buffer does the same
+                    if accumulate:
+                        self._warn_mismatch(stream, writer)
+
+    def _warn_mismatch(self, stream, producer) -> None:
+        """torch's AccumulateGrad stream-mismatch warning, once per (node stream, producer stream) pair."""
+        if (stream, producer) not in self._mismatches:
+            self._mismatches.add((stream, producer))
+            warnings.warn(f"{MISMATCH} [streamrace virtual model: AccumulateGrad on {self.hb.stream_name(stream)}, "
+                          f"gradient from {self.hb.stream_name(producer)}]", UserWarning, stacklevel=2)
 
     def leave_node(self, stream, edges, grad_inputs) -> None:
         """A bound node produced gradients. Where a second one lands in an input that already holds one, the engine
@@ -201,10 +219,10 @@ def _posthook(ref, stream, edges):
     return posthook
 
 
-def _prehook(ref, stream):
+def _prehook(ref, stream, accumulate: bool):
     # Holds the model weakly: nodes (AccumulateGrad kept by DDP wrappers) may outlive the session.
     def prehook(grad_outputs):
         model = ref()
         if model is not None and model.active:
-            model.enter_node(stream, grad_outputs)
+            model.enter_node(stream, grad_outputs, accumulate)
     return prehook

@@ -10,12 +10,11 @@ devices keeps allocating on CPU.
 
 from __future__ import annotations
 
-import os
 import threading
 
 import torch
 
-from .tracker import user_frames
+from .tracker import created_at
 
 _active: "VirtualStreams | None" = None
 
@@ -28,21 +27,13 @@ def _model() -> "VirtualStreams":
     return _active
 
 
-def _created_at() -> str:
-    frames = user_frames()
-    if not frames:
-        return "<unknown>"
-    filename, lineno, _ = frames[0]
-    return f"{os.path.basename(filename)}:{lineno}"
-
-
 class Stream:
     """A virtual CUDA stream; it is its own key in hb. Named after the user line that created it."""
 
     def __init__(self, device=None, priority=0, **kwargs):
         self.priority = priority
         self.device = torch.device("cpu")
-        self.name = f"stream created at {_created_at()}"
+        self.name = f"stream created at {created_at()}"
         _model().hb.add_stream(self, self.name)
 
     device_index = 0

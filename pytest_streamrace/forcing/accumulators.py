@@ -10,7 +10,7 @@ node (registers its hooks): a node that already exists keeps the stream it was c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Mapping
+from typing import Callable, Mapping
 
 import torch
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import random
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

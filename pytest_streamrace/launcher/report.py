@@ -8,7 +8,6 @@ usually consequences ("connection closed" from gloo): they are shown after it, s
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 
 import pytest

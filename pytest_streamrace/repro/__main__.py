@@ -12,22 +12,13 @@ import sys
 from collections import Counter
 
 from .. import hardware
+from ..options import positive_int
 from .registry import ReproError, discover, get
 
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # one line and exit 2, not argparse's usage dump
         raise ReproError(message)
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -39,9 +30,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=("auto", "cuda", "virtual"), default="auto",
                         help="cuda: real GPUs and NCCL; virtual: CPU, gloo and the virtual stream model; "
                              "auto: cuda when there are enough GPUs")
-    parser.add_argument("--world-size", type=_positive, help="number of ranks (default: the repro's)")
-    parser.add_argument("--steps", type=_positive, help="training steps per run (default: the repro's)")
-    parser.add_argument("--repeat", type=_positive, default=1,
+    parser.add_argument("--world-size", type=positive_int, help="number of ranks (default: the repro's)")
+    parser.add_argument("--steps", type=positive_int, help="training steps per run (default: the repro's)")
+    parser.add_argument("--repeat", type=positive_int, default=1,
                         help="runs per variant (in the same rank processes, one launch per variant)")
     parser.add_argument("--json", metavar="PATH", help="write every run's verdict and evidence to PATH")
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome-trace timeline of the last run to PATH")
