@@ -136,8 +136,7 @@ def _step_local_targets(optimizer) -> None:
             for t in targets:  # the native registry holds these very tensors: they now view the flat buffer
                 t.set_(flat.untyped_storage(), offset, t.shape)
                 offset += t.numel()
-            partitions[group] = _Partition(targets, flat)
-            partitions[group].release_grad_buffers()
+            partitions[group] = _Partition(targets, flat)  # kept allocated until the first step releases it
 
     def set_step_local_grad_buffer(*_):
         for p in partitions.values():
