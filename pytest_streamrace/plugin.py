@@ -37,6 +37,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if options.get(config, "streamrace"):
         backend = config.stash[_backend_key] = checks.resolve_backend(config)
         config.pluginmanager.register(checks.RaceChecks(config, backend), "streamrace-checks")
+        from . import hints
+
+        config.pluginmanager.register(hints.StreamHints(config), "streamrace-hints")
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -1,0 +1,127 @@
+"""Stream hints under ``--streamrace``: warnings that point at a cross-stream bug class, reported as findings.
+
+torch >= 2.10 warns "The AccumulateGrad node's stream does not match the stream of the node that produced the
+incoming gradient" when a parameter's AccumulateGrad node — and so every gradient hook on it — runs on another
+stream than the backward that feeds it. That is exactly the setup of the hook-stream races (Megatron's DDP built on a
+side stream, #3670; ZeRO's hooks under torch.compile, #8061), and it costs nothing to notice. The virtual backend's
+autograd model raises the same warning on CPU (``detector.virtual_autograd``). A hint is not a failure: it says
+where to look; the detector's races say what is wrong.
+
+Each test phase runs inside ``warnings.catch_warnings``; every warning caught is re-issued after the phase, so
+pytest's own warning summary and the user's filters are unchanged (an ignored warning is still a hint). torch issues
+its warning once per process: in a long pytest process only the first test that triggers it gets the hint (each
+distributed test's ranks are fresh processes, so those always do).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+
+from .checks import _rank, _writes_files  # the rank of this process; whether it writes the session's summaries
+
+HINTS = "streamrace_hints"  # user_properties key: [hint dicts], on the teardown report
+SECTION = "streamrace hints"
+_PATTERN = r"The AccumulateGrad node's stream does not match"
+ADVICE = ("An AccumulateGrad node on another stream than the backward that feeds it runs its gradient hooks there: "
+          "whatever they write (gradient buckets, main_grad) needs a wait before another stream reads it.")
+_hints_key = pytest.StashKey[list]()
+
+
+def hint_from(warning: warnings.WarningMessage, rank: int | None) -> dict | None:
+    """The hint a caught warning gives, or None."""
+    text = str(warning.message)
+    if not re.match(_PATTERN, text):
+        return None
+    detail = re.search(r"\[streamrace virtual model: (.*)\]", text)
+    return {"kind": "accumulate-grad-stream-mismatch", "rank": rank,
+            "source": "streamrace virtual model" if detail else "torch",
+            "detail": detail.group(1) if detail else "",
+            "where": f"{warning.filename}:{warning.lineno}"}
+
+
+def describe(hint: dict, ranks: list | None = None) -> str:
+    """One line per hint; `ranks`: the ranks that reported it (default: the hint's own)."""
+    ranks = ranks if ranks is not None else [hint["rank"]] if hint.get("rank") is not None else []
+    on = f", rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
+    what = hint["detail"] or "AccumulateGrad node on another stream than its gradient's producer"
+    return f"{what} ({hint['source']} warning{on})"
+
+
+def merged(hints: list[tuple[str, dict]]) -> list[tuple[str, str]]:
+    """(nodeid, line) per distinct hint of each test, the ranks that reported it merged into the line."""
+    ranks: dict[tuple, list] = {}
+    first: dict[tuple, dict] = {}
+    for nodeid, hint in hints:
+        key = (nodeid, hint["kind"], hint["source"], hint["detail"])
+        first.setdefault(key, hint)
+        if hint.get("rank") is not None and hint["rank"] not in ranks.setdefault(key, []):
+            ranks[key].append(hint["rank"])
+    return [(key[0], describe(hint, sorted(ranks.get(key, [])))) for key, hint in first.items()]
+
+
+class StreamHints:
+    """Captures hint warnings per test phase and reports them: a report section, the teardown report's
+    user_properties (how they travel from xdist workers and rank processes), a terminal summary."""
+
+    def __init__(self, config: pytest.Config):
+        self.config = config
+        self.seen: list[tuple[str, dict]] = []  # (nodeid, hint), where the summary is written
+
+    def _capture(self, item: pytest.Item):
+        found = item.stash.setdefault(_hints_key, [])
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.filterwarnings("always", message=_PATTERN)
+                return (yield)
+        finally:
+            for w in caught:
+                hint = hint_from(w, _rank())
+                if hint is not None and hint not in found:
+                    found.append(hint)
+            # outside the capture: pytest and the user's filters see every warning as if we were not here
+            for w in caught:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_setup(self, item: pytest.Item):
+        return (yield from self._capture(item))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item):
+        return (yield from self._capture(item))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_teardown(self, item: pytest.Item, nextitem):
+        return (yield from self._capture(item))
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item: pytest.Item, call):
+        report = yield
+        found = item.stash.get(_hints_key, [])
+        if found and report.when == "call":
+            report.sections.append((SECTION, "\n".join([*(line for _, line in merged([("", h) for h in found])),
+                                                         ADVICE])))
+        if found and report.when == "teardown":
+            report.user_properties.append((HINTS, list(found)))
+        return report
+
+    @pytest.hookimpl
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.when != "teardown":
+            return
+        for key, value in report.user_properties:
+            if key == HINTS:
+                self.seen.extend((report.nodeid, hint) for hint in value)
+
+    @pytest.hookimpl
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if not self.seen or not _writes_files(self.config):
+            return
+        terminalreporter.section(SECTION)
+        for nodeid, line in merged(self.seen):
+            terminalreporter.line(f"{nodeid}: {line}")
+        terminalreporter.line(ADVICE)
+
