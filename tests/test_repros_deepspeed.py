@@ -39,8 +39,8 @@ def test_cli_verdicts_and_json_evidence(tmp_path, name, bug_kinds):
 
 
 def test_shipped_repro_items_pass_under_pytest_streamrace(pytester):
-    result = pytester.runpytest_subprocess("--streamrace", "--pyargs", "pytest_streamrace.repros", "-p",
-                                           "no:cacheprovider", "-v", timeout=900)
+    result = pytester.runpytest_subprocess("--streamrace", "--pyargs", "pytest_streamrace.repros", "-k", "zero_",
+                                           "-p", "no:cacheprovider", "-v", timeout=900)
     result.assert_outcomes(passed=4)
     passed = {line.split("[")[1].split("]")[0] for line in result.outlines if " PASSED" in line}
     assert passed == {f"{name}-{variant}" for name in ("zero_overlap", "zero_bucket_reuse")

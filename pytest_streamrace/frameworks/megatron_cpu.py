@@ -53,8 +53,6 @@ def _cpu_mode():
     from torch.overrides import TorchFunctionMode
 
     cpu = torch.device("cpu")
-    to_methods = {torch.Tensor.to, torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones,
-                  torch.Tensor.new_full, torch.Tensor.new_tensor}
 
     class CudaDevicesOnCpu(TorchFunctionMode):
         """Rewrites CUDA device arguments to CPU (``device=`` anywhere, ``.to(0)``/``.to("cuda")``, ``.cuda()``)."""
@@ -65,7 +63,7 @@ def _cpu_mode():
                 return args[0].to(cpu, non_blocking=kwargs.get("non_blocking", False))
             if "device" in kwargs and _is_cuda(kwargs["device"]):
                 kwargs["device"] = cpu
-            if func in to_methods and len(args) > 1 and _is_cuda(args[1]):
+            if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):  # .to(0), .to("cuda")
                 args = (args[0], cpu, *args[2:])
             return func(*args, **kwargs)
 
