@@ -14,3 +14,15 @@ def test_header_reports_machine_and_session(pytester):
     result = pytester.runpytest_subprocess()
     result.stdout.fnmatch_lines(["streamrace: * not under torchrun; race checks off*"])
     result.assert_outcomes(passed=1)
+
+
+def test_a_plain_session_never_imports_torch(pytester):
+    """Every part the plugin registers at configure time stays torch-free until a test needs torch."""
+    pytester.makeconftest("""
+        import sys
+        def pytest_sessionfinish(session):
+            print("torch imported:", "torch" in sys.modules)
+    """)
+    pytester.makepyfile("def test_ok(): pass")
+    result = pytester.runpytest_subprocess("-s")
+    result.stdout.fnmatch_lines(["*torch imported: False*"])
