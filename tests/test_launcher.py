@@ -6,6 +6,7 @@ what it started) so each test can check that no process outlived its item.
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 import sys
@@ -315,8 +316,12 @@ def test_interrupted_session_leaves_no_rank_behind(pytester, monkeypatch, tmp_pa
 
 
 def section(out: str, test_name: str) -> str:
-    """The failure/error block pytest printed for one test."""
-    blocks = out.split("\n_")
-    found = [b for b in blocks if b.lstrip("_ ").startswith(f"{test_name} ") or f" of {test_name} " in b[:120]]
-    assert found, f"no report block for {test_name}"
-    return found[0]
+    """The failure/error block pytest printed for one test: from its "___ name ___" header to the next header or
+    "===" line (the short summary's one-liners are not part of it)."""
+    header = re.compile(rf"^_+ (?:ERROR at \w+ of )?{re.escape(test_name)} _+$")
+    lines = out.splitlines()
+    start = next((i for i, text in enumerate(lines) if header.match(text)), None)
+    assert start is not None, f"no report block for {test_name}"
+    end = next((i for i in range(start + 1, len(lines))
+                if re.match(r"^(_{3,} .* _{3,}|={3,}.*)$", lines[i])), len(lines))
+    return "\n".join(lines[start:end])
