@@ -48,7 +48,7 @@ def expected(item: pytest.Item) -> str | None:
     return expect
 
 
-def _rank() -> int | None:
+def process_rank() -> int | None:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():
         return dist.get_rank()
@@ -99,7 +99,7 @@ class RaceChecks:
         judged = item.stash[_judged_key]
         fresh = races[judged:]
         item.stash[_judged_key] = len(races)
-        rank = _rank()
+        rank = process_rank()
         # Recorded on the item, so the teardown report — the one collected, here and in a launching parent —
         # carries every phase's; the teardown report itself is already built, so it gets its own directly.
         record = report.user_properties if report.when == "teardown" else item.user_properties
@@ -151,7 +151,7 @@ class RaceChecks:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
-        if not _writes_files(self.config):
+        if not writes_session_files(self.config):
             return  # the xdist controller / the launching parent / torchrun rank 0 writes them
         if self.json_path:
             from .detector.report import SCHEMA_VERSION
@@ -166,7 +166,7 @@ class RaceChecks:
             write_trace(self.trace_path, _one_process_per_test(self.traces))
 
 
-def _writes_files(config: pytest.Config) -> bool:
+def writes_session_files(config: pytest.Config) -> bool:
     from .launcher import child
 
     if hasattr(config, "workerinput") or child.spec_from_env() is not None:

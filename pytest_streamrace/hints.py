@@ -20,7 +20,7 @@ import warnings
 
 import pytest
 
-from .checks import _rank, _writes_files  # the rank of this process; whether it writes the session's summaries
+from .checks import process_rank, writes_session_files
 
 HINTS = "streamrace_hints"  # user_properties key: [hint dicts], on the teardown report
 SECTION = "streamrace hints"
@@ -78,7 +78,7 @@ class StreamHints:
                 return (yield)
         finally:
             for w in caught:
-                hint = hint_from(w, _rank())
+                hint = hint_from(w, process_rank())
                 if hint is not None and hint not in found:
                     found.append(hint)
             # outside the capture: pytest and the user's filters see every warning as if we were not here
@@ -118,7 +118,7 @@ class StreamHints:
 
     @pytest.hookimpl
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        if not self.seen or not _writes_files(self.config):
+        if not self.seen or not writes_session_files(self.config):
             return
         terminalreporter.section(SECTION)
         for nodeid, line in merged(self.seen):

@@ -54,15 +54,12 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
 
 
 @pytest.fixture
-def streamrace_device(request: pytest.FixtureRequest):
+def streamrace_device():
     """The torch.device a test should allocate on: cpu under the virtual backend, cuda under the cuda backend (or
     without --streamrace: cuda when a GPU is visible, else cpu)."""
-    import torch
+    from .detector.session import streamrace_device
 
-    backend = request.config.stash.get(_backend_key, None)
-    if backend is None:
-        backend = "cuda" if hardware.visible_gpus() else "virtual"
-    return torch.device("cuda" if backend == "cuda" else "cpu")
+    return streamrace_device()
 
 
 @pytest.fixture

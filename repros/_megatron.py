@@ -118,7 +118,7 @@ def _model(ctx):
     return torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(depth)]).to(ctx.device), width, batch
 
 
-def _local_shards(ddp) -> "torch.Tensor":
+def _local_shards(ddp):
     """This rank's reduce-scatter shard of every bucket (the rest of the buffer is not this rank's result)."""
     import torch
 

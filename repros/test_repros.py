@@ -49,8 +49,7 @@ def test_repro(repro, variant, rank, world_size, request):
         if own:
             own.__exit__(None, None, None)
         pytest.skip(f"{repro.name} runs on the {' or '.join(repro.backends)} backend, not {detector.backend}")
-    device = torch.device("cuda", torch.cuda.current_device()) if detector.backend == "cuda" else torch.device("cpu")
-    ctx = RankContext(variant, detector.backend, device, rank, world_size, _SETTINGS.get("steps") or 2, detector)
+    ctx = RankContext(variant, detector.backend, session.streamrace_device(), rank, world_size, _SETTINGS.get("steps") or 2, detector)
     runs = []
     start = time.perf_counter()
     try:

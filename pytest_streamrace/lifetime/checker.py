@@ -11,7 +11,7 @@ after it was tracked. Phases are plain names the test marks (`phase`), or marks 
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from . import sites
 from .memory import PhasePeaks
