@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from .hb import Site
-from .tracker import created_at, user_frames
+from .tracker import created_at, stack
 
 
 class CudaStreams:
@@ -66,7 +66,7 @@ class CudaStreams:
         self.hb.synchronize_device()
 
     def _dealloc(self, ptr: int) -> None:
-        self.tracker.note_free(ptr, Site("free", user_frames()))
+        self.tracker.note_free(ptr, Site("free", stack()))
 
     # patch protocol
 

@@ -27,18 +27,39 @@ WAW = "write-after-write"
 FREE = "free-while-in-use"
 
 
-@dataclass(frozen=True)
 class Site:
-    """Where, in user code, something happened."""
+    """Where, in user code, something happened: the op ("aten::copy_", "all_reduce", "free", ...) and the
+    user-relevant frames, innermost first. `frames` may also be given lazily, as any object whose resolve() returns
+    them: the tracker captures a stack per op but names its frames only when something reads them (a race, a trace).
+    """
 
-    op: str  # "aten::copy_", "all_reduce", "free", "record_stream", ...
-    frames: tuple[Frame, ...] = ()  # user-relevant frames, innermost first
+    __slots__ = ("op", "_frames")
+
+    def __init__(self, op: str, frames=()):
+        self.op = op
+        self._frames = frames
+
+    @property
+    def frames(self) -> tuple[Frame, ...]:
+        frames = self._frames
+        if frames.__class__ is not tuple:
+            frames = self._frames = tuple(frames.resolve() if hasattr(frames, "resolve") else frames)
+        return frames
 
     def location(self) -> str:
         if not self.frames:
             return "<unknown>"
         filename, lineno, _ = self.frames[0]
         return f"{filename}:{lineno}"
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Site) and (self.op, self.frames) == (other.op, other.frames)
+
+    def __hash__(self) -> int:
+        return hash((self.op, self.frames))
+
+    def __repr__(self) -> str:
+        return f"Site({self.op!r}, {self.frames!r})"
 
 
 @dataclass(frozen=True)
@@ -47,8 +68,17 @@ class TensorInfo:
     dtype: str
     name: str | None = None  # "model.0.weight", "ipg bucket", ...
 
+    @classmethod
+    def of(cls, desc) -> "TensorInfo":
+        """A TensorInfo from what an access carries: one already, or a raw (shape, dtype, name) tuple. The tracker
+        passes raw tuples because describing every access costs more than the rare race that names one."""
+        if isinstance(desc, TensorInfo):
+            return desc
+        shape, dtype, name = desc
+        return cls(tuple(shape), str(dtype).removeprefix("torch."), name)
 
-@dataclass(frozen=True)
+
+@dataclass(slots=True, eq=False)  # one per op: identity is enough, and a plain __init__ is cheap
 class Op:
     """One launch on a stream. seq is the global launch order (the time axis of traces)."""
 
@@ -229,50 +259,85 @@ class HappensBefore:
 
     def launch(self, stream: Hashable, site: Site) -> Op:
         with self._lock:
-            state = self._stream(stream)
-            if state.host_seen != self._host_version:
-                state.known = _merge(state.known, self._host)
-                state.host_seen = self._host_version
-            state.epoch += 1
-            self._seq += 1
-            op = Op(stream, state.epoch, self._seq, site, state.known)
-            if self._trace:
-                self._timeline.append(op)
-            return op
+            return self._launch(stream, site)
 
-    def access(self, op: Op, storage: Hashable, start: int, end: int, write: bool,
-               tensor: TensorInfo) -> list[Race]:
-        """Bytes [start, end) of storage accessed by op. Returns the races not reported before."""
-        if end <= start:
-            return []
+    def access(self, op: Op, storage: Hashable, start: int, end: int, write: bool, tensor) -> list[Race]:
+        """Bytes [start, end) of storage accessed by op; tensor: a TensorInfo or (shape, dtype, name). Returns the
+        races not reported before."""
         with self._lock:
-            st = self._storages.get(storage)
-            if st is None:
-                st = self._storages[storage] = _Storage()
             found: dict[tuple, Race] = {}
-            kept = []
-            for rec in st.history:
-                a_op, a_start, a_end, a_write, a_tensor = rec
-                if a_start < end and start < a_end:
-                    ordered = happens_before(a_op, op)
-                    if not ordered and (write or a_write) and a_op.stream != op.stream:
-                        kind = WAW if write and a_write else (WAR if write else RAW)
-                        race = Race(kind, Access(a_op, storage, a_start, a_end, a_write, a_tensor),
-                                    Access(op, storage, start, end, write, tensor), st.alloc_site)
-                        found.setdefault(race.key(), race)
-                    if ordered and (write or (not a_write and a_op.stream == op.stream)):
-                        # Dominated where they overlap: a later access racing with rec on those bytes also races
-                        # with this one (ordering is transitive). Keep only rec's uncovered bytes, so detection
-                        # is unchanged and history stays bounded in loops.
-                        if a_start < start:
-                            kept.append((a_op, a_start, start, a_write, a_tensor))
-                        if end < a_end:
-                            kept.append((a_op, end, a_end, a_write, a_tensor))
-                        continue
-                kept.append(rec)
-            kept.append((op, start, end, write, tensor))
-            st.history = kept
+            self._access(op, storage, start, end, write, tensor, found)
             return self._collect(found)
+
+    def record(self, stream: Hashable, site: Site, accesses=(), allocs=()) -> tuple[Op, list[Race]]:
+        """One op in one call (the tracker's per-op path: one lock, one launch): launch it on `stream`, allocate
+        its fresh storages — (storage, nbytes, tensor) — then apply its accesses — (storage, start, end, write,
+        tensor). Returns the op and the races not reported before."""
+        with self._lock:
+            op = self._launch(stream, site)
+            found: dict[tuple, Race] = {}  # per access, so one op racing twice at one location pair counts twice
+            new: list[Race] = []
+            for storage, nbytes, tensor in allocs:
+                self._alloc(storage, nbytes, stream, site, tensor, found)
+                if found:
+                    new += self._collect(found)
+                    found.clear()
+            for storage, start, end, write, tensor in accesses:
+                self._access(op, storage, start, end, write, tensor, found)
+                if found:
+                    new += self._collect(found)
+                    found.clear()
+            return op, new
+
+    def _launch(self, stream: Hashable, site: Site) -> Op:
+        state = self._streams.get(stream)
+        if state is None:
+            state = self._stream(stream)
+        if state.host_seen != self._host_version:
+            state.known = _merge(state.known, self._host)
+            state.host_seen = self._host_version
+        state.epoch += 1
+        self._seq += 1
+        op = Op(stream, state.epoch, self._seq, site, state.known)
+        if self._trace:
+            self._timeline.append(op)
+        return op
+
+    def _access(self, op: Op, storage, start: int, end: int, write: bool, tensor, found: dict) -> None:
+        if end <= start:
+            return
+        st = self._storages.get(storage)
+        if st is None:
+            st = self._storages[storage] = _Storage()
+        history = st.history
+        if not history:
+            history.append((op, start, end, write, tensor))
+            return
+        stream = op.stream
+        clock = op.clock
+        kept = []
+        for rec in history:
+            a_op, a_start, a_end, a_write, a_tensor = rec
+            if a_start < end and start < a_end:
+                a_stream = a_op.stream
+                ordered = a_op.seq <= op.seq if a_stream == stream else clock.get(a_stream, 0) >= a_op.epoch
+                if not ordered and (write or a_write):
+                    kind = WAW if write and a_write else (WAR if write else RAW)
+                    race = Race(kind, Access(a_op, storage, a_start, a_end, a_write, TensorInfo.of(a_tensor)),
+                                Access(op, storage, start, end, write, TensorInfo.of(tensor)), st.alloc_site)
+                    found.setdefault(race.key(), race)
+                if ordered and (write or (not a_write and a_stream == stream)):
+                    # Dominated where they overlap: a later access racing with rec on those bytes also races
+                    # with this one (ordering is transitive). Keep only rec's uncovered bytes, so detection
+                    # is unchanged and history stays bounded in loops.
+                    if a_start < start:
+                        kept.append((a_op, a_start, start, a_write, a_tensor))
+                    if end < a_end:
+                        kept.append((a_op, end, a_end, a_write, a_tensor))
+                    continue
+            kept.append(rec)
+        kept.append((op, start, end, write, tensor))
+        st.history = kept
 
     def _collect(self, found: dict[tuple, Race]) -> list[Race]:
         new = []
@@ -287,29 +352,32 @@ class HappensBefore:
 
     # memory
 
-    def alloc(self, storage: Hashable, nbytes: int, stream: Hashable, site: Site,
-              tensor: TensorInfo | None = None) -> list[Race]:
+    def alloc(self, storage: Hashable, nbytes: int, stream: Hashable, site: Site, tensor=None) -> list[Race]:
         """A new block for work on `stream`. The caching allocator may hand out any block freed to this stream's
         pool, so this is where a free's hazards become races: an access to a freed block not ordered before this
         point may still be running when the new owner writes the memory. Returns the races not reported before."""
         with self._lock:
-            state = self._stream(stream)
-            self._storages[storage] = _Storage(nbytes, stream, site, tensor)
-            if not state.freed:
-                return []
-            if state.host_seen != self._host_version:
-                state.known = _merge(state.known, self._host)
-                state.host_seen = self._host_version
-            now = _merge(self._host, state.now())
             found: dict[tuple, Race] = {}
-            for freed_storage, free_op, hazards, alloc_site, freed_tensor, nbytes_freed in state.freed:
-                left = [a for a in hazards if now.get(a.op.stream, 0) < a.op.epoch]
-                for a in left:
-                    race = Race(FREE, a, Access(free_op, freed_storage, 0, nbytes_freed, True, freed_tensor or a.tensor),
-                                alloc_site)
-                    found.setdefault(race.key(), race)
-            state.freed = []  # each hazard is judged once: resolved (ordered) or reported here
+            self._alloc(storage, nbytes, stream, site, tensor, found)
             return self._collect(found)
+
+    def _alloc(self, storage, nbytes, stream, site, tensor, found: dict) -> None:
+        self._storages[storage] = _Storage(nbytes, stream, site, tensor)
+        state = self._streams.get(stream)
+        if state is None or not state.freed:
+            return
+        if state.host_seen != self._host_version:
+            state.known = _merge(state.known, self._host)
+            state.host_seen = self._host_version
+        now = _merge(self._host, state.now())
+        for freed_storage, free_op, hazards, alloc_site, freed_tensor, nbytes_freed in state.freed:
+            for a in hazards:
+                if now.get(a.op.stream, 0) < a.op.epoch:
+                    freed = Access(free_op, freed_storage, 0, nbytes_freed, True,
+                                   TensorInfo.of(freed_tensor) if freed_tensor is not None else a.tensor)
+                    race = Race(FREE, a, freed, alloc_site)
+                    found.setdefault(race.key(), race)
+        state.freed = []  # each hazard is judged once: resolved (ordered) or reported here
 
     def record_stream(self, storage: Hashable, stream: Hashable) -> None:
         """Tensor.record_stream. Like the caching allocator, which records an event on every such stream when the
@@ -335,7 +403,7 @@ class HappensBefore:
             stream = st.alloc_stream
             state = self._stream(stream)
             safe = _merge(self._host, state.now())  # ordered before any reuse of the block
-            hazards = [Access(a_op, storage, a_start, a_end, a_write, a_tensor)
+            hazards = [Access(a_op, storage, a_start, a_end, a_write, TensorInfo.of(a_tensor))
                        for a_op, a_start, a_end, a_write, a_tensor in st.history
                        if a_op.stream != stream and a_op.stream not in st.used_on
                        and safe.get(a_op.stream, 0) < a_op.epoch]

@@ -9,6 +9,7 @@ touches — so overlapping views at other offsets conflict and disjoint slices o
 from __future__ import annotations
 
 import collections
+import operator
 import os
 import re
 import sys
@@ -19,7 +20,7 @@ from typing import Callable, Hashable
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .hb import HappensBefore, Race, Site, TensorInfo
+from .hb import HappensBefore, Race, Site
 
 # Factories that read only their inputs' metadata; "empty" ones do not write their output either (no kernel runs).
 _METADATA_INPUTS = re.compile(r"^aten::(new_.*|.*_like|empty.*)$")
@@ -45,40 +46,88 @@ def _skip_prefixes() -> tuple[str, ...]:
 
 
 _STDLIB = os.path.dirname(os.__file__) + os.sep
-_skip_cache: dict[str, bool] = {}
+_USER, _MACHINERY, _HARNESS = 0, 1, 2
+_kinds: dict = {}  # code object -> _USER | _MACHINERY | _HARNESS
 _prefixes: tuple[str, ...] | None = None
 
 
-def _is_internal(filename: str) -> bool:
-    skip = _skip_cache.get(filename)
-    if skip is None:
-        global _prefixes
-        if _prefixes is None:
-            _prefixes = _skip_prefixes()
-        in_packages = "site-packages" in filename or "dist-packages" in filename
-        skip = (filename.startswith(_prefixes) or filename.startswith("<")
-                or (filename.startswith(_STDLIB) and not in_packages))
-        _skip_cache[filename] = skip
-    return skip
+def _kind(filename: str) -> int:
+    """User code, machinery to look through (torch, this package, the standard library), or the test harness
+    (pytest, pluggy): nothing beneath the harness's frames is the test's own code, so the walk stops there."""
+    global _prefixes
+    if _prefixes is None:
+        _prefixes = _skip_prefixes()
+    if os.sep + "_pytest" + os.sep in filename or os.sep + "pluggy" + os.sep in filename:
+        return _HARNESS
+    in_packages = "site-packages" in filename or "dist-packages" in filename
+    if filename.startswith(_prefixes) or filename.startswith("<") or (filename.startswith(_STDLIB) and not in_packages):
+        return _MACHINERY
+    return _USER
+
+
+def _classify(code_or_filename, cache: dict) -> int:
+    kind = cache.get(code_or_filename)
+    if kind is None:
+        filename = code_or_filename if isinstance(code_or_filename, str) else code_or_filename.co_filename
+        kind = cache[code_or_filename] = _kind(filename)
+    return kind
 
 
 def user_frames(limit: int = 5, depth: int = 1) -> tuple[tuple[str, int, str], ...]:
-    """The innermost `limit` frames outside torch, pytest and this package — cheap enough to take per op."""
+    """The innermost `limit` frames outside torch, pytest and this package, walked now (code objects are classified
+    once, and the walk stops at the test harness). Per op, `stack()` is cheaper."""
     frame = sys._getframe(depth)
     out = []
-    skip = _code_skip
-    while frame is not None and len(out) < limit:
+    kinds = _kinds
+    while frame is not None:
         code = frame.f_code
-        internal = skip.get(code)
-        if internal is None:
-            internal = skip[code] = _is_internal(code.co_filename)
-        if not internal:
+        kind = kinds.get(code)
+        if kind is None:
+            kind = _classify(code, kinds)
+        if kind == _USER:
             out.append((code.co_filename, frame.f_lineno, code.co_name))
+            if len(out) == limit:
+                break
+        elif kind == _HARNESS:
+            break
         frame = frame.f_back
     return tuple(out)
 
 
-_code_skip: dict = {}  # code object -> whether its frames are machinery
+try:  # torch's C++ stack capture (what its memory snapshots use): code objects and offsets, named later
+    from torch._C._profiler import gather_traceback as _gather, symbolize_tracebacks as _symbolize
+except ImportError:
+    _gather = None
+
+
+class _Stack:
+    """A Python stack captured in C — no frame objects, so no locals (and tensors) kept alive — whose user frames
+    are named only when read: every op needs its stack kept, few ever have it read."""
+
+    __slots__ = ("traceback",)
+
+    def __init__(self):
+        self.traceback = _gather(True, False, False)
+
+    def resolve(self, limit: int = 5) -> tuple[tuple[str, int, str], ...]:
+        out = []
+        kinds = _kinds
+        for frame in _symbolize([self.traceback])[0]:
+            filename = frame["filename"]
+            kind = _classify(filename, kinds)
+            if kind == _USER:
+                out.append((filename, frame["line"], frame["name"]))
+                if len(out) == limit:
+                    break
+            elif kind == _HARNESS:
+                break
+        return tuple(out)
+
+
+def stack():
+    """The caller's user frames for a Site, cheaply: captured now, named when read (walked now without torch's
+    capture)."""
+    return _Stack() if _gather is not None else user_frames(depth=2)
 
 
 def created_at() -> str:
@@ -92,17 +141,15 @@ def created_at() -> str:
 
 def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
     """[start, end) bytes of its storage that a tensor's elements span; None when it has no elements."""
-    numel = t.numel()
-    if numel == 0:
-        return None
-    size = t.element_size()
-    span = numel - 1 if t.is_contiguous() else sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    size = t.itemsize
     start = t.storage_offset() * size
+    if t.is_contiguous():
+        nbytes = t.nbytes
+        return (start, start + nbytes) if nbytes else None
+    if t.numel() == 0:
+        return None
+    span = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return start, start + (span + 1) * size
-
-
-def tensor_info(t: torch.Tensor, name: str | None) -> TensorInfo:
-    return TensorInfo(tuple(t.shape), str(t.dtype).removeprefix("torch."), name)
 
 
 _HANDLED = "handled"  # plan of ops a namespace handler models (collectives)
@@ -140,13 +187,30 @@ def _tensors(value) -> list[torch.Tensor]:
     return []
 
 
+try:  # what torch's dynamo-disable wrapper around __torch_dispatch__ does, without the wrapper's per-call cost
+    from torch._C._dynamo.eval_frame import set_eval_frame as _set_eval_frame
+    _OWN_DYNAMO_GUARD = True
+except ImportError:  # no such hook in this build: torch's own wrapper stays
+    _OWN_DYNAMO_GUARD = False
+
+    def _set_eval_frame(callback):
+        return None
+
+
 class AccessTracker(TorchDispatchMode):
     """Turns ATen ops into hb launches and accesses on the stream `current_stream()` names.
 
     device_type: the tensors that live on the modelled device ("cpu" under virtual streams, "cuda" on GPUs); others
-    are host memory and ignored. track_frees: on CPU a storage's death is seen with weakref.finalize; on CUDA the
-    allocator's deallocation callback calls `free_storage` instead.
+    are host memory and ignored. track_frees: on CPU a storage's death is seen through a weak reference; on CUDA the
+    allocator's deallocation callback calls `note_free` instead.
+
+    Every op passes through here, so the per-op path is kept lean: one plan per op from its schema, tensors
+    described as raw tuples (hb builds TensorInfo only for races), one hb call per op.
     """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return not _OWN_DYNAMO_GUARD  # else __torch_dispatch__ keeps dynamo out itself, more cheaply
 
     def __init__(self, hb: HappensBefore, current_stream: Callable[[], Hashable], device_type: str,
                  track_frees: bool = True, on_race: Callable[[list[Race]], None] | None = None):
@@ -154,6 +218,7 @@ class AccessTracker(TorchDispatchMode):
         self.hb = hb
         self.current_stream = current_stream
         self.device_type = device_type
+        self.on_device: Callable[[torch.Tensor], bool] = operator.attrgetter(f"is_{device_type}")
         self.track_frees = track_frees
         self.on_race = on_race
         self.names: dict[Hashable, str] = {}  # storage key -> human name ("model.0.weight")
@@ -161,7 +226,8 @@ class AccessTracker(TorchDispatchMode):
         # op namespace -> handler(func, args, kwargs, out) that models those ops itself (collectives: "c10d")
         self.namespace_handlers: dict[str, Callable] = {}
         self.redirect: dict[Hashable, Hashable] = {}  # storage key -> stream of the next op reading it (autograd)
-        self._seen: dict[Hashable, weakref.finalize | None] = {}  # storages alive and known
+        self._seen: dict[Hashable, weakref.ref | None] = {}  # storages alive and known -> their weak reference
+        self._ref_keys: dict[weakref.ref, Hashable] = {}
         self._frees: collections.deque = collections.deque()
         self._lock = threading.RLock()
         self.enabled = True
@@ -182,12 +248,20 @@ class AccessTracker(TorchDispatchMode):
         if key == 0:
             return None
         if key not in self._seen:
-            self._seen[key] = weakref.finalize(storage, self._finalized, key) if self.track_frees else None
+            self._watch(key, storage)
         return key
 
-    def _finalized(self, key: Hashable) -> None:
-        if self._seen.get(key) is not None:
-            self.note_free(key, Site("free", user_frames()))
+    def _watch(self, key: Hashable, storage) -> None:
+        ref = None
+        if self.track_frees:
+            ref = weakref.ref(storage, self._dead)
+            self._ref_keys[ref] = key
+        self._seen[key] = ref
+
+    def _dead(self, ref: weakref.ref) -> None:
+        key = self._ref_keys.pop(ref, None)
+        if key is not None and self._seen.get(key) is ref:
+            self.note_free(key, Site("free", stack()))
 
     def note_free(self, key: Hashable, site: Site) -> None:
         """The storage's memory went back to the allocator. Queued, not applied: this may run inside a garbage
@@ -207,30 +281,30 @@ class AccessTracker(TorchDispatchMode):
             self._report(self.hb.free(key, site))
 
     def detach(self) -> None:
-        """Stop watching storages (the session ends): no finalizer fires into a finished detector."""
-        for fin in self._seen.values():
-            if fin is not None:
-                fin.detach()
+        """Stop watching storages (the session ends): no callback fires into a finished detector."""
         self._seen.clear()
+        self._ref_keys.clear()
 
     # accesses
-
-    def on_device(self, t: torch.Tensor) -> bool:
-        return t.device.type == self.device_type
 
     def run(self, op_name: str, stream: Hashable, reads=(), writes=(), frames=None):
         """Launch one op on `stream` that reads and writes the given tensors: the public way for collectives and
         other work the dispatch mode does not see. Returns the hb Op."""
         with self._lock:
-            self.drain()
-            op = self.hb.launch(stream, Site(op_name, frames if frames is not None else user_frames()))
+            if self._frees:
+                self.drain()
+            accesses: list[tuple] = []
             for t in reads:
-                self._access(op, t, False)
+                self._describe(t, False, stream, accesses)
             for t in writes:
-                self._access(op, t, True)
+                self._describe(t, True, stream, accesses)
+            site = Site(op_name, frames if frames is not None else stack())
+            op, races = self.hb.record(stream, site, accesses)
+            self._report(races)
             return op
 
-    def _access(self, op, t: torch.Tensor, write: bool) -> None:
+    def _describe(self, t: torch.Tensor, write: bool, stream, accesses: list) -> None:
+        """Append t's access as hb wants it — (storage, start, end, write, (shape, dtype, name)) — if it has one."""
         if not self.on_device(t):
             return
         span = byte_range(t)
@@ -240,91 +314,88 @@ class AccessTracker(TorchDispatchMode):
         if key is None:
             return
         if write:
-            self.last_writer[key] = op.stream
-        elif self.engine_records_streams and self.last_writer.get(key, op.stream) != op.stream \
+            self.last_writer[key] = stream
+        elif self.engine_records_streams and self.last_writer.get(key, stream) != stream \
                 and torch._C._current_autograd_node() is not None:
-            self.hb.record_stream(key, op.stream)  # read inside a node: taken as one of its incoming gradients
-        self._report(self.hb.access(op, key, span[0], span[1], write, tensor_info(t, self.names.get(key))))
-
-    def _alloc(self, op, t: torch.Tensor) -> bool:
-        """A fresh output: remember where it was allocated. False when its storage was already known."""
-        try:
-            storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError, TypeError):
-            return False
-        if storage.data_ptr() == 0 or storage.data_ptr() in self._seen:
-            return False
-        key = self.storage_key(t)
-        self.hb.alloc(key, storage.nbytes(), op.stream, op.site, tensor_info(t, None))
-        return True
+            self.hb.record_stream(key, stream)  # read inside a node: taken as one of its incoming gradients
+        accesses.append((key, span[0], span[1], write, (t.shape, t.dtype, self.names.get(key))))
 
     def _report(self, races: list[Race]) -> None:
         if races and self.on_race is not None:
             self.on_race(races)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        if not self.enabled:
-            return out
-        plan = self._plans.get(func)
-        if plan is None:
-            plan = self._plans[func] = _plan(func)
-        if plan is _HANDLED:
-            handler = self.namespace_handlers.get(func.namespace)
-            if handler is not None:
-                with self._lock:
+        prior = _set_eval_frame(None)
+        try:
+            out = func(*args, **kwargs) if kwargs else func(*args)
+            if not self.enabled:
+                return out
+            plan = self._plans.get(func)
+            if plan is None:
+                plan = self._plans[func] = _plan(func)
+            if plan is _SKIPPED:
+                return out
+            with self._lock:
+                if self._frees:
                     self.drain()
-                    handler(func, args, kwargs, out)
+                if plan is _HANDLED:
+                    handler = self.namespace_handlers.get(func.namespace)
+                    if handler is not None:
+                        handler(func, args, kwargs or {}, out)
+                else:
+                    self._record(plan, args, kwargs or {}, out)
             return out
-        if plan is _SKIPPED:
-            return out
-        with self._lock:
-            self.drain()
-            self._record(plan, args, kwargs, out)
-        return out
+        finally:
+            _set_eval_frame(prior)
 
     def _record(self, plan, args, kwargs, out) -> None:
         name, inputs, fresh_returns, writes_output = plan
-        reads: list[torch.Tensor] = []
-        writes: list[torch.Tensor] = []
+        on_device = self.on_device
+        touched: list[tuple[torch.Tensor, bool]] = []
         nargs = len(args)
         for i, arg_name, write in inputs:
-            if i < nargs:
-                value = args[i]
-            elif arg_name in kwargs:
-                value = kwargs[arg_name]
-            else:
-                continue
+            value = args[i] if i < nargs else kwargs.get(arg_name)
             if isinstance(value, torch.Tensor):
-                (writes if write else reads).append(value)
+                if on_device(value):
+                    touched.append((value, write))
             elif isinstance(value, (list, tuple)):
-                (writes if write else reads).extend(v for v in value if isinstance(v, torch.Tensor))
+                touched.extend((v, write) for v in value if isinstance(v, torch.Tensor) and on_device(v))
         fresh: list[torch.Tensor] = []
         if fresh_returns:
             results = out if isinstance(out, (tuple, list)) and len(fresh_returns) == len(out) else (out,)
             for is_fresh, value in zip(fresh_returns, results):
                 if is_fresh:
-                    fresh.extend(t for t in _tensors(value) if self.on_device(t))
-        if not (reads or writes or fresh):
-            return
-        if not any(self.on_device(t) for t in reads + writes + fresh):
+                    fresh.extend(t for t in _tensors(value) if on_device(t))
+        if not (touched or fresh):
             return
         stream = self.current_stream()
         if self.redirect:
-            for t in reads + writes:
-                key = self.storage_key(t) if self.on_device(t) else None
+            for t, _ in touched:
+                key = self.storage_key(t)
                 if key in self.redirect:
                     stream = self.redirect.pop(key)
                     break
-        op = self.hb.launch(stream, Site(name, user_frames()))
-        for t in reads:
-            self._access(op, t, False)
-        for t in writes:
-            self._access(op, t, True)
+        accesses: list[tuple] = []
+        for t, write in touched:
+            self._describe(t, write, stream, accesses)
+        allocs: list[tuple] = []
         for t in fresh:
             if byte_range(t) is None:
                 continue
-            self._alloc(op, t)
+            self._fresh(t, allocs)
             if writes_output:
-                self._access(op, t, True)
+                self._describe(t, True, stream, accesses)
+        op, races = self.hb.record(stream, Site(name, stack()), accesses, allocs)
+        self._report(races)
+
+    def _fresh(self, t: torch.Tensor, allocs: list) -> None:
+        """A fresh output: its storage is allocated by this op, unless it was already known."""
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError, TypeError):
+            return
+        key = storage.data_ptr()
+        if key == 0 or key in self._seen:
+            return
+        self._watch(key, storage)
+        allocs.append((key, storage.nbytes(), (t.shape, t.dtype, None)))
