@@ -15,13 +15,15 @@ common=".whl/hjson-*.whl .whl/pydantic*.whl .whl/annotated_types-*.whl .whl/typi
 for v in $VERSIONS; do
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-$v .whl/deepspeed-$v-*.whl $common
 done
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+python3 -c "import importlib.metadata as m; m.version('pytest-streamrace')" 2>/dev/null ||
+  python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2  # once, as in megatron.sh
 nvidia-smi -L
 for v in $VERSIONS; do
   echo "== deepspeed $v: deepcompile_zero1, $REPEAT runs per variant"
+  start=$SECONDS
   TORCH_EXTENSIONS_DIR=/tmp/tex-$v PYTHONPATH=/tmp/site-$v timeout 290 python3 -m pytest_streamrace.repro \
     deepcompile_zero1 --backend cuda --repeat "$REPEAT" --json "$OUT/deepcompile-$v.json" > "$OUT/deepcompile-$v.log" 2>&1
-  echo "exit $?"; grep -E "^  deepspeed|: (reproduced|clean|inconclusive|error) [0-9]+/|every variant|^error" "$OUT/deepcompile-$v.log"
+  echo "exit $?, $((SECONDS - start)) s"; grep -E "^  deepspeed|: (reproduced|clean|inconclusive|error) [0-9]+/|every variant|^error" "$OUT/deepcompile-$v.log"
   grep -B2 -A12 "the run failed" "$OUT/deepcompile-$v.log" | head -40
 done
 python3 - "$OUT" $VERSIONS <<'PY'
