@@ -8,7 +8,6 @@ autograd is modelled here: its ops and the events it records reach hb like every
 
 from __future__ import annotations
 
-
 import torch
 
 from .hb import Site
@@ -23,18 +22,13 @@ class CudaStreams:
             raise RuntimeError("streamrace: backend 'cuda' needs a CUDA device; use backend 'virtual' on CPU")
         self.hb = hb
         self.tracker = tracker
-        self._handles: dict[tuple[int, int, int], int] = {}
         self._registered: list[tuple[object, object]] = []
 
-    # the stream key of the current stream, per op: cheap (no Stream object per call)
+    # the stream key of the current stream, per op: two C calls, no Stream object
 
-    def current(self) -> int:
-        ident = torch._C._cuda_getCurrentStream(torch.cuda.current_device())
-        handle = self._handles.get(ident)
-        if handle is None:
-            handle = self._handles[ident] = torch.cuda.Stream(
-                stream_id=ident[0], device_index=ident[1], device_type=ident[2]).cuda_stream
-        return handle
+    @staticmethod
+    def current() -> int:
+        return torch._C._cuda_getCurrentRawStream(torch._C._cuda_getDevice())
 
     def key(self, stream) -> int:
         """The hb key of a torch.cuda.Stream or torch.Stream."""

@@ -401,13 +401,15 @@ class HappensBefore:
             if st is None or st.alloc_stream is None:
                 return []
             stream = st.alloc_stream
+            others = [rec for rec in st.history if rec[0].stream != stream and rec[0].stream not in st.used_on]
+            self._seq += 1
+            if not others and not self._trace:
+                return []  # the common case, used on its own stream only: nothing to judge, no op to keep
             state = self._stream(stream)
             safe = _merge(self._host, state.now())  # ordered before any reuse of the block
             hazards = [Access(a_op, storage, a_start, a_end, a_write, TensorInfo.of(a_tensor))
-                       for a_op, a_start, a_end, a_write, a_tensor in st.history
-                       if a_op.stream != stream and a_op.stream not in st.used_on
-                       and safe.get(a_op.stream, 0) < a_op.epoch]
-            self._seq += 1
+                       for a_op, a_start, a_end, a_write, a_tensor in others
+                       if safe.get(a_op.stream, 0) < a_op.epoch]
             op = Op(stream, state.epoch, self._seq, site, safe)
             if self._trace:
                 self._timeline.append(op)

@@ -110,6 +110,7 @@ class Detector:
             self.tracker = AccessTracker(self.hb, self._current, "cpu", track_frees=True)
             self.streams = VirtualStreams(self.hb, self.tracker)
             patches = self.streams.patches(AttrPatch)
+            self.tracker.current_stream = self.streams.current  # per op: no detour through the session
             patches += VirtualAutograd(self.streams, self.hb, self.tracker).patches(AttrPatch)
         else:
             from .cuda import CudaStreams
@@ -117,6 +118,7 @@ class Detector:
             self.tracker = AccessTracker(self.hb, self._current, "cuda", track_frees=False)
             self.tracker.engine_records_streams = True
             self.streams = CudaStreams(self.hb, self.tracker)
+            self.tracker.current_stream = self.streams.current
             patches = self.streams.patches(AttrPatch)
         from . import collectives
 

@@ -18,6 +18,9 @@ import weakref
 from typing import Callable, Hashable
 
 import torch
+from torch import Tensor
+from torch._C import DisableTorchFunction as _DisableTorchFunction
+from torch._C import _current_autograd_node
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from .hb import HappensBefore, Race, Site
@@ -95,7 +98,8 @@ def user_frames(limit: int = 5, depth: int = 1) -> tuple[tuple[str, int, str], .
 
 
 try:  # torch's C++ stack capture (what its memory snapshots use): code objects and offsets, named later
-    from torch._C._profiler import gather_traceback as _gather, symbolize_tracebacks as _symbolize
+    from torch._C._profiler import gather_traceback as _gather
+    from torch._C._profiler import symbolize_tracebacks as _symbolize
 except ImportError:
     _gather = None
 
@@ -124,10 +128,12 @@ class _Stack:
         return tuple(out)
 
 
-def stack():
-    """The caller's user frames for a Site, cheaply: captured now, named when read (walked now without torch's
-    capture)."""
-    return _Stack() if _gather is not None else user_frames(depth=2)
+def _walked_now():
+    return user_frames(depth=2)
+
+
+# The caller's user frames for a Site, cheaply: captured now, named when read (walked at once without torch's capture).
+stack = _Stack if _gather is not None else _walked_now
 
 
 def created_at() -> str:
@@ -153,7 +159,7 @@ def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
 
 
 _HANDLED = "handled"  # plan of ops a namespace handler models (collectives)
-_SKIPPED = "skipped"  # plan of ops that are no kernel on any stream
+_SKIPPED = "skipped"  # plan of ops that touch no bytes on any stream
 
 
 def _plan(func):
@@ -176,6 +182,8 @@ def _plan(func):
         elif alias is None and not metadata_inputs and "Tensor" in str(arg.type):
             inputs.append((i, arg.name, False))
     fresh = tuple(ret.alias_info is None and "Tensor" in str(ret.type) for ret in schema.returns)
+    if not inputs and not any(fresh):
+        return _SKIPPED  # views and metadata: no bytes move, nothing is allocated
     return name, tuple(inputs), fresh if any(fresh) else (), _NO_KERNEL.match(name) is None
 
 
@@ -293,32 +301,12 @@ class AccessTracker(TorchDispatchMode):
         with self._lock:
             if self._frees:
                 self.drain()
-            accesses: list[tuple] = []
-            for t in reads:
-                self._describe(t, False, stream, accesses)
-            for t in writes:
-                self._describe(t, True, stream, accesses)
+            touched = [(t, False) for t in reads if self.on_device(t)]
+            touched += [(t, True) for t in writes if self.on_device(t)]
             site = Site(op_name, frames if frames is not None else stack())
-            op, races = self.hb.record(stream, site, accesses)
+            op, races = self.hb.record(stream, site, self._accesses(touched, stream, []))
             self._report(races)
             return op
-
-    def _describe(self, t: torch.Tensor, write: bool, stream, accesses: list) -> None:
-        """Append t's access as hb wants it — (storage, start, end, write, (shape, dtype, name)) — if it has one."""
-        if not self.on_device(t):
-            return
-        span = byte_range(t)
-        if span is None:
-            return
-        key = self.storage_key(t)
-        if key is None:
-            return
-        if write:
-            self.last_writer[key] = stream
-        elif self.engine_records_streams and self.last_writer.get(key, stream) != stream \
-                and torch._C._current_autograd_node() is not None:
-            self.hb.record_stream(key, stream)  # read inside a node: taken as one of its incoming gradients
-        accesses.append((key, span[0], span[1], write, (t.shape, t.dtype, self.names.get(key))))
 
     def _report(self, races: list[Race]) -> None:
         if races and self.on_race is not None:
@@ -335,7 +323,9 @@ class AccessTracker(TorchDispatchMode):
                 plan = self._plans[func] = _plan(func)
             if plan is _SKIPPED:
                 return out
-            with self._lock:
+            # Reading tensors' metadata must not go through torch function modes (torch.device("cuda") as a
+            # context is one, the virtual autograd model another): they would run per attribute read.
+            with self._lock, _DisableTorchFunction():
                 if self._frees:
                     self.drain()
                 if plan is _HANDLED:
@@ -348,25 +338,65 @@ class AccessTracker(TorchDispatchMode):
         finally:
             _set_eval_frame(prior)
 
+    def _accesses(self, touched: list[tuple[torch.Tensor, bool]], stream, accesses: list) -> list[tuple]:
+        """Append (tensor, write) pairs as hb takes them: (storage, start, end, write, (shape, dtype, name)), for
+        the bytes each tensor's elements span. Notes writers, and the engine's record_stream of incoming gradients.
+        """
+        seen, names, last_writer = self._seen, self.names, self.last_writer
+        for t, write in touched:
+            size = t.itemsize
+            start = t.storage_offset() * size
+            if t.is_contiguous():
+                end = start + t.nbytes
+                if end == start:
+                    continue
+            else:
+                last = 0  # offset of the last element: a plain loop, a generator costs a microsecond here
+                for n, st in zip(t.shape, t.stride()):
+                    if n == 0:
+                        break
+                    last += (n - 1) * st
+                else:
+                    end = start + (last + 1) * size
+                if n == 0:
+                    continue
+            try:
+                storage = t.untyped_storage()
+            except (RuntimeError, NotImplementedError, TypeError):
+                continue  # sparse, nested, functional wrappers: no plain storage
+            key = storage.data_ptr()
+            if not key:
+                continue
+            if key not in seen:
+                self._watch(key, storage)
+            if write:
+                last_writer[key] = stream
+            elif self.engine_records_streams and last_writer.get(key, stream) != stream \
+                    and _current_autograd_node() is not None:
+                self.hb.record_stream(key, stream)  # read inside a node: taken as one of its incoming gradients
+            accesses.append((key, start, end, write, (t.shape, t.dtype, names.get(key))))
+        return accesses
+
     def _record(self, plan, args, kwargs, out) -> None:
+        # The hottest code of the detector: every op that touches memory passes here.
         name, inputs, fresh_returns, writes_output = plan
         on_device = self.on_device
         touched: list[tuple[torch.Tensor, bool]] = []
         nargs = len(args)
         for i, arg_name, write in inputs:
             value = args[i] if i < nargs else kwargs.get(arg_name)
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, Tensor):
                 if on_device(value):
                     touched.append((value, write))
             elif isinstance(value, (list, tuple)):
-                touched.extend((v, write) for v in value if isinstance(v, torch.Tensor) and on_device(v))
+                touched.extend((v, write) for v in value if isinstance(v, Tensor) and on_device(v))
         fresh: list[torch.Tensor] = []
         if fresh_returns:
             results = out if isinstance(out, (tuple, list)) and len(fresh_returns) == len(out) else (out,)
             for is_fresh, value in zip(fresh_returns, results):
                 if is_fresh:
                     fresh.extend(t for t in _tensors(value) if on_device(t))
-        if not (touched or fresh):
+        if not touched and not fresh:
             return
         stream = self.current_stream()
         if self.redirect:
@@ -375,27 +405,28 @@ class AccessTracker(TorchDispatchMode):
                 if key in self.redirect:
                     stream = self.redirect.pop(key)
                     break
-        accesses: list[tuple] = []
-        for t, write in touched:
-            self._describe(t, write, stream, accesses)
+        accesses = self._accesses(touched, stream, []) if touched else []
         allocs: list[tuple] = []
         for t in fresh:
-            if byte_range(t) is None:
-                continue
-            self._fresh(t, allocs)
-            if writes_output:
-                self._describe(t, True, stream, accesses)
-        op, races = self.hb.record(stream, Site(name, stack()), accesses, allocs)
-        self._report(races)
+            self._fresh(t, stream, writes_output, allocs, accesses)
+        _, races = self.hb.record(stream, Site(name, stack()), accesses, allocs)
+        if races:
+            self._report(races)
 
-    def _fresh(self, t: torch.Tensor, allocs: list) -> None:
-        """A fresh output: its storage is allocated by this op, unless it was already known."""
+    def _fresh(self, t: torch.Tensor, stream, writes_output: bool, allocs: list, accesses: list) -> None:
+        """A fresh output: its storage is allocated by this op (unless it was already known), and written by it
+        unless the op runs no kernel (empty*)."""
+        if t.numel() == 0:
+            return
         try:
             storage = t.untyped_storage()
         except (RuntimeError, NotImplementedError, TypeError):
             return
         key = storage.data_ptr()
-        if key == 0 or key in self._seen:
+        if not key:
             return
-        self._watch(key, storage)
-        allocs.append((key, storage.nbytes(), (t.shape, t.dtype, None)))
+        if key not in self._seen:
+            self._watch(key, storage)
+            allocs.append((key, storage.nbytes(), (t.shape, t.dtype, None)))
+        if writes_output:
+            self._accesses([(t, True)], stream, accesses)
