@@ -4,13 +4,15 @@ PyTorch's CUDA stream sanitizer on the same step).
     python benchmarks/overhead.py            # CPU: virtual backend; GPU: cuda backend and TORCH_CUDA_SANITIZER
 
 Each configuration runs in its own process (the sanitizer cannot be switched off once on). Prints a table of ms per
-step and the slowdown against plain.
+step and the slowdown against plain. "empty-mode" is a TorchDispatchMode that only calls through: the cost of
+entering Python for every op, the floor for any tool built on one (this one and PyTorch's sanitizer both are).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import subprocess
 import sys
 import time
@@ -40,20 +42,32 @@ def step_time(model_name: str, mode: str, steps: int) -> float:
         model(x).pow(2).mean().backward()
         opt.step()
 
-    def timed():
+    def timed():  # the median of 5 rounds of `steps` steps, after warm-up
         for _ in range(3):
             step()
-        if cuda:
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        for _ in range(steps):
-            step()
-        if cuda:
-            torch.cuda.synchronize()
-        return (time.perf_counter() - start) / steps * 1e3
+        rounds = []
+        for _ in range(5):
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+            rounds.append((time.perf_counter() - start) / steps * 1e3)
+        return statistics.median(rounds)
 
     if mode == "plain":
         return timed()
+    if mode == "empty-mode":  # the floor of any TorchDispatchMode-based tool: entering Python for every op
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Empty(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+
+        with Empty():
+            return timed()
     if mode == "sanitizer":
         from torch.cuda._sanitizer import enable_cuda_sanitizer
 
@@ -76,7 +90,7 @@ def main() -> int:
 
     import torch
 
-    modes = ["plain", "cuda", "sanitizer"] if torch.cuda.is_available() else ["plain", "virtual"]
+    modes = ["plain", "empty-mode"] + (["cuda", "sanitizer"] if torch.cuda.is_available() else ["virtual"])
     where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     print(f"torch {torch.__version__} on {where}; {args.steps} steps per measurement")
     print(f"{'model':36} " + " ".join(f"{m + ' ms':>14}" for m in modes) + "  slowdown vs plain")

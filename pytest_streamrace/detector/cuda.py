@@ -60,7 +60,8 @@ class CudaStreams:
         self.hb.synchronize_device()
 
     def _dealloc(self, ptr: int) -> None:
-        self.tracker.note_free(ptr, Site("free", stack()))
+        if ptr in self.tracker.watched:  # blocks no op touched (workspaces, never-used tensors) need no free
+            self.tracker.note_free(ptr, Site("free", stack()))
 
     # patch protocol
 

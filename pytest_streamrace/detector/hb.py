@@ -282,7 +282,12 @@ class HappensBefore:
                 if found:
                     new += self._collect(found)
                     found.clear()
+            storages = self._storages
             for storage, start, end, write, tensor in accesses:
+                st = storages.get(storage)
+                if st is not None and not st.history and end > start:  # a fresh storage's first use: nothing to judge
+                    st.history.append((op, start, end, write, tensor))
+                    continue
                 self._access(op, storage, start, end, write, tensor, found)
                 if found:
                     new += self._collect(found)

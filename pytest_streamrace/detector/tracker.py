@@ -234,7 +234,7 @@ class AccessTracker(TorchDispatchMode):
         # op namespace -> handler(func, args, kwargs, out) that models those ops itself (collectives: "c10d")
         self.namespace_handlers: dict[str, Callable] = {}
         self.redirect: dict[Hashable, Hashable] = {}  # storage key -> stream of the next op reading it (autograd)
-        self._seen: dict[Hashable, weakref.ref | None] = {}  # storages alive and known -> their weak reference
+        self.watched: dict[Hashable, weakref.ref | None] = {}  # storages alive and known -> their weak reference
         self._ref_keys: dict[weakref.ref, Hashable] = {}
         self._frees: collections.deque = collections.deque()
         self._lock = threading.RLock()
@@ -255,7 +255,7 @@ class AccessTracker(TorchDispatchMode):
         key = storage.data_ptr()
         if key == 0:
             return None
-        if key not in self._seen:
+        if key not in self.watched:
             self._watch(key, storage)
         return key
 
@@ -264,11 +264,11 @@ class AccessTracker(TorchDispatchMode):
         if self.track_frees:
             ref = weakref.ref(storage, self._dead)
             self._ref_keys[ref] = key
-        self._seen[key] = ref
+        self.watched[key] = ref
 
     def _dead(self, ref: weakref.ref) -> None:
         key = self._ref_keys.pop(ref, None)
-        if key is not None and self._seen.get(key) is ref:
+        if key is not None and self.watched.get(key) is ref:
             self.note_free(key, Site("free", stack()))
 
     def note_free(self, key: Hashable, site: Site) -> None:
@@ -282,7 +282,7 @@ class AccessTracker(TorchDispatchMode):
         before it can be handed out again."""
         while self._frees:
             key, site = self._frees.popleft()
-            if self._seen.pop(key, False) is False:
+            if self.watched.pop(key, False) is False:
                 continue
             self.names.pop(key, None)
             self.last_writer.pop(key, None)
@@ -290,7 +290,7 @@ class AccessTracker(TorchDispatchMode):
 
     def detach(self) -> None:
         """Stop watching storages (the session ends): no callback fires into a finished detector."""
-        self._seen.clear()
+        self.watched.clear()
         self._ref_keys.clear()
 
     # accesses
@@ -315,7 +315,7 @@ class AccessTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         prior = _set_eval_frame(None)
         try:
-            out = func(*args, **kwargs) if kwargs else func(*args)
+            out = func._op(*args, **kwargs) if kwargs else func._op(*args)  # OpOverload.__call__, one frame less
             if not self.enabled:
                 return out
             plan = self._plans.get(func)
@@ -342,7 +342,7 @@ class AccessTracker(TorchDispatchMode):
         """Append (tensor, write) pairs as hb takes them: (storage, start, end, write, (shape, dtype, name)), for
         the bytes each tensor's elements span. Notes writers, and the engine's record_stream of incoming gradients.
         """
-        seen, names, last_writer = self._seen, self.names, self.last_writer
+        seen, names, last_writer = self.watched, self.names, self.last_writer
         for t, write in touched:
             size = t.itemsize
             start = t.storage_offset() * size
@@ -425,7 +425,7 @@ class AccessTracker(TorchDispatchMode):
         key = storage.data_ptr()
         if not key:
             return
-        if key not in self._seen:
+        if key not in self.watched:
             self._watch(key, storage)
             allocs.append((key, storage.nbytes(), (t.shape, t.dtype, None)))
         if writes_output:
