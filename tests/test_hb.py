@@ -407,3 +407,25 @@ def test_trimmed_record_still_races_on_its_uncovered_bytes():
     assert read(hb, "s3", 30, 900, 1000)[0].earlier.op.site.location() == "test_x.py:10"
     assert read(hb, "s3", 31, 300, 400)[0].earlier.op.site.location() == "test_x.py:20"
 
+
+
+def test_site_frames_may_come_lazily_and_are_named_once():
+    class Captured:
+        calls = 0
+
+        def resolve(self):
+            Captured.calls += 1
+            return [("test_x.py", 7, "step")]
+
+    lazy = Site("aten::add", Captured())
+    assert Captured.calls == 0  # capturing costs nothing until something reads the frames
+    assert lazy.location() == "test_x.py:7" and lazy.frames == (("test_x.py", 7, "step"),)
+    assert Captured.calls == 1
+    assert lazy == site(7, "aten::add") and hash(lazy) == hash(site(7, "aten::add"))
+
+
+def test_raw_tensor_descriptions_become_tensor_info_in_races():
+    hb = HappensBefore()
+    hb.access(hb.launch("s1", site(10)), BUF, 0, 64, True, ((16,), "torch.float32", "x"))
+    (race,) = hb.access(hb.launch("s2", site(20)), BUF, 0, 64, False, ((16,), "torch.float32", "x"))
+    assert race.earlier.tensor == race.later.tensor == TensorInfo((16,), "float32", "x")

@@ -134,3 +134,19 @@ def test_tensors_named_after_the_session_started_keep_their_names_until_freed():
         del t
         d.tracker.drain()
         assert key not in d.tracker.names
+
+
+def test_the_stacks_kept_per_op_hold_no_locals():
+    """Every op keeps where it ran; holding frames would keep their locals (tensors) alive and move their frees."""
+    import weakref
+
+    def local_work():
+        t = torch.ones(4)
+        t.add_(1)
+        return weakref.ref(t)
+
+    with Detector(trace=True) as d:
+        dead = local_work()
+        assert dead() is None
+        (add,) = [op for op in d.hb.timeline if op.site.op == "aten::add_"]
+        assert add.site.frames[0][2] == "local_work"
