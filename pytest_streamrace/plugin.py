@@ -24,6 +24,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     options.register(parser)
 
 
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    if hardware.torchrun_env() is not None:
+        from .launcher import torchrun
+
+        torchrun.leave_files_to_rank_0(config)  # before junitxml configures itself
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
     for marker in MARKERS:

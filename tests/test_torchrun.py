@@ -32,7 +32,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def torchrun(path: Path, *args: str, timeout: float = 120, gpus: bool = False) -> subprocess.CompletedProcess:
+def torchrun(path: Path, *args: str, timeout: float = 120, gpus: bool = False,
+             cache: bool = False) -> subprocess.CompletedProcess:
     """Run `torchrun --nproc_per_node 2 -m pytest ARGS` in path; stdout and stderr merged. Without `gpus` the
     ranks see no GPU, so the session is on gloo (CPU tensors) on GPU machines too."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "COLUMNS": "240"}
@@ -41,7 +42,7 @@ def torchrun(path: Path, *args: str, timeout: float = 120, gpus: bool = False) -
     env.pop("PYTEST_XDIST_WORKER", None)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
            "--master_addr", "127.0.0.1", "--master_port", str(_free_port()),
-           "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", *args]
+           "-m", "pytest", *([] if cache else ["-p", "no:cacheprovider"]), "-p", "no:xdist", *args]
     return subprocess.run(cmd, cwd=path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           timeout=timeout)
 
@@ -130,9 +131,29 @@ def session(tmp_path_factory):
     return SimpleResult(path, *json.loads((path / "result.json").read_text()))
 
 
+# Files every rank would write: rank 1 finishes last on purpose, so had it written them, its writes would stand.
+FILES_BY_RANK = """
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+@pytest.fixture(scope="session", autouse=True)
+def _rank_in_junit(record_testsuite_property):
+    record_testsuite_property("rank", os.environ["RANK"])
+
+def pytest_sessionfinish(session, exitstatus):
+    Path(f"exit-{os.environ['RANK']}").write_text(str(int(exitstatus)))
+    session.config.cache.set("probe/rank", os.environ["RANK"])
+    if os.environ["RANK"] == "1":
+        time.sleep(1)
+"""
+
+
 def _launch_cases(path: Path) -> tuple[int, str]:
-    write(path, conftest=RECORD_EXIT, test_cases=CASES)
-    proc = torchrun(path, "-rA", "-v")
+    write(path, conftest=FILES_BY_RANK, test_cases=CASES)
+    proc = torchrun(path, "-rA", "-v", "--junitxml=junit.xml", cache=True)
     return proc.returncode, proc.stdout
 
 
@@ -208,6 +229,16 @@ def test_only_rank_0_prints(session):
     assert "torchrun session, rank 1 of 2" not in session.out
     assert "output of rank 0" in session.out  # -rA shows rank 0's captured output once
     assert session.out.count("short test summary info") == 1
+
+
+def test_only_rank_0_writes_junit_xml_and_the_cache(session):
+    import xml.etree.ElementTree as ET
+
+    suite = ET.parse(session.path / "junit.xml").getroot().find("testsuite")
+    assert suite.find("properties/property[@name='rank']").get("value") == "0"
+    assert (suite.get("tests"), suite.get("failures"), suite.get("errors"), suite.get("skipped")) == \
+        ("8", "3", "1", "2")
+    assert json.loads((session.path / ".pytest_cache/v/probe/rank").read_text()) == "0"
 
 
 def _record_pid(extra: str = "") -> str:

@@ -27,7 +27,8 @@ Collective outcomes
 
 Output
     Only rank 0 prints: the terminal reporter of the other ranks writes to a closed gate. Their failures reach
-    rank 0 through the exchange. If rank 0 itself went missing, the lowest rank that noticed opens its gate and
+    rank 0 through the exchange. Only rank 0 writes ``--junitxml`` and ``.pytest_cache`` (the others still read
+    the cache, so ``--lf`` selects alike everywhere). If rank 0 itself went missing, the lowest rank that noticed opens its gate and
     prints the rest of its session (the failure and the summary). An INTERNALERROR opens the gate of its rank.
 
 Hangs and crashes
@@ -74,6 +75,17 @@ def install(config: pytest.Config) -> None:
                                 "starts one pytest per rank; drop -n (or use -p no:xdist)")
     env = hardware.torchrun_env()
     config.pluginmanager.register(TorchrunRank(config, env), "streamrace-torchrun")
+
+
+def leave_files_to_rank_0(config: pytest.Config) -> None:
+    """Every rank runs the same session and outcomes are collective, so rank 0's files say it all — and N ranks
+    writing one ``--junitxml`` file (or ``.pytest_cache``) at once would interleave. Called before configuration."""
+    if hardware.torchrun_env().rank != 0:
+        config.option.xmlpath = None
+
+
+def _dropped(key: str, value) -> None:
+    """Cache.set on ranks other than 0: rank 0 writes the session's cache."""
 
 
 class Gate:
@@ -202,6 +214,8 @@ class TorchrunRank:
         self.terminal_fd = os.dup(sys.stdout.fileno()) if self.rank == 0 else None
         self.gate = Gate(sys.stdout, self.rank == 0)
         if self.rank != 0:
+            if getattr(config, "cache", None) is not None:
+                config.cache.set = _dropped  # reading stays (--lf must select alike on every rank)
             pm = config.pluginmanager
             old = pm.get_plugin("terminalreporter")
             if old is not None:
