@@ -50,51 +50,55 @@ def _skip_prefixes() -> tuple[str, ...]:
 
 _STDLIB = os.path.dirname(os.__file__) + os.sep
 _USER, _MACHINERY, _HARNESS = 0, 1, 2
-_kinds: dict = {}  # code object -> _USER | _MACHINERY | _HARNESS
+_kinds: dict[str, int] = {}  # filename -> _USER | _MACHINERY | _HARNESS
 _prefixes: tuple[str, ...] | None = None
 
 
 def _kind(filename: str) -> int:
     """User code, machinery to look through (torch, this package, the standard library), or the test harness
     (pytest, pluggy): nothing beneath the harness's frames is the test's own code, so the walk stops there."""
+    kind = _kinds.get(filename)
+    if kind is not None:
+        return kind
     global _prefixes
     if _prefixes is None:
         _prefixes = _skip_prefixes()
-    if os.sep + "_pytest" + os.sep in filename or os.sep + "pluggy" + os.sep in filename:
-        return _HARNESS
     in_packages = "site-packages" in filename or "dist-packages" in filename
-    if filename.startswith(_prefixes) or filename.startswith("<") or (filename.startswith(_STDLIB) and not in_packages):
-        return _MACHINERY
-    return _USER
-
-
-def _classify(code_or_filename, cache: dict) -> int:
-    kind = cache.get(code_or_filename)
-    if kind is None:
-        filename = code_or_filename if isinstance(code_or_filename, str) else code_or_filename.co_filename
-        kind = cache[code_or_filename] = _kind(filename)
+    if os.sep + "_pytest" + os.sep in filename or os.sep + "pluggy" + os.sep in filename:
+        kind = _HARNESS
+    elif filename.startswith((*_prefixes, "<")) or (filename.startswith(_STDLIB) and not in_packages):
+        kind = _MACHINERY
+    else:
+        kind = _USER
+    _kinds[filename] = kind
     return kind
 
 
-def user_frames(limit: int = 5, depth: int = 1) -> tuple[tuple[str, int, str], ...]:
-    """The innermost `limit` frames outside torch, pytest and this package, walked now (code objects are classified
-    once, and the walk stops at the test harness). Per op, `stack()` is cheaper."""
-    frame = sys._getframe(depth)
+def _user_only(frames, limit: int) -> tuple[tuple[str, int, str], ...]:
+    """The innermost `limit` of (file, line, function) frames, innermost first, that are user code."""
     out = []
-    kinds = _kinds
-    while frame is not None:
-        code = frame.f_code
-        kind = kinds.get(code)
-        if kind is None:
-            kind = _classify(code, kinds)
+    for filename, lineno, function in frames:
+        kind = _kind(filename)
         if kind == _USER:
-            out.append((code.co_filename, frame.f_lineno, code.co_name))
+            out.append((filename, lineno, function))
             if len(out) == limit:
                 break
         elif kind == _HARNESS:
             break
-        frame = frame.f_back
     return tuple(out)
+
+
+def _walk(frame):
+    while frame is not None:
+        code = frame.f_code
+        yield code.co_filename, frame.f_lineno, code.co_name
+        frame = frame.f_back
+
+
+def user_frames(limit: int = 5, depth: int = 1) -> tuple[tuple[str, int, str], ...]:
+    """The innermost `limit` frames outside torch, pytest and this package, walked now. Per op, `stack()` is
+    cheaper."""
+    return _user_only(_walk(sys._getframe(depth)), limit)
 
 
 try:  # torch's C++ stack capture (what its memory snapshots use): code objects and offsets, named later
@@ -114,18 +118,8 @@ class _Stack:
         self.traceback = _gather(True, False, False)
 
     def resolve(self, limit: int = 5) -> tuple[tuple[str, int, str], ...]:
-        out = []
-        kinds = _kinds
-        for frame in _symbolize([self.traceback])[0]:
-            filename = frame["filename"]
-            kind = _classify(filename, kinds)
-            if kind == _USER:
-                out.append((filename, frame["line"], frame["name"]))
-                if len(out) == limit:
-                    break
-            elif kind == _HARNESS:
-                break
-        return tuple(out)
+        frames = _symbolize([self.traceback])[0]
+        return _user_only(((f["filename"], f["line"], f["name"]) for f in frames), limit)
 
 
 def _walked_now():
