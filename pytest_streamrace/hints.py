@@ -9,13 +9,14 @@ where to look; the detector's races say what is wrong.
 
 Each test phase runs inside ``warnings.catch_warnings``; every warning caught is re-issued after the phase, so
 pytest's own warning summary and the user's filters are unchanged (an ignored warning is still a hint). torch issues
-its warning once per process: in a long pytest process only the first test that triggers it gets the hint (each
-distributed test's ranks are fresh processes, so those always do).
+its warning once per process, so inside each phase ``torch.set_warn_always(True)`` is on: every test that triggers it
+gets its hint — and torch's other once-per-process warnings show in every test that triggers them, too.
 """
 
 from __future__ import annotations
 
 import re
+import sys
 import warnings
 
 import pytest
@@ -72,11 +73,17 @@ class StreamHints:
 
     def _capture(self, item: pytest.Item):
         found = item.stash.setdefault(_hints_key, [])
+        torch = sys.modules.get("torch")  # not imported yet: no torch warning can fire
+        warn_always = torch.is_warn_always_enabled() if torch is not None else None
         try:
+            if torch is not None:
+                torch.set_warn_always(True)  # torch's once-per-process warnings, once per test phase
             with warnings.catch_warnings(record=True) as caught:
                 warnings.filterwarnings("always", message=_PATTERN)
                 return (yield)
         finally:
+            if torch is not None:
+                torch.set_warn_always(warn_always)
             for w in caught:
                 hint = hint_from(w, process_rank())
                 if hint is not None and hint not in found:

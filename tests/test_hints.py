@@ -92,3 +92,24 @@ def test_no_hints_without_streamrace(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "torch_warns")
     result.assert_outcomes(passed=1)
     assert "streamrace hints" not in result.stdout.str()
+
+
+ONCE = """
+import torch
+
+def test_first():
+    torch.ones(3).T  # torch warns about .T on 1-D tensors once per process (TORCH_WARN_ONCE)
+
+def test_second():
+    torch.ones(3).T
+"""
+
+
+@pytest.mark.parametrize("streamrace, failed", [(True, 2), (False, 1)])
+def test_torch_once_warnings_reach_every_test_under_streamrace(pytester, streamrace, failed):
+    """What lets every test on a GPU get its AccumulateGrad hint; seen here through a once-warning torch has on CPU,
+    turned into a failure by -W error."""
+    pytester.makepyfile(test_once=ONCE)
+    args = ["--streamrace"] if streamrace else []
+    result = pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider", "-W", "error::UserWarning")
+    result.assert_outcomes(failed=failed, passed=2 - failed)
