@@ -5,9 +5,8 @@ PyTorch's CUDA stream sanitizer on the same step).
 
 Each configuration runs in its own process (the sanitizer cannot be switched off once on). Prints a table of ms per
 step and the slowdown against plain. "empty-mode" is a TorchDispatchMode that only calls through: the cost of
-entering Python for every op, the floor for any tool built on one (this one and PyTorch's sanitizer both are).
-"capture-floor" captures the same ops in C++ instead (``capture_floor.py``, built on first use): the floor of the
-design the <= 2x target needs.
+entering Python for every op, the floor for any tool built on one (PyTorch's sanitizer is; the virtual backend is).
+"capture-floor" is the cuda backend's C++ op capture alone (``detector/capture.py``): records drained, none judged.
 """
 
 from __future__ import annotations
@@ -72,11 +71,16 @@ def step_time(model_name: str, mode: str, steps: int) -> float:
 
         with Empty():
             return timed()
-    if mode == "capture-floor":  # what capturing ops in C++ costs before any judging (capture_floor.py)
-        import capture_floor
+    if mode == "capture-floor":  # the cuda backend's C++ op capture alone: records drained raw, nothing judged
+        from pytest_streamrace.detector import capture
+        from pytest_streamrace.detector.hb import HappensBefore
+        from pytest_streamrace.detector.tracker import AccessTracker
 
-        extension = capture_floor.load()
-        extension.enable(cuda)
+        extension = capture.load()
+        if extension is None:
+            raise SystemExit(f"capture-floor: {capture.failure()}")
+        tracker = AccessTracker(HappensBefore(), lambda: 0, device)
+        extension.enable(cuda, tracker._capture_plan, tracker._handoff)
         try:
             return timed(after_step=extension.drain)
         finally:

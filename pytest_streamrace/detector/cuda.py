@@ -51,16 +51,21 @@ class CudaStreams:
         self.hb.wait_event(stream, event)
 
     def _event_sync(self, event: int) -> None:
+        self.tracker.drain()  # ops captured before the host waits are ordered before what it learns
         self.hb.synchronize_event(event)
 
     def _stream_sync(self, stream: int) -> None:
+        self.tracker.drain()
         self.hb.synchronize_stream(stream)
 
     def _device_sync(self) -> None:
+        self.tracker.drain()
         self.hb.synchronize_device()
 
     def _dealloc(self, ptr: int) -> None:
-        if ptr in self.tracker.watched:  # blocks no op touched (workspaces, never-used tensors) need no free
+        if self.tracker.capturing:
+            self.tracker.note_free_captured(ptr)  # in order with the captured ops (they may not be applied yet)
+        elif ptr in self.tracker.watched:  # blocks no op touched (workspaces, never-used tensors) need no free
             self.tracker.note_free(ptr, Site("free", stack()))
 
     # patch protocol

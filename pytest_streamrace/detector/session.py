@@ -49,6 +49,19 @@ class _Mode:
         self.mode.__exit__(None, None, None)
 
 
+class _Capture:
+    """The C++ capture feeding the tracker for the session (the cuda backend's replacement for the dispatch mode)."""
+
+    def __init__(self, tracker, extension):
+        self.tracker, self.extension = tracker, extension
+
+    def install(self) -> None:
+        self.tracker.capture_with(self.extension)
+
+    def uninstall(self) -> None:
+        self.tracker.stop_capture()
+
+
 def active() -> "Detector | None":
     """The detector active in this process, if any."""
     return _active
@@ -70,6 +83,7 @@ class Detector:
         self.hb = HappensBefore(trace=trace)
         self.tracker = None
         self.streams = None  # VirtualStreams or CudaStreams
+        self.capture_failure: str | None = None  # why the cuda backend fell back to the dispatch mode
         self._patches: list = []
 
     # lifecycle
@@ -126,7 +140,19 @@ class Detector:
             patches += collectives.Collectives(self.hb, self.tracker, self._current).patches(AttrPatch)
         for patch in patches:
             self.install(patch)
-        self.install(_Mode(self.tracker))  # last in, first out: our own setup is not traced
+        # last in, first out: our own setup is not traced
+        self.install(self._cuda_capture() if self.backend == "cuda" else _Mode(self.tracker))
+
+    def _cuda_capture(self):
+        """Ops captured in C++ (``capture``) where the extension builds; else the dispatch mode, and
+        `capture_failure` says why."""
+        from . import capture
+
+        extension = capture.load()
+        self.capture_failure = capture.failure()
+        if extension is None:
+            return _Mode(self.tracker)
+        return _Capture(self.tracker, extension)
 
     def _current(self):
         return self.streams.current()

@@ -122,6 +122,18 @@ class _Stack:
         return _user_only(((f["filename"], f["line"], f["name"]) for f in frames), limit)
 
 
+class _Captured:
+    """A stack the C++ capture took (``detector.capture``), named when read."""
+
+    __slots__ = ("stack",)
+
+    def __init__(self, stack):
+        self.stack = stack
+
+    def resolve(self, limit: int = 5) -> tuple[tuple[str, int, str], ...]:
+        return _user_only(self.stack.frames(), limit)
+
+
 def _walked_now():
     return user_frames(depth=2)
 
@@ -232,11 +244,101 @@ class AccessTracker(TorchDispatchMode):
         self._ref_keys: dict[weakref.ref, Hashable] = {}
         self._frees: collections.deque = collections.deque()
         self._lock = threading.RLock()
-        self.enabled = True
+        self._enabled = True
+        self._capture = None  # the C++ capture (cuda backend), when it replaces this dispatch mode
         self._plans: dict = {}  # op -> _plan(...)
         # Real autograd (cuda backend): the engine record_stream()s a gradient produced on one stream for the stream
         # of the node that consumes it — in C++, where no hook sees it. The virtual model does this in its hooks.
         self.engine_records_streams = False
+
+    @property
+    def enabled(self) -> bool:
+        """Whether ops are tracked (paused while work is modelled by hand, e.g. inside Work.wait)."""
+        return self._enabled
+
+    @enabled.setter
+    def enabled(self, value: bool) -> None:
+        self._enabled = value
+        if self._capture is not None:
+            self._capture.set_recording(value)
+
+    # the C++ capture
+
+    @property
+    def capturing(self) -> bool:
+        return self._capture is not None
+
+    def capture_with(self, extension) -> None:
+        """Take ops from the C++ capture instead of this dispatch mode (which then stays uninstalled)."""
+        self._capture = extension
+        extension.enable(self.device_type == "cuda", self._capture_plan, self._handoff)
+
+    def stop_capture(self) -> None:
+        if self._capture is not None:
+            self.drain()
+            self._capture.disable()
+            self._capture = None
+
+    def note_free_captured(self, key: Hashable) -> None:
+        """A free seen by the allocator while ops are captured: queued in the capture's buffer, so it lands
+        between the ops it came between."""
+        self._capture.mark_free(key)
+
+    def _capture_plan(self, name: str, overload: str):
+        namespace, op = name.split("::", 1)
+        try:
+            func = getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
+        except AttributeError:
+            return None
+        plan = self._plans.get(func)
+        if plan is None:
+            plan = self._plans[func] = _plan(func)
+        if plan is _HANDLED:
+            return "handled" if namespace in self.namespace_handlers else None
+        if plan is _SKIPPED:
+            return None
+        _, inputs, fresh, writes_output = plan
+        return [(i, write) for i, _, write in inputs], bool(fresh), writes_output
+
+    def _handoff(self, name: str, overload: str, args: tuple, out) -> None:
+        """A c10d op, handed over by the C++ capture on the issuing thread as it returns."""
+        namespace, op = name.split("::", 1)
+        handler = self.namespace_handlers.get(namespace)
+        if handler is None:
+            return
+        func = getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
+        with self._lock:
+            self.drain()
+            handler(func, args, {}, out)
+
+    def _apply_captured(self, records: list) -> None:
+        watched, names, last_writer = self.watched, self.names, self.last_writer
+        for record in records:
+            if record[0] == "free":
+                self._freed(record[1], Site("free", _Captured(record[2])))
+                continue
+            _, name, stream, in_node, spans, fresh, captured = record
+            accesses: list[tuple] = []
+            for key, start, end, write, shape, dtype in spans:
+                if key not in watched:
+                    watched[key] = None
+                if write:
+                    last_writer[key] = stream
+                elif self.engine_records_streams and in_node and last_writer.get(key, stream) != stream:
+                    self.hb.record_stream(key, stream)  # read inside a node: one of its incoming gradients
+                accesses.append((key, start, end, write, (shape, dtype, names.get(key))))
+            allocs: list[tuple] = []
+            for key, start, end, write, shape, dtype, nbytes in fresh:
+                desc = (shape, dtype, None)
+                if key not in watched:
+                    watched[key] = None
+                    allocs.append((key, nbytes, desc))
+                if write:
+                    last_writer[key] = stream
+                    accesses.append((key, start, end, True, desc))
+            _, races = self.hb.record(stream, Site(name, _Captured(captured)), accesses, allocs)
+            if races:
+                self._report(races)
 
     # storages
 
@@ -274,13 +376,18 @@ class AccessTracker(TorchDispatchMode):
         """Apply the frees seen since the last call: report uses not ordered before them, forget the storages.
         Every entry point (an op, a stream call, reading races) drains first, so a freed address is forgotten
         before it can be handed out again."""
+        if self._capture is not None:
+            with self._lock:
+                self._apply_captured(self._capture.drain())
         while self._frees:
-            key, site = self._frees.popleft()
-            if self.watched.pop(key, False) is False:
-                continue
-            self.names.pop(key, None)
-            self.last_writer.pop(key, None)
-            self._report(self.hb.free(key, site))
+            self._freed(*self._frees.popleft())
+
+    def _freed(self, key: Hashable, site: Site) -> None:
+        if self.watched.pop(key, False) is False:
+            return  # never touched by a tracked op
+        self.names.pop(key, None)
+        self.last_writer.pop(key, None)
+        self._report(self.hb.free(key, site))
 
     def detach(self) -> None:
         """Stop watching storages (the session ends): no callback fires into a finished detector."""

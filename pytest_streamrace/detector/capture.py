@@ -1,0 +1,306 @@
+"""Ops captured in C++, for the cuda backend: what the dispatch mode hands the tracker, without entering Python per op.
+
+A TorchDispatchMode costs a launch-bound training step 1.6-1.7x before it does anything (measured on H200 hosts,
+docs/gpu-validation.md). This extension registers a global RecordFunction callback instead and records, per op that
+reaches a kernel below autograd (composite ops decompose first, as they do before the dispatch mode; ops nested in a
+recorded op are its own business, as under the mode), the byte ranges of the storages it reads and writes, its fresh
+outputs, the current stream, whether it runs inside an autograd node, and the Python stack (torch's C++ capture, named
+later). Which arguments are read or written is the tracker's own plan (``tracker._plan``), asked once per op.
+
+The tracker drains the records in order at every point where order matters (stream and event calls, frees, waits,
+reading races); frees arrive as markers in the same buffer. c10d ops are handed to Python at once, on the issuing
+thread, as the dispatch mode did: their model needs the process group, the Work object and the stream of that moment.
+
+Built on first use with torch's C++ extension loader (a compiler is needed; about 20-40 s, cached).
+"""
+
+from __future__ import annotations
+
+import re
+
+SOURCE = r"""
+#include <torch/extension.h>
+#include <ATen/record_function.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/jit/python/pybind_utils.h>
+#include <torch/csrc/profiler/combined_traceback.h>
+#include <atomic>
+#include <mutex>
+#include <unordered_map>
+
+namespace {
+
+struct Stack {
+  std::shared_ptr<torch::CapturedTraceback> traceback;
+  py::list frames() const {  // innermost first: (file, line, function)
+    py::list out;
+    std::vector<torch::CapturedTraceback*> one{traceback.get()};
+    auto symbolized = torch::symbolize(one);
+    for (uint64_t index : symbolized.tracebacks.at(0)) {
+      const auto& f = symbolized.all_frames.at(index);
+      out.append(py::make_tuple(f.filename, f.lineno, f.funcname));
+    }
+    return out;
+  }
+};
+
+struct Span { int64_t storage, start, end; bool write; std::vector<int64_t> shape; std::string dtype; int64_t nbytes; };
+struct Record {
+  bool free = false; const char* op = nullptr; int64_t stream = 0; bool in_node = false;
+  std::vector<Span> accesses, fresh; std::shared_ptr<Stack> stack; int64_t freed = 0;
+};
+
+// What to do with an op, decided once (by the tracker's plan) per op overload.
+struct Plan { bool below_autograd = false, record = false, handoff = false, fresh = false, writes_output = false;
+              std::vector<std::pair<size_t, bool>> args; };
+struct Pending : at::ObserverContext { Record record; const Plan* plan; std::vector<c10::IValue> inputs; };
+
+std::mutex mutex;  // records and plans
+std::vector<Record> records;
+std::unordered_map<const char*, Plan> plans;  // keyed by the op's name, which lives in its schema
+at::CallbackHandle handle = 0;
+std::atomic<bool> on{false};
+bool cuda = false;
+py::object plan_fn, handoff_fn;
+thread_local int depth = 0;  // ops below autograd running on this thread
+
+std::shared_ptr<Stack> stack_here() {
+  auto s = std::make_shared<Stack>();
+  s->traceback = torch::CapturedTraceback::gather(/*python=*/true, /*script=*/false, /*cpp=*/false);
+  return s;
+}
+
+bool reaches_kernel(const c10::OperatorHandle& op) {  // what reaches the dispatch mode: no decomposition above it
+  using K = c10::DispatchKey;
+  for (K key : {K::CUDA, K::CPU, K::CompositeExplicitAutograd, K::CompositeExplicitAutogradNonFunctional})
+    if (op.hasKernelForDispatchKey(key)) return true;
+  return false;
+}
+
+const Plan* plan_for(const at::RecordFunction& fn) {
+  {
+    std::lock_guard<std::mutex> guard(mutex);
+    auto found = plans.find(fn.name());
+    if (found != plans.end()) return &found->second;
+  }
+  auto name = fn.operator_name();
+  if (!name) return nullptr;  // a named range, not an op
+  Plan plan;
+  auto op = c10::Dispatcher::singleton().findOp(*name);
+  plan.below_autograd = op && reaches_kernel(*op);
+  if (plan.below_autograd) {
+    py::gil_scoped_acquire gil;
+    py::object got = plan_fn(name->name, name->overload_name);
+    if (py::isinstance<py::str>(got)) {
+      plan.handoff = got.cast<std::string>() == "handled";
+    } else if (!got.is_none()) {
+      auto t = got.cast<py::tuple>();
+      for (auto item : t[0].cast<py::list>()) {
+        auto pair = item.cast<py::tuple>();
+        plan.args.push_back({pair[0].cast<size_t>(), pair[1].cast<bool>()});
+      }
+      plan.fresh = t[1].cast<bool>();
+      plan.writes_output = t[2].cast<bool>();
+      plan.record = true;
+    }
+  }
+  std::lock_guard<std::mutex> guard(mutex);
+  return &plans.emplace(fn.name(), std::move(plan)).first->second;
+}
+
+void add(std::vector<Span>& out, const at::Tensor& t, bool write, bool fresh) {
+  if (!t.defined() || !t.has_storage() || t.numel() == 0) return;
+  if (t.unsafeGetTensorImpl()->is_wrapped_number()) return;  // a Python scalar boxed for the kernel: no memory of ours
+  if (t.device().is_cuda() != cuda) return;  // host memory: not the modelled device
+  int64_t size = t.element_size(), start = t.storage_offset() * size, last = 0;
+  if (t.is_contiguous()) last = t.numel() - 1;
+  else for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
+  auto key = reinterpret_cast<int64_t>(t.storage().data());
+  if (key == 0) return;
+  out.push_back({key, start, start + (last + 1) * size, write, t.sizes().vec(),
+                 std::string(c10::getDtypeNames(t.scalar_type()).first), fresh ? (int64_t)t.storage().nbytes() : -1});
+}
+
+void add_value(std::vector<Span>& out, const c10::IValue& v, bool write, bool fresh) {
+  if (v.isTensor()) add(out, v.toTensor(), write, fresh);
+  else if (v.isTensorList()) for (const at::Tensor& t : v.toTensorList()) add(out, t, write, fresh);
+  else if (v.isList()) for (const auto& e : v.toListRef()) if (e.isTensor()) add(out, e.toTensor(), write, fresh);
+}
+
+std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+  if (depth > 0 || !on.load()) return nullptr;
+  const Plan* plan = plan_for(fn);
+  if (plan == nullptr || !plan->below_autograd) return nullptr;
+  ++depth;
+  auto pending = std::make_unique<Pending>();
+  pending->plan = plan;
+  if (plan->handoff) {
+    auto inputs = fn.inputs();
+    pending->inputs.assign(inputs.begin(), inputs.end());
+  }
+  if (plan->record) {
+    Record& r = pending->record;
+    r.op = fn.name();
+    if (cuda) {
+      const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+      r.stream = reinterpret_cast<int64_t>(impl->getStream(impl->getDevice()).native_handle());
+    }
+    r.in_node = static_cast<bool>(torch::autograd::get_current_node());
+    auto inputs = fn.inputs();
+    for (const auto& [index, write] : plan->args)
+      if (index < inputs.size()) add_value(r.accesses, inputs[index], write, false);
+    r.stack = stack_here();
+  }
+  return pending;
+}
+
+void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
+  if (context == nullptr) return;
+  --depth;
+  auto* pending = static_cast<Pending*>(context);
+  const Plan* plan = pending->plan;
+  if (plan->handoff) {
+    const auto& inputs = pending->inputs;
+    if (!on.load()) return;
+    py::gil_scoped_acquire gil;
+    py::tuple args(inputs.size());
+    for (size_t i = 0; i < inputs.size(); ++i) args[i] = torch::jit::toPyObject(inputs[i]);
+    auto outputs = fn.outputs();
+    py::object out;
+    if (outputs.size() == 1) out = torch::jit::toPyObject(outputs[0]);
+    else {
+      py::tuple t(outputs.size());
+      for (size_t i = 0; i < outputs.size(); ++i) t[i] = torch::jit::toPyObject(outputs[i]);
+      out = t;
+    }
+    auto name = fn.operator_name();
+    handoff_fn(name->name, name->overload_name, args, out);
+    return;
+  }
+  if (!plan->record) return;
+  Record& r = pending->record;
+  if (plan->fresh)
+    for (const auto& v : fn.outputs()) add_value(r.fresh, v, plan->writes_output, true);
+  std::lock_guard<std::mutex> guard(mutex);
+  records.push_back(std::move(r));
+}
+
+py::tuple shape_of(const Span& t) {
+  py::tuple shape(t.shape.size());
+  for (size_t i = 0; i < t.shape.size(); ++i) shape[i] = t.shape[i];
+  return shape;
+}
+
+}  // namespace
+
+void enable(bool on_cuda, py::object plan, py::object handoff) {
+  cuda = on_cuda;
+  plan_fn = plan;
+  handoff_fn = handoff;
+  {
+    std::lock_guard<std::mutex> guard(mutex);
+    plans.clear();
+    records.clear();
+  }
+  on.store(true);
+  handle = at::addGlobalCallback(at::RecordFunctionCallback(on_start, on_end)
+                                     .needsInputs(true).needsOutputs(true).scopes({at::RecordScope::FUNCTION}));
+}
+
+void disable() {
+  on.store(false);
+  at::removeCallback(handle);
+  std::lock_guard<std::mutex> guard(mutex);
+  records.clear();
+  plans.clear();
+  plan_fn = py::none();
+  handoff_fn = py::none();
+}
+
+void set_recording(bool value) { on.store(value); }
+
+void mark_free(int64_t ptr) {
+  Record r;
+  r.free = true;
+  r.freed = ptr;
+  r.stack = stack_here();
+  std::lock_guard<std::mutex> guard(mutex);
+  records.push_back(std::move(r));
+}
+
+// ("free", ptr, stack) or ("op", name, stream, in_node, accesses, fresh, stack); a tensor is
+// (storage, start, end, write, shape, dtype[, nbytes]).
+py::list drain() {
+  std::vector<Record> taken;
+  {
+    std::lock_guard<std::mutex> guard(mutex);
+    taken.swap(records);
+  }
+  py::list out;
+  for (auto& r : taken) {
+    py::object stack = py::cast(r.stack);
+    if (r.free) {
+      out.append(py::make_tuple("free", r.freed, stack));
+      continue;
+    }
+    py::list accesses, fresh;
+    for (const auto& t : r.accesses)
+      accesses.append(py::make_tuple(t.storage, t.start, t.end, t.write, shape_of(t), t.dtype));
+    for (const auto& t : r.fresh)
+      fresh.append(py::make_tuple(t.storage, t.start, t.end, t.write, shape_of(t), t.dtype, t.nbytes));
+    out.append(py::make_tuple("op", r.op, r.stream, r.in_node, accesses, fresh, stack));
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  py::class_<Stack, std::shared_ptr<Stack>>(m, "Stack").def("frames", &Stack::frames);
+  m.def("enable", &enable);
+  m.def("disable", &disable);
+  m.def("set_recording", &set_recording);
+  m.def("mark_free", &mark_free);
+  m.def("drain", &drain);
+}
+"""
+
+_extension = None
+_failure: str | None = None
+
+
+def load():
+    """The compiled extension, or None with `failure()` saying why (no compiler, a torch without the headers)."""
+    global _extension, _failure
+    if _extension is None and _failure is None:
+        try:
+            _ninja_on_path()
+            from torch.utils.cpp_extension import load_inline
+
+            # NDEBUG: torch's headers give RecordFunction debug-only members otherwise, and its layout would not
+            # match the release build of torch.
+            import torch
+
+            # one build per torch version: the extension is compiled against that torch's headers and ABI
+            name = "streamrace_capture_" + re.sub(r"\W", "_", torch.__version__)
+            _extension = load_inline(name, SOURCE, extra_cflags=["-O2", "-DNDEBUG"])
+        except Exception as exc:  # a failed build must leave the slower dispatch mode working, and say why
+            _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+    return _extension
+
+
+def _ninja_on_path() -> None:
+    """torch builds with the `ninja` on PATH; a venv that was not activated has the pip package's out of sight."""
+    import os
+    import shutil
+
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+        except ImportError:
+            return
+        os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+
+
+def failure() -> str | None:
+    return _failure

@@ -1,0 +1,141 @@
+"""The C++ op capture (the cuda backend's source of ops), run here on CPU tensors: it must hand the tracker what the
+dispatch mode does — the same ops, the same byte ranges, the user's lines — and c10d ops to Python at once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from pytest_streamrace.detector import capture
+from pytest_streamrace.detector.hb import HappensBefore
+from pytest_streamrace.detector.tracker import AccessTracker
+from tagged_lines import line
+
+
+@pytest.fixture(scope="module")
+def extension():
+    ext = capture.load()
+    if ext is None:
+        pytest.skip(f"the capture extension does not build here: {capture.failure()}")
+    return ext
+
+
+def _program(keep: list) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
+    x = torch.randn(4, 8)
+    for _ in range(2):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        keep += [loss, *(p.grad for p in model.parameters())]
+    keep.append(torch.cat([x, x.t().contiguous().t()]).sum())  # a strided read
+    keep.append(x[1:3].mul_(2))  # a write to a slice
+
+
+def _ops(captured: bool, extension=None) -> list[tuple]:
+    """(op, [(start, end, write, shape, dtype)]) per op the tracker launched, the storages kept alive throughout (so
+    no address is reused: frees are the allocator callback's business, and CPU has none)."""
+    seen: list[tuple] = []
+    hb = HappensBefore()
+    original = hb.record
+
+    def record(stream, site, accesses=(), allocs=()):
+        seen.append((site.op, [(s, e, w, tuple(d[0]), str(d[1]).removeprefix("torch.")) for _, s, e, w, d in accesses]))
+        return original(stream, site, accesses, allocs)
+
+    hb.record = record
+    tracker = AccessTracker(hb, lambda: "default", "cpu", track_frees=False)
+    keep: list = []
+    if captured:
+        tracker.capture_with(extension)
+        try:
+            _program(keep)
+        finally:
+            tracker.stop_capture()
+    else:
+        with tracker:
+            _program(keep)
+    return seen
+
+
+def test_captured_ops_are_the_dispatch_modes(extension):
+    mode = _ops(False)
+    captured = _ops(True, extension)
+    assert [op for op, _ in captured] == [op for op, _ in mode]
+    assert captured == mode
+    assert {"aten::addmm", "aten::mm", "aten::threshold_backward", "aten::_foreach_add_", "aten::cat"} <= \
+        {op for op, _ in captured}
+    assert "aten::t" not in {op for op, _ in captured}  # views touch no bytes
+
+
+def test_captured_stacks_name_the_users_line(extension):
+    hb = HappensBefore(trace=True)
+    tracker = AccessTracker(hb, lambda: "default", "cpu", track_frees=False)
+    tracker.capture_with(extension)
+    try:
+        x = torch.ones(4)
+        x.add_(1)  # captured-line
+    finally:
+        tracker.stop_capture()
+    (add,) = [op for op in hb.timeline if op.site.op == "aten::add_"]
+    assert add.site.frames[0] == (__file__, line("captured-line"), "test_captured_stacks_name_the_users_line")
+
+
+def test_paused_tracker_captures_nothing(extension):
+    hb = HappensBefore(trace=True)
+    tracker = AccessTracker(hb, lambda: "default", "cpu", track_frees=False)
+    tracker.capture_with(extension)
+    try:
+        tracker.enabled = False
+        torch.ones(4).add_(1)
+        tracker.enabled = True
+        torch.ones(4).mul_(2)
+    finally:
+        tracker.stop_capture()
+    assert [op.site.op for op in hb.timeline] == ["aten::ones", "aten::mul_"]
+
+
+def test_c10d_ops_are_handed_to_python_on_the_issuing_thread(extension, tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        handed = []
+        tracker = AccessTracker(HappensBefore(), lambda: "default", "cpu", track_frees=False)
+        tracker.namespace_handlers["c10d"] = lambda func, args, kwargs, out: handed.append(
+            (func.name(), [a for a in args if isinstance(a, list)], out))
+        tracker.capture_with(extension)
+        try:
+            t = torch.ones(4)
+            work = dist.all_reduce(t, async_op=True)
+            work.wait()
+        finally:
+            tracker.stop_capture()
+        (call,) = handed
+        assert call[0] == "c10d::allreduce_"
+        assert call[1] and call[1][0][0] is t  # the caller's own tensor, not a copy
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_failed_build_is_one_line_and_leaves_none(tmp_path):
+    """Without a working compiler the cuda backend falls back to the dispatch mode; `failure()` says why."""
+    script = textwrap.dedent("""
+        from pytest_streamrace.detector import capture
+        capture.SOURCE = capture.SOURCE.replace("#include <atomic>", "#include <no_such_header_here>")
+        print(capture.load() is None)
+        print(capture.failure())
+    """)
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    lines = out.stdout.strip().splitlines()
+    assert lines[0] == "True", out.stderr[-2000:]
+    assert len(lines) == 2 and "Error" in lines[1]
