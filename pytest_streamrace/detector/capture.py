@@ -302,5 +302,10 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
+def tried() -> bool:
+    """Whether `load` ran in this process (a failure is reported once)."""
+    return _extension is not None or _failure is not None
+
+
 def failure() -> str | None:
     return _failure

@@ -3,7 +3,8 @@
 torch fires ``torch.cuda._gpu_trace`` callbacks for stream and event creation, event record/wait/synchronize,
 stream/device synchronize and caching-allocator (de)allocation, with raw ``cudaStream_t`` / ``cudaEvent_t`` handles.
 Those handles are the hb keys. The engine applies autograd's stream rules itself on a GPU, so nothing about
-autograd is modelled here: its ops and the events it records reach hb like everyone else's.
+autograd is modelled here: its ops and the events it records reach hb like everyone else's. Callbacks that order
+streams or the host first drain the ops captured so far (``capture``), so both land in the order they happened.
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """One race-detection session: the happens-before core, the access tracker and a backend's stream model.
 
+Ops reach the tracker through a TorchDispatchMode (virtual backend), or, on the cuda backend, through the C++ capture
+(``capture``), which costs a launch-bound step a fraction of what entering Python per op does.
+
 ``with Detector(backend="virtual") as d: ...`` installs everything, and removes every patch and mode on exit so
 torch is exactly as before. Everything installed is a *patch* (an object with install/uninstall), kept in one list
 and undone in reverse order: collectives and framework adapters add their own with `install`.
@@ -148,9 +151,15 @@ class Detector:
         `capture_failure` says why."""
         from . import capture
 
+        first = not capture.tried()
         extension = capture.load()
         self.capture_failure = capture.failure()
         if extension is None:
+            if first:
+                import warnings
+
+                warnings.warn(f"streamrace: the cuda backend's C++ op capture did not build ({self.capture_failure}); "
+                              "tracking ops with the slower dispatch mode", RuntimeWarning, stacklevel=2)
             return _Mode(self.tracker)
         return _Capture(self.tracker, extension)
 
