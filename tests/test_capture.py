@@ -139,3 +139,18 @@ def test_a_failed_build_is_one_line_and_leaves_none(tmp_path):
     lines = out.stdout.strip().splitlines()
     assert lines[0] == "True", out.stderr[-2000:]
     assert len(lines) == 2 and "Error" in lines[1]
+
+
+def test_work_recorded_by_hand_lands_after_the_captured_ops_before_it(extension):
+    """Collectives and the backend's own calls go through tracker.run: the ops captured before must come first."""
+    hb = HappensBefore(trace=True)
+    tracker = AccessTracker(hb, lambda: "default", "cpu", track_frees=False)
+    tracker.capture_with(extension)
+    try:
+        t = torch.ones(4)
+        t.add_(1)
+        tracker.run("all_reduce", "communication", reads=[t])
+    finally:
+        tracker.stop_capture()
+    assert [op.site.op for op in hb.timeline] == ["aten::ones", "aten::add_", "all_reduce"]
+    assert [r.kind for r in hb.races] == ["read-after-write"]  # the comm stream never waited on the add_

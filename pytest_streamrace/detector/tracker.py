@@ -401,8 +401,7 @@ class AccessTracker(TorchDispatchMode):
         """Launch one op on `stream` that reads and writes the given tensors: the public way for collectives and
         other work the dispatch mode does not see. Returns the hb Op."""
         with self._lock:
-            if self._frees:
-                self.drain()
+            self.drain()  # what ran before it (frees, captured ops) lands before it
             touched = [(t, False) for t in reads if self.on_device(t)]
             touched += [(t, True) for t in writes if self.on_device(t)]
             site = Site(op_name, frames if frames is not None else stack())
