@@ -5,8 +5,9 @@ import os
 import torch
 from tagged_lines import line
 
+from pytest_streamrace.detector.frames import user_frames
 from pytest_streamrace.detector.session import Detector
-from pytest_streamrace.detector.tracker import byte_range, user_frames
+from pytest_streamrace.detector.tracker import byte_range
 
 
 def side_stream():

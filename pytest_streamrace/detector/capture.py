@@ -275,11 +275,10 @@ def load():
     if _extension is None and _failure is None:
         try:
             _ninja_on_path()
-            from torch.utils.cpp_extension import load_inline
-
             # NDEBUG: torch's headers give RecordFunction debug-only members otherwise, and its layout would not
             # match the release build of torch.
             import torch
+            from torch.utils.cpp_extension import load_inline
 
             # one build per torch version: the extension is compiled against that torch's headers and ABI
             name = "streamrace_capture_" + re.sub(r"\W", "_", torch.__version__)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from .frames import created_at, stack
 from .hb import Site
-from .tracker import created_at, stack
 
 
 class CudaStreams:

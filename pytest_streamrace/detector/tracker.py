@@ -2,18 +2,17 @@
 
 A TorchDispatchMode sits below autograd, so it sees forward ops, the ops autograd's backward runs and the ops inside
 hooks alike. On the cuda backend the same ops come from the C++ capture instead (``capture``; drained in order at
-every synchronization point), classified by the same plans. Which argument is read or written comes from the op's schema (alias annotations), not from a list of
-ops, so new and custom ops are classified too. Accesses are byte ranges of storages — the span a view really
-touches — so overlapping views at other offsets conflict and disjoint slices of one buffer do not.
+every synchronization point), classified by the same plans. Which argument is read or written comes from the op's
+schema (alias annotations), not from a list of ops, so new and custom ops are classified too. Accesses are byte
+ranges of storages — the span a view really touches — so overlapping views at other offsets conflict and disjoint
+slices of one buffer do not.
 """
 
 from __future__ import annotations
 
 import collections
 import operator
-import os
 import re
-import sys
 import threading
 import weakref
 from typing import Callable, Hashable
@@ -24,6 +23,7 @@ from torch._C import DisableTorchFunction as _DisableTorchFunction
 from torch._C import _current_autograd_node
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .frames import Captured, stack
 from .hb import HappensBefore, Race, Site
 
 # Factories that read only their inputs' metadata; "empty" ones do not write their output either (no kernel runs).
@@ -31,125 +31,6 @@ _METADATA_INPUTS = re.compile(r"^aten::(new_.*|.*_like|empty.*)$")
 _NO_KERNEL = re.compile(r"^aten::(empty.*|new_empty.*)$")
 _SKIPPED_OPS = {"aten::record_stream"}  # not a kernel: the backend turns it into hb.record_stream
 _HANDLED_NAMESPACES = {"c10d"}  # modelled by a namespace handler (detector.collectives), never as plain ops
-
-
-def _skip_prefixes() -> tuple[str, ...]:
-    """Directories whose frames are machinery, not user code: torch, this package, pytest and pluggy."""
-    import _pytest
-    import pluggy
-
-    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    dirs = [os.path.dirname(torch.__file__), package, os.path.dirname(_pytest.__file__),
-            os.path.dirname(pluggy.__file__)]
-    pytest = sys.modules.get("pytest")
-    if getattr(pytest, "__file__", None):
-        dirs.append(os.path.dirname(pytest.__file__))
-    prefixes = tuple(d + os.sep for d in dirs)
-    wrappers = sys.modules.get("typing_extensions")  # its @deprecated wrapper sits around some torch.distributed calls
-    return prefixes + ((wrappers.__file__,) if getattr(wrappers, "__file__", None) else ())
-
-
-_STDLIB = os.path.dirname(os.__file__) + os.sep
-_USER, _MACHINERY, _HARNESS = 0, 1, 2
-_kinds: dict[str, int] = {}  # filename -> _USER | _MACHINERY | _HARNESS
-_prefixes: tuple[str, ...] | None = None
-
-
-def _kind(filename: str) -> int:
-    """User code, machinery to look through (torch, this package, the standard library), or the test harness
-    (pytest, pluggy): nothing beneath the harness's frames is the test's own code, so the walk stops there."""
-    kind = _kinds.get(filename)
-    if kind is not None:
-        return kind
-    global _prefixes
-    if _prefixes is None:
-        _prefixes = _skip_prefixes()
-    in_packages = "site-packages" in filename or "dist-packages" in filename
-    if os.sep + "_pytest" + os.sep in filename or os.sep + "pluggy" + os.sep in filename:
-        kind = _HARNESS
-    elif filename.startswith((*_prefixes, "<")) or (filename.startswith(_STDLIB) and not in_packages):
-        kind = _MACHINERY
-    else:
-        kind = _USER
-    _kinds[filename] = kind
-    return kind
-
-
-def _user_only(frames, limit: int) -> tuple[tuple[str, int, str], ...]:
-    """The innermost `limit` of (file, line, function) frames, innermost first, that are user code."""
-    out = []
-    for filename, lineno, function in frames:
-        kind = _kind(filename)
-        if kind == _USER:
-            out.append((filename, lineno, function))
-            if len(out) == limit:
-                break
-        elif kind == _HARNESS:
-            break
-    return tuple(out)
-
-
-def _walk(frame):
-    while frame is not None:
-        code = frame.f_code
-        yield code.co_filename, frame.f_lineno, code.co_name
-        frame = frame.f_back
-
-
-def user_frames(limit: int = 5, depth: int = 1) -> tuple[tuple[str, int, str], ...]:
-    """The innermost `limit` frames outside torch, pytest and this package, walked now. Per op, `stack()` is
-    cheaper."""
-    return _user_only(_walk(sys._getframe(depth)), limit)
-
-
-try:  # torch's C++ stack capture (what its memory snapshots use): code objects and offsets, named later
-    from torch._C._profiler import gather_traceback as _gather
-    from torch._C._profiler import symbolize_tracebacks as _symbolize
-except ImportError:
-    _gather = None
-
-
-class _Stack:
-    """A Python stack captured in C — no frame objects, so no locals (and tensors) kept alive — whose user frames
-    are named only when read: every op needs its stack kept, few ever have it read."""
-
-    __slots__ = ("traceback",)
-
-    def __init__(self):
-        self.traceback = _gather(True, False, False)
-
-    def resolve(self, limit: int = 5) -> tuple[tuple[str, int, str], ...]:
-        frames = _symbolize([self.traceback])[0]
-        return _user_only(((f["filename"], f["line"], f["name"]) for f in frames), limit)
-
-
-class _Captured:
-    """A stack the C++ capture took (``detector.capture``), named when read."""
-
-    __slots__ = ("stack",)
-
-    def __init__(self, stack):
-        self.stack = stack
-
-    def resolve(self, limit: int = 5) -> tuple[tuple[str, int, str], ...]:
-        return _user_only(self.stack.frames(), limit)
-
-
-def _walked_now():
-    return user_frames(depth=2)
-
-
-# The caller's user frames for a Site, cheaply: captured now, named when read (walked at once without torch's capture).
-stack = _Stack if _gather is not None else _walked_now
-
-
-def created_at() -> str:
-    """"file.py:line" of the innermost user frame: how streams are named after the line that created them."""
-    frames = user_frames(limit=1, depth=2)
-    if not frames:
-        return "<unknown>"
-    filename, lineno, _ = frames[0]
-    return f"{os.path.basename(filename)}:{lineno}"
 
 
 def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
@@ -316,7 +197,7 @@ class AccessTracker(TorchDispatchMode):
         watched, names, last_writer = self.watched, self.names, self.last_writer
         for record in records:
             if record[0] == "free":
-                self._freed(record[1], Site("free", _Captured(record[2])))
+                self._freed(record[1], Site("free", Captured(record[2])))
                 continue
             _, name, stream, in_node, spans, fresh, captured = record
             accesses: list[tuple] = []
@@ -337,7 +218,7 @@ class AccessTracker(TorchDispatchMode):
                 if write:
                     last_writer[key] = stream
                     accesses.append((key, start, end, True, desc))
-            _, races = self.hb.record(stream, Site(name, _Captured(captured)), accesses, allocs)
+            _, races = self.hb.record(stream, Site(name, Captured(captured)), accesses, allocs)
             if races:
                 self._report(races)
 

@@ -14,7 +14,7 @@ import threading
 
 import torch
 
-from .tracker import created_at
+from .frames import created_at
 
 _active: "VirtualStreams | None" = None
 

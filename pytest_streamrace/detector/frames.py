@@ -1,0 +1,128 @@
+"""Where in user code something happened: which frames are the user's, and stacks taken per op but named only when
+read (a race, a trace) — capturing is cheap, naming is not, and few stacks are ever read."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+
+def _skip_prefixes() -> tuple[str, ...]:
+    """Directories whose frames are machinery, not user code: torch, this package, pytest and pluggy."""
+    import _pytest
+    import pluggy
+
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dirs = [os.path.dirname(torch.__file__), package, os.path.dirname(_pytest.__file__),
+            os.path.dirname(pluggy.__file__)]
+    pytest = sys.modules.get("pytest")
+    if getattr(pytest, "__file__", None):
+        dirs.append(os.path.dirname(pytest.__file__))
+    prefixes = tuple(d + os.sep for d in dirs)
+    wrappers = sys.modules.get("typing_extensions")  # its @deprecated wrapper sits around some torch.distributed calls
+    return prefixes + ((wrappers.__file__,) if getattr(wrappers, "__file__", None) else ())
+
+
+_STDLIB = os.path.dirname(os.__file__) + os.sep
+_USER, _MACHINERY, _HARNESS = 0, 1, 2
+_kinds: dict[str, int] = {}  # filename -> _USER | _MACHINERY | _HARNESS
+_prefixes: tuple[str, ...] | None = None
+
+
+def _kind(filename: str) -> int:
+    """User code, machinery to look through (torch, this package, the standard library), or the test harness
+    (pytest, pluggy): nothing beneath the harness's frames is the test's own code, so the walk stops there."""
+    kind = _kinds.get(filename)
+    if kind is not None:
+        return kind
+    global _prefixes
+    if _prefixes is None:
+        _prefixes = _skip_prefixes()
+    in_packages = "site-packages" in filename or "dist-packages" in filename
+    if os.sep + "_pytest" + os.sep in filename or os.sep + "pluggy" + os.sep in filename:
+        kind = _HARNESS
+    elif filename.startswith((*_prefixes, "<")) or (filename.startswith(_STDLIB) and not in_packages):
+        kind = _MACHINERY
+    else:
+        kind = _USER
+    _kinds[filename] = kind
+    return kind
+
+
+def _user_only(frames, limit: int) -> tuple[tuple[str, int, str], ...]:
+    """The innermost `limit` of (file, line, function) frames, innermost first, that are user code."""
+    out = []
+    for filename, lineno, function in frames:
+        kind = _kind(filename)
+        if kind == _USER:
+            out.append((filename, lineno, function))
+            if len(out) == limit:
+                break
+        elif kind == _HARNESS:
+            break
+    return tuple(out)
+
+
+def _walk(frame):
+    while frame is not None:
+        code = frame.f_code
+        yield code.co_filename, frame.f_lineno, code.co_name
+        frame = frame.f_back
+
+
+def user_frames(limit: int = 5, depth: int = 1) -> tuple[tuple[str, int, str], ...]:
+    """The innermost `limit` frames outside torch, pytest and this package, walked now. Per op, `stack()` is
+    cheaper."""
+    return _user_only(_walk(sys._getframe(depth)), limit)
+
+
+try:  # torch's C++ stack capture (what its memory snapshots use): code objects and offsets, named later
+    from torch._C._profiler import gather_traceback as _gather
+    from torch._C._profiler import symbolize_tracebacks as _symbolize
+except ImportError:
+    _gather = None
+
+
+class _Stack:
+    """A Python stack captured in C — no frame objects, so no locals (and tensors) kept alive — whose user frames
+    are named only when read: every op needs its stack kept, few ever have it read."""
+
+    __slots__ = ("traceback",)
+
+    def __init__(self):
+        self.traceback = _gather(True, False, False)
+
+    def resolve(self, limit: int = 5) -> tuple[tuple[str, int, str], ...]:
+        frames = _symbolize([self.traceback])[0]
+        return _user_only(((f["filename"], f["line"], f["name"]) for f in frames), limit)
+
+
+class Captured:
+    """A stack the C++ capture took (``detector.capture``), named when read."""
+
+    __slots__ = ("stack",)
+
+    def __init__(self, stack):
+        self.stack = stack
+
+    def resolve(self, limit: int = 5) -> tuple[tuple[str, int, str], ...]:
+        return _user_only(self.stack.frames(), limit)
+
+
+def _walked_now():
+    return user_frames(depth=2)
+
+
+# The caller's user frames for a Site, cheaply: captured now, named when read (walked at once without torch's capture).
+stack = _Stack if _gather is not None else _walked_now
+
+
+def created_at() -> str:
+    """"file.py:line" of the innermost user frame: how streams are named after the line that created them."""
+    frames = user_frames(limit=1, depth=2)
+    if not frames:
+        return "<unknown>"
+    filename, lineno, _ = frames[0]
+    return f"{os.path.basename(filename)}:{lineno}"
