@@ -3,6 +3,7 @@ dispatch mode does — the same ops, the same byte ranges, the user's lines — 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -23,6 +24,18 @@ def extension():
     if ext is None:
         pytest.skip(f"the capture extension does not build here: {capture.failure()}")
     return ext
+
+
+@contextlib.contextmanager
+def capturing(extension):
+    """(hb, tracker) fed by the capture, on CPU tensors, while inside."""
+    hb = HappensBefore(trace=True)
+    tracker = AccessTracker(hb, lambda: "default", "cpu", track_frees=False)
+    tracker.capture_with(extension)
+    try:
+        yield hb, tracker
+    finally:
+        tracker.stop_capture()
 
 
 def _program(keep: list) -> None:
@@ -77,29 +90,19 @@ def test_captured_ops_are_the_dispatch_modes(extension):
 
 
 def test_captured_stacks_name_the_users_line(extension):
-    hb = HappensBefore(trace=True)
-    tracker = AccessTracker(hb, lambda: "default", "cpu", track_frees=False)
-    tracker.capture_with(extension)
-    try:
+    with capturing(extension) as (hb, _):
         x = torch.ones(4)
         x.add_(1)  # captured-line
-    finally:
-        tracker.stop_capture()
     (add,) = [op for op in hb.timeline if op.site.op == "aten::add_"]
     assert add.site.frames[0] == (__file__, line("captured-line"), "test_captured_stacks_name_the_users_line")
 
 
 def test_paused_tracker_captures_nothing(extension):
-    hb = HappensBefore(trace=True)
-    tracker = AccessTracker(hb, lambda: "default", "cpu", track_frees=False)
-    tracker.capture_with(extension)
-    try:
+    with capturing(extension) as (hb, tracker):
         tracker.enabled = False
         torch.ones(4).add_(1)
         tracker.enabled = True
         torch.ones(4).mul_(2)
-    finally:
-        tracker.stop_capture()
     assert [op.site.op for op in hb.timeline] == ["aten::ones", "aten::mul_"]
 
 
@@ -109,16 +112,12 @@ def test_c10d_ops_are_handed_to_python_on_the_issuing_thread(extension, tmp_path
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         handed = []
-        tracker = AccessTracker(HappensBefore(), lambda: "default", "cpu", track_frees=False)
-        tracker.namespace_handlers["c10d"] = lambda func, args, kwargs, out: handed.append(
-            (func.name(), [a for a in args if isinstance(a, list)], out))
-        tracker.capture_with(extension)
-        try:
+        with capturing(extension) as (_, tracker):
+            tracker.namespace_handlers["c10d"] = lambda func, args, kwargs, out: handed.append(
+                (func.name(), [a for a in args if isinstance(a, list)], out))
             t = torch.ones(4)
             work = dist.all_reduce(t, async_op=True)
             work.wait()
-        finally:
-            tracker.stop_capture()
         (call,) = handed
         assert call[0] == "c10d::allreduce_"
         assert call[1] and call[1][0][0] is t  # the caller's own tensor, not a copy
@@ -143,14 +142,9 @@ def test_a_failed_build_is_one_line_and_leaves_none(tmp_path):
 
 def test_work_recorded_by_hand_lands_after_the_captured_ops_before_it(extension):
     """Collectives and the backend's own calls go through tracker.run: the ops captured before must come first."""
-    hb = HappensBefore(trace=True)
-    tracker = AccessTracker(hb, lambda: "default", "cpu", track_frees=False)
-    tracker.capture_with(extension)
-    try:
+    with capturing(extension) as (hb, tracker):
         t = torch.ones(4)
         t.add_(1)
         tracker.run("all_reduce", "communication", reads=[t])
-    finally:
-        tracker.stop_capture()
     assert [op.site.op for op in hb.timeline] == ["aten::ones", "aten::add_", "all_reduce"]
     assert [r.kind for r in hb.races] == ["read-after-write"]  # the comm stream never waited on the add_
