@@ -148,3 +148,11 @@ def test_work_recorded_by_hand_lands_after_the_captured_ops_before_it(extension)
         tracker.run("all_reduce", "communication", reads=[t])
     assert [op.site.op for op in hb.timeline] == ["aten::ones", "aten::add_", "all_reduce"]
     assert [r.kind for r in hb.races] == ["read-after-write"]  # the comm stream never waited on the add_
+
+
+def test_an_op_that_raises_leaves_capture_working(extension):
+    with capturing(extension) as (hb, _):
+        with pytest.raises(RuntimeError):
+            torch.mm(torch.ones(2, 3), torch.ones(2, 3))
+        torch.ones(4).add_(1)
+    assert [op.site.op for op in hb.timeline][-2:] == ["aten::ones", "aten::add_"]
