@@ -68,6 +68,12 @@ class RaceChecks:
 
     # running
 
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        if self.backend == "cuda":  # build (or load) the op capture once, before any test's clock starts
+            from .detector import capture
+
+            capture.load()
+
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item):
         expected(item)  # a bad marker is a usage error before anything runs

@@ -285,6 +285,10 @@ def load():
             _extension = load_inline(name, SOURCE, extra_cflags=["-O2", "-DNDEBUG"])
         except Exception as exc:  # a failed build must leave the slower dispatch mode working, and say why
             _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            import warnings
+
+            warnings.warn(f"streamrace: the cuda backend's C++ op capture did not build ({_failure}); tracking ops "
+                          "with the slower dispatch mode", RuntimeWarning, stacklevel=2)
     return _extension
 
 
@@ -299,11 +303,6 @@ def _ninja_on_path() -> None:
         except ImportError:
             return
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
-def tried() -> bool:
-    """Whether `load` ran in this process (a failure is reported once)."""
-    return _extension is not None or _failure is not None
 
 
 def failure() -> str | None:

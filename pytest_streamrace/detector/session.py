@@ -151,15 +151,9 @@ class Detector:
         `capture_failure` says why."""
         from . import capture
 
-        first = not capture.tried()
         extension = capture.load()
         self.capture_failure = capture.failure()
         if extension is None:
-            if first:
-                import warnings
-
-                warnings.warn(f"streamrace: the cuda backend's C++ op capture did not build ({self.capture_failure}); "
-                              "tracking ops with the slower dispatch mode", RuntimeWarning, stacklevel=2)
             return _Mode(self.tracker)
         return _Capture(self.tracker, extension)
 
