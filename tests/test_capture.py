@@ -157,3 +157,19 @@ def test_an_op_that_raises_leaves_capture_working(extension):
             torch.mm(torch.ones(2, 3), torch.ones(2, 3))
         torch.ones(4).add_(1)
     assert [op.site.op for op in hb.timeline][-2:] == ["aten::ones", "aten::add_"]
+
+
+def test_compiling_under_capture_records_no_fake_tensors(extension):
+    """Dynamo traces with fake tensors (a tensor subclass, no memory): their ops must not become accesses."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    model = torch.nn.Linear(4, 2)
+    expected = model(torch.ones(3, 4))
+    with capturing(extension) as (hb, tracker):
+        with FakeTensorMode():
+            torch.ones(2).add_(1)
+        tracker.drain()
+        assert "aten::add_" in {op.site.op for op in hb.timeline} and hb.history_size() == 0
+        got = torch.compile(model, backend="aot_eager")(torch.ones(3, 4))
+    assert torch.equal(got, expected)
+    assert "aten::addmm" in {op.site.op for op in hb.timeline}  # the compiled graph's ops are real, and recorded

@@ -110,9 +110,12 @@ const Plan* plan_for(const at::RecordFunction& fn) {
   return &plans.emplace(fn.name(), std::move(plan)).first->second;
 }
 
-void add(std::vector<Span>& out, const at::Tensor& t, bool write, bool fresh) {
+void add(std::vector<Span>& out, const at::Tensor& t, bool write, bool fresh) try {
   if (!t.defined() || !t.has_storage() || t.numel() == 0) return;
-  if (t.unsafeGetTensorImpl()->is_wrapped_number()) return;  // a Python scalar boxed for the kernel: no memory of ours
+  const auto* impl = t.unsafeGetTensorImpl();
+  // a Python scalar boxed for the kernel; a tensor subclass (fake tensors while compiling, DTensor), whose own ops
+  // on real tensors are recorded where they run
+  if (impl->is_wrapped_number() || impl->key_set().has(c10::DispatchKey::Python)) return;
   if (t.device().is_cuda() != cuda) return;  // host memory: not the modelled device
   int64_t size = t.element_size(), start = t.storage_offset() * size, last = 0;
   if (t.is_contiguous()) last = t.numel() - 1;
@@ -121,6 +124,8 @@ void add(std::vector<Span>& out, const at::Tensor& t, bool write, bool fresh) {
   if (key == 0) return;
   out.push_back({key, start, start + (last + 1) * size, write, t.sizes().vec(),
                  std::string(c10::getDtypeNames(t.scalar_type()).first), fresh ? (int64_t)t.storage().nbytes() : -1});
+} catch (const std::exception&) {
+  return;  // no plain storage to read (functionalization wrappers and the like)
 }
 
 void add_value(std::vector<Span>& out, const c10::IValue& v, bool write, bool fresh) {
