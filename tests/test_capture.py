@@ -28,9 +28,9 @@ def extension():
 
 @contextlib.contextmanager
 def capturing(extension):
-    """(hb, tracker) fed by the capture, on CPU tensors, while inside."""
+    """(hb, tracker) fed by the capture, on CPU tensors, while inside (one stream: the capture's CPU key, 0)."""
     hb = HappensBefore(trace=True)
-    tracker = AccessTracker(hb, lambda: "default", "cpu", track_frees=False)
+    tracker = AccessTracker(hb, lambda: 0, "cpu", track_frees=False)
     tracker.capture_with(extension)
     try:
         yield hb, tracker
@@ -65,7 +65,7 @@ def _ops(captured: bool, extension=None) -> list[tuple]:
         return original(stream, site, accesses, allocs)
 
     hb.record = record
-    tracker = AccessTracker(hb, lambda: "default", "cpu", track_frees=False)
+    tracker = AccessTracker(hb, lambda: 0, "cpu", track_frees=False)
     keep: list = []
     if captured:
         tracker.capture_with(extension)
@@ -121,6 +121,36 @@ def test_c10d_ops_are_handed_to_python_on_the_issuing_thread(extension, tmp_path
         (call,) = handed
         assert call[0] == "c10d::allreduce_"
         assert call[1] and call[1][0][0] is t  # the caller's own tensor, not a copy
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_collectives_model_judges_captured_ops(extension, tmp_path):
+    """An async all_reduce read before wait() races, after wait() it does not: hand-off, Work identity, the patched
+    wait and the draining order, together."""
+    import torch.distributed as dist
+
+    from pytest_streamrace.detector.collectives import Collectives
+    from pytest_streamrace.detector.session import AttrPatch
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with capturing(extension) as (hb, tracker):
+            patches = Collectives(hb, tracker, lambda: 0).patches(AttrPatch)
+            for patch in patches:
+                patch.install()
+            try:
+                t = torch.ones(4)
+                work = dist.all_reduce(t, async_op=True)
+                t.sum()  # read-before-wait
+                work.wait()
+                t.sum()
+            finally:
+                for patch in reversed(patches):
+                    patch.uninstall()
+        (race,) = hb.races
+        assert (race.kind, race.earlier.op.site.op) == ("read-after-write", "all_reduce")
+        assert race.later.op.site.frames[0][1] == line("read-before-wait")
     finally:
         dist.destroy_process_group()
 
