@@ -40,10 +40,12 @@ def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
     if t.is_contiguous():
         nbytes = t.nbytes
         return (start, start + nbytes) if nbytes else None
-    if t.numel() == 0:
-        return None
-    span = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    return start, start + (span + 1) * size
+    last = 0  # offset of the last element (a plain loop: a generator costs a microsecond per op here)
+    for n, stride in zip(t.shape, t.stride()):
+        if n == 0:
+            return None
+        last += (n - 1) * stride
+    return start, start + (last + 1) * size
 
 
 _HANDLED = "handled"  # plan of ops a namespace handler models (collectives)
@@ -326,22 +328,10 @@ class AccessTracker(TorchDispatchMode):
         """
         seen, names, last_writer = self.watched, self.names, self.last_writer
         for t, write in touched:
-            size = t.itemsize
-            start = t.storage_offset() * size
-            if t.is_contiguous():
-                end = start + t.nbytes
-                if end == start:
-                    continue
-            else:
-                last = 0  # offset of the last element: a plain loop, a generator costs a microsecond here
-                for n, st in zip(t.shape, t.stride()):
-                    if n == 0:
-                        break
-                    last += (n - 1) * st
-                else:
-                    end = start + (last + 1) * size
-                if n == 0:
-                    continue
+            span = byte_range(t)
+            if span is None:
+                continue
+            start, end = span
             try:
                 storage = t.untyped_storage()
             except (RuntimeError, NotImplementedError, TypeError):
