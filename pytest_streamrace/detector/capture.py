@@ -63,7 +63,9 @@ std::unordered_map<const char*, Plan> plans;  // keyed by the op's name, which l
 at::CallbackHandle handle = 0;
 std::atomic<bool> on{false};
 bool cuda = false;
-py::object plan_fn, handoff_fn;
+// Python callables, kept by pointer: a static py::object would be released after the interpreter is gone.
+py::object* plan_fn = nullptr;
+py::object* handoff_fn = nullptr;
 thread_local int depth = 0;  // ops below autograd running on this thread
 
 std::shared_ptr<Stack> stack_here() {
@@ -92,7 +94,8 @@ const Plan* plan_for(const at::RecordFunction& fn) {
   plan.below_autograd = op && reaches_kernel(*op);
   if (plan.below_autograd) {
     py::gil_scoped_acquire gil;
-    py::object got = plan_fn(name->name, name->overload_name);
+    if (plan_fn == nullptr) return nullptr;
+    py::object got = (*plan_fn)(name->name, name->overload_name);
     if (py::isinstance<py::str>(got)) {
       plan.handoff = got.cast<std::string>() == "handled";
     } else if (!got.is_none()) {
@@ -181,7 +184,11 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
       out = t;
     }
     auto name = fn.operator_name();
-    handoff_fn(name->name, name->overload_name, args, out);
+    try {
+      if (handoff_fn != nullptr) (*handoff_fn)(name->name, name->overload_name, args, out);
+    } catch (py::error_already_set& error) {  // printed as Python does for errors it cannot raise
+      error.discard_as_unraisable("streamrace: modelling a collective");
+    }
     return;
   }
   if (!plan->record) return;
@@ -202,8 +209,10 @@ py::tuple shape_of(const Span& t) {
 
 void enable(bool on_cuda, py::object plan, py::object handoff) {
   cuda = on_cuda;
-  plan_fn = plan;
-  handoff_fn = handoff;
+  delete plan_fn;
+  delete handoff_fn;
+  plan_fn = new py::object(plan);
+  handoff_fn = new py::object(handoff);
   {
     std::lock_guard<std::mutex> guard(mutex);
     plans.clear();
@@ -217,11 +226,14 @@ void enable(bool on_cuda, py::object plan, py::object handoff) {
 void disable() {
   on.store(false);
   at::removeCallback(handle);
-  std::lock_guard<std::mutex> guard(mutex);
-  records.clear();
-  plans.clear();
-  plan_fn = py::none();
-  handoff_fn = py::none();
+  {
+    std::lock_guard<std::mutex> guard(mutex);
+    records.clear();
+    plans.clear();
+  }
+  delete plan_fn;  // called from Python: the GIL is held; outside the lock, as releasing them may run Python
+  delete handoff_fn;
+  plan_fn = handoff_fn = nullptr;
 }
 
 void set_recording(bool value) { on.store(value); }
