@@ -53,7 +53,7 @@ import pytest, torch
 def test_inductor(compile_mode):
     m = torch.nn.Linear(4, 1)
     out = compile_mode.compile(m)(torch.ones(1, 4))
-    assert torch.equal(out, m(torch.ones(1, 4)))
+    torch.testing.assert_close(out, m(torch.ones(1, 4)))  # inductor's kernel may round differently from addmm
     assert compile_mode.graphs["forward"] == 1
 """
 
