@@ -29,7 +29,8 @@ Output
     Only rank 0 prints: the terminal reporter of the other ranks writes to a closed gate. Their failures reach
     rank 0 through the exchange. Only rank 0 writes ``--junitxml`` and ``.pytest_cache`` (the others still read
     the cache, so ``--lf`` selects alike everywhere). If rank 0 itself went missing, the lowest rank that noticed
-    opens its gate and prints the rest of its session (the failure and the summary). An INTERNALERROR opens the gate of its rank.
+    opens its gate and prints the rest of its session (the failure and the summary). An INTERNALERROR opens the
+    gate of its rank.
 
 Hangs and crashes
     An item's timeout T is the ``distributed`` marker's ``timeout=``, else ``--streamrace-timeout`` (ini
