@@ -116,8 +116,7 @@ const Plan* plan_for(const at::RecordFunction& fn) {
 void add(std::vector<Span>& out, const at::Tensor& t, bool write, bool fresh) try {
   if (!t.defined() || !t.has_storage() || t.numel() == 0) return;
   const auto* impl = t.unsafeGetTensorImpl();
-  // a Python scalar boxed for the kernel; a tensor subclass (fake tensors while compiling, DTensor), whose own ops
-  // on real tensors are recorded where they run
+  // a Python scalar boxed for the kernel; a tensor subclass nested in a list argument (whose op is not recorded)
   if (impl->is_wrapped_number() || impl->key_set().has(c10::DispatchKey::Python)) return;
   if (t.device().is_cuda() != cuda) return;  // host memory: not the modelled device
   int64_t size = t.element_size(), start = t.storage_offset() * size, last = 0;
@@ -137,10 +136,26 @@ void add_value(std::vector<Span>& out, const c10::IValue& v, bool write, bool fr
   else if (v.isList()) for (const auto& e : v.toListRef()) if (e.isTensor()) add(out, e.toTensor(), write, fresh);
 }
 
+bool is_subclass(const c10::IValue& v) {
+  if (!v.isTensor()) return false;
+  const auto& t = v.toTensor();
+  return t.defined() && t.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python);
+}
+
+// An op on a tensor subclass (DTensor, FSDP2's sharded parameters): its own dispatch runs the op on the plain tensors
+// that hold the bytes — those are recorded, as under the dispatch mode, so the outer op neither records nor nests.
+bool on_subclass(const at::RecordFunction& fn) {
+  for (const auto& v : fn.inputs()) {
+    if (is_subclass(v)) return true;
+    if (v.isList()) for (const auto& e : v.toListRef()) if (is_subclass(e)) return true;
+  }
+  return false;
+}
+
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (depth > 0 || !on.load()) return nullptr;
   const Plan* plan = plan_for(fn);
-  if (plan == nullptr || !plan->below_autograd) return nullptr;
+  if (plan == nullptr || !plan->below_autograd || on_subclass(fn)) return nullptr;
   ++depth;
   auto pending = std::make_unique<Pending>();
   pending->plan = plan;

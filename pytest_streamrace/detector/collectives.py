@@ -11,6 +11,13 @@ coalesced op at its exit). Their schemas carry no alias annotations, so which te
 from argument names (``output*`` written, ``input*`` read, in-place ``tensors`` written — a write conflicts with all
 that a read does, so one report per location pair) with the root-dependent and point-to-point cases spelled out. The ``Work`` the op returns is the Python object the caller later waits on (pybind keeps one
 wrapper per C++ work while one is alive), so it is the hb event that ``wait()`` waits on.
+
+Collectives that torch's C++ issues itself — DDP's reducer, ``_broadcast_coalesced``, ``_verify_params_across_processes``
+— are waited in C++ (``Work::wait``, ``Future::wait``), which no Python patch sees, and on CPU there is no event to see
+either. Those callers wait before they touch the tensors again, so such a collective is ordered into its issuing stream
+at once, like a synchronous one; what that hides is work on the issuing stream between the issue and the C++ wait,
+which in those callers is none. A collective counts as Python's when it comes through a ProcessGroup method that
+Python calls (what ``torch.distributed`` does); only those wait for a ``wait()``.
 """
 
 from __future__ import annotations
@@ -46,6 +53,13 @@ NAMES = {
     "barrier": "barrier",
     "monitored_barrier_": "monitored_barrier",
 }
+# The ProcessGroup / Backend methods through which Python issues collectives (what torch.distributed calls).
+_PY_ENTRIES = ("allreduce", "allreduce_coalesced", "allgather", "_allgather_base", "allgather_coalesced",
+               "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced", "reduce_scatter",
+               "_reduce_scatter_base", "reduce_scatter_single", "reduce_scatter_single_coalesced",
+               "reduce_scatter_tensor_coalesced", "broadcast", "reduce", "alltoall", "alltoall_base",
+               "all_to_all_single", "gather", "scatter", "send", "recv", "recv_anysource", "barrier",
+               "monitored_barrier", "_end_coalescing")
 _BARRIERS = {"barrier", "monitored_barrier_"}  # their tensor is an internal dummy; their wait blocks the host
 _P2P = {"send", "recv_", "recv_any_source_"}  # NCCL runs these on a stream per peer, not the group's
 
@@ -118,6 +132,7 @@ class Collectives:
         # thread issues its next collective), so pybind hands the caller this very object. One per thread: a Work
         # keeps its tensors alive, and holding more would delay their frees.
         self._held = threading.local()
+        self._python = threading.local()  # depth: > 0 while Python is issuing a collective on this thread
 
     # what happens at dispatch
 
@@ -140,7 +155,7 @@ class Collectives:
         self.hb.wait_stream(comm, current)
         reads, writes = plan.accesses(args, group_rank)
         self.tracker.run(plan.name, comm, reads, writes)
-        if plan.synchronous(args):
+        if plan.synchronous(args) or not getattr(self._python, "depth", 0):
             self.hb.wait_stream(current, comm)
         work = None
         if plan.work is not None:
@@ -195,13 +210,32 @@ class Collectives:
         wait.__doc__ = getattr(original, "__doc__", None)
         return wait
 
+    def _issuing(self, original):
+        """A ProcessGroup method Python issues collectives through: marks them as Python's while it runs."""
+        python = self._python
+
+        def issue(*args, **kwargs):
+            python.depth = getattr(python, "depth", 0) + 1
+            try:
+                return original(*args, **kwargs)
+            finally:
+                python.depth -= 1
+
+        issue.__name__ = getattr(original, "__name__", "collective")
+        issue.__doc__ = getattr(original, "__doc__", None)
+        return issue
+
     # patch protocol
 
     def patches(self, attr_patch) -> list:
-        from torch._C._distributed_c10d import Work
+        from torch._C._distributed_c10d import Backend, ProcessGroup, Work
 
         methods = [name for name in ("wait", "synchronize", "block_current_stream") if hasattr(Work, name)]
-        return [self] + [attr_patch(Work, name, self._wrap(getattr(Work, name))) for name in methods]
+        out = [self] + [attr_patch(Work, name, self._wrap(getattr(Work, name))) for name in methods]
+        for cls in (ProcessGroup, Backend):
+            out += [attr_patch(cls, name, self._issuing(getattr(cls, name))) for name in _PY_ENTRIES
+                    if hasattr(cls, name)]
+        return out
 
     def install(self) -> None:
         self.tracker.namespace_handlers["c10d"] = self.on_op

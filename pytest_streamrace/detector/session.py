@@ -141,6 +141,10 @@ class Detector:
 
         if collectives.available():
             patches += collectives.Collectives(self.hb, self.tracker, self._current).patches(AttrPatch)
+        from .futures import Futures
+
+        patches += Futures(self.hb, self.tracker, self._current,
+                           inline_callbacks=self.backend == "virtual").patches(AttrPatch)
         for patch in patches:
             self.install(patch)
         # last in, first out: our own setup is not traced
