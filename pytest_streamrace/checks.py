@@ -48,6 +48,13 @@ def expected(item: pytest.Item) -> str | None:
     return expect
 
 
+def detector_notes(item: pytest.Item) -> list[str]:
+    """What the test's detector could not model and skipped (once each)."""
+    detector = item.stash.get(_detector_key, None)
+    tracker = getattr(detector, "tracker", None)
+    return list(tracker.notes) if tracker is not None else []
+
+
 def process_rank() -> int | None:
     dist = sys.modules.get("torch.distributed")
     if dist is not None and dist.is_available() and dist.is_initialized():

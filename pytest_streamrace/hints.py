@@ -21,11 +21,12 @@ import warnings
 
 import pytest
 
-from .checks import process_rank, writes_session_files
+from .checks import detector_notes, process_rank, writes_session_files
 
 HINTS = "streamrace_hints"  # user_properties key: [hint dicts], on the teardown report
 SECTION = "streamrace hints"
 _PATTERN = r"The AccumulateGrad node's stream does not match"
+NOT_MODELLED = "not-modelled"  # something the detector skipped (an op it could not model): said, never raised
 ADVICE = ("An AccumulateGrad node on another stream than the backward that feeds it runs its gradient hooks there: "
           "whatever they write (gradient buckets, main_grad) needs a wait before another stream reads it.")
 _hints_key = pytest.StashKey[list]()
@@ -43,12 +44,25 @@ def hint_from(warning: warnings.WarningMessage, rank: int | None) -> dict | None
             "where": f"{warning.filename}:{warning.lineno}"}
 
 
+def advice(hints) -> list[str]:
+    """The advice lines for the kinds of hints given."""
+    kinds = {hint["kind"] for hint in hints}
+    out = [ADVICE] if kinds - {NOT_MODELLED} else []
+    if NOT_MODELLED in kinds:
+        out.append("Ops the detector could not model are skipped, not failed: races through them go unseen.")
+    return out
+
+
+def note_hint(note: str, rank: int | None) -> dict:
+    return {"kind": NOT_MODELLED, "rank": rank, "source": "streamrace", "detail": note, "where": ""}
+
+
 def describe(hint: dict, ranks: list | None = None) -> str:
     """One line per hint; `ranks`: the ranks that reported it (default: the hint's own)."""
     ranks = ranks if ranks is not None else [hint["rank"]] if hint.get("rank") is not None else []
     on = f", rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}" if ranks else ""
     what = hint["detail"] or "AccumulateGrad node on another stream than its gradient's producer"
-    return f"{what} ({hint['source']} warning{on})"
+    return f"{what} ({hint['source']} {'note' if hint['kind'] == NOT_MODELLED else 'warning'}{on})"
 
 
 def merged(hints: list[tuple[str, dict]]) -> list[tuple[str, str]]:
@@ -107,10 +121,14 @@ class StreamHints:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call):
         report = yield
-        found = item.stash.get(_hints_key, [])
+        found = item.stash.setdefault(_hints_key, [])
+        for note in detector_notes(item):
+            hint = note_hint(note, process_rank())
+            if hint not in found:
+                found.append(hint)
         if found and report.when == "call":
             report.sections.append((SECTION, "\n".join([*(line for _, line in merged([("", h) for h in found])),
-                                                         ADVICE])))
+                                                         *advice(found)])))
         if found and report.when == "teardown":
             report.user_properties.append((HINTS, list(found)))
         return report
@@ -130,5 +148,6 @@ class StreamHints:
         terminalreporter.section(SECTION)
         for nodeid, line in merged(self.seen):
             terminalreporter.line(f"{nodeid}: {line}")
-        terminalreporter.line(ADVICE)
+        for line in advice(hint for _, hint in self.seen):
+            terminalreporter.line(line)
 

@@ -113,3 +113,48 @@ def test_torch_once_warnings_reach_every_test_under_streamrace(pytester, streamr
     args = ["--streamrace"] if streamrace else []
     result = pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider", "-W", "error::UserWarning")
     result.assert_outcomes(failed=failed, passed=2 - failed)
+
+
+UNMODELLED = """
+import torch
+import pytest_streamrace.detector.tracker as tracker
+
+real = tracker.byte_range
+
+
+def failing(t):  # stands for any tensor the tracker cannot describe
+    if tuple(t.shape) == (7, 3):
+        raise RuntimeError("cannot describe this tensor")
+    return real(t)
+
+
+tracker.byte_range = failing
+
+
+def test_unmodelled_op_is_skipped(streamrace_device):
+    odd = torch.ones(7, 3, device=streamrace_device)
+    doubled = odd * 2                   # the tracker fails here: skipped, said once
+    doubled = odd * 2
+    assert doubled.sum().item() == 42
+    side = torch.cuda.Stream()
+    x = torch.zeros(4, device=streamrace_device)
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x.add_(1)
+    x * 2                               # the same op on other tensors is still checked: this read races
+"""
+
+
+def test_an_op_the_tracker_cannot_model_is_skipped_with_one_note(pytester):
+    pytester.makepyfile(test_odd=UNMODELLED)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "-rA")
+    result.assert_outcomes(failed=1)  # the later race, not an exception from the detector
+    out = result.stdout.str()
+    assert "RuntimeError" not in out.split("stream race")[0]
+    assert "read-after-write" in out and "aten::mul" in out.split("streamrace hints")[0]
+    notes = [line for line in result.stdout.lines if "is not checked: RuntimeError: cannot describe this tensor" in line]
+    assert notes and all("(streamrace note)" in line for line in notes)
+    summary = [line.split(": ", 1)[1] for line in notes if line.startswith("test_odd.py")]
+    assert sorted(summary) == sorted(set(summary))  # each once, though aten::mul met the odd tensor twice
+    assert {line.split(" is not checked")[0] for line in summary} == {"aten::ones", "aten::mul.Tensor", "aten::sum"}
+    assert "Ops the detector could not model are skipped" in out
