@@ -195,3 +195,49 @@ def test_broadcast_races_only_where_it_receives(pytester):
                                  "stream race on rank 1: read-after-write on tensor float32[[]4[]]*",
                                  "*earlier*write*broadcast*on communication stream of the default process group*"])
     assert "rank 0:" not in result.stdout.str()
+
+
+def test_collectives_torch_issues_and_waits_in_cpp_are_ordered_into_their_stream(group):
+    """DDP's constructor and buffer sync: C++ issues the collective and waits on it where no patch sees it."""
+    with Detector() as d:
+        params = [torch.ones(N), torch.ones(3)]
+        dist._verify_params_across_processes(group, params)  # all_gather of sizes, read by .item() in C++
+        dist._broadcast_coalesced(group, params, 1 << 20, 0)
+        params[0].add_(1)
+        params[1].sum()
+    assert d.races == []
+
+
+def test_a_future_orders_its_waiter_and_its_callbacks_after_the_collective(group):
+    with Detector() as d:
+        x = torch.ones(N)
+        doubled = dist.all_reduce(x, async_op=True).get_future().then(lambda fut: fut.value()[0] * 2)
+        doubled.wait().sum()
+        y = torch.ones(N)
+        fut = dist.all_reduce(y, async_op=True).get_future()
+        fut.wait()
+        y.sum()
+    assert d.races == []
+
+
+def test_a_future_read_before_its_wait_races(group):
+    with Detector() as d:
+        x = torch.ones(N)
+        fut = dist.all_reduce(x, async_op=True).get_future()  # future-launch
+        x.sum()  # read-before-future
+        fut.wait()
+    assert summary(d) == [(RAW, "all_reduce", DEFAULT_GROUP_STREAM, line("future-launch"),
+                           "aten::sum", "default stream", line("read-before-future"))]
+
+
+def test_a_callbacks_result_is_ordered_only_for_those_that_wait_on_its_future(group):
+    with Detector() as d:
+        x = torch.ones(N)
+        out = torch.zeros(N)
+        done = dist.all_reduce(x, async_op=True).get_future().then(lambda fut: out.copy_(fut.value()[0]))  # cb
+        side = torch.cuda.Stream()
+        with torch.cuda.stream(side):
+            out.sum()  # side-read
+            done.wait()
+            out.sum()
+    assert [(r.kind, r.later.op.site.frames[0][1]) for r in d.races] == [(RAW, line("side-read"))]
