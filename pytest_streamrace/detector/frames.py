@@ -20,6 +20,11 @@ def _skip_prefixes() -> tuple[str, ...]:
     pytest = sys.modules.get("pytest")
     if getattr(pytest, "__file__", None):
         dirs.append(os.path.dirname(pytest.__file__))
+    from .compiled import inductor_cache_dir
+
+    generated = inductor_cache_dir()  # Inductor's generated wrapper code and kernels
+    if generated:
+        dirs.append(generated)
     prefixes = tuple(d + os.sep for d in dirs)
     wrappers = sys.modules.get("typing_extensions")  # its @deprecated wrapper sits around some torch.distributed calls
     return prefixes + ((wrappers.__file__,) if getattr(wrappers, "__file__", None) else ())

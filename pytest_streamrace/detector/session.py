@@ -128,7 +128,9 @@ class Detector:
             self.streams = VirtualStreams(self.hb, self.tracker)
             patches = self.streams.patches(AttrPatch)
             self.tracker.current_stream = self.streams.current  # per op: no detour through the session
-            patches += VirtualAutograd(self.streams, self.hb, self.tracker).patches(AttrPatch)
+            autograd = VirtualAutograd(self.streams, self.hb, self.tracker)
+            patches += autograd.patches(AttrPatch)
+            on_outputs = autograd.adopt_outputs
         else:
             from .cuda import CudaStreams
 
@@ -137,6 +139,10 @@ class Detector:
             self.streams = CudaStreams(self.hb, self.tracker)
             self.tracker.current_stream = self.streams.current
             patches = self.streams.patches(AttrPatch)
+            on_outputs = None  # the engine binds compiled code's autograd nodes itself
+        from .compiled import CompiledCode
+
+        patches += CompiledCode(self.tracker, self._current, on_outputs).patches(AttrPatch, self.backend)
         from . import collectives
 
         if collectives.available():

@@ -143,6 +143,12 @@ class AccessTracker(TorchDispatchMode):
     def _should_skip_dynamo(cls) -> bool:
         return not _OWN_DYNAMO_GUARD  # else __torch_dispatch__ keeps dynamo out itself, more cheaply
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """torch.compile compiles under this mode (else dynamo skips every frame and the program runs eagerly); its
+        tracing is not tracked, the compiled code's ops and kernels are (``compiled``)."""
+        return True
+
     def __init__(self, hb: HappensBefore, current_stream: Callable[[], Hashable], device_type: str,
                  track_frees: bool = True, on_race: Callable[[list[Race]], None] | None = None):
         super().__init__()
@@ -328,14 +334,14 @@ class AccessTracker(TorchDispatchMode):
             self.on_race(races)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if types and _subclasses(types):
-            if not _traced_tensors(types):
-                # A wrapper subclass (DTensor, FSDP2's sharded parameters, float8): its own dispatch runs the op on the
-                # plain tensors that hold the bytes, and those ops come back here.
-                return NotImplemented
-            return func._op(*args, **(kwargs or {}))  # fake/functional tensors while tracing: no memory is touched
-        prior = _set_eval_frame(None)
+        prior = _set_eval_frame(None)  # first: nothing below may become a frame dynamo tries to compile
         try:
+            if types and _subclasses(types):
+                if not _traced_tensors(types):
+                    # A wrapper subclass (DTensor, FSDP2's sharded parameters, float8): its own dispatch runs the op
+                    # on the plain tensors that hold the bytes, and those ops come back here.
+                    return NotImplemented
+                return func._op(*args, **(kwargs or {}))  # fake/functional tensors while tracing: no memory touched
             out = func._op(*args, **kwargs) if kwargs else func._op(*args)  # OpOverload.__call__, one frame less
             if not self.enabled:
                 return out

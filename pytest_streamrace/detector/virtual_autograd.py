@@ -52,6 +52,8 @@ class _NewNodes(TorchFunctionMode):
         self.model = model
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if torch.compiler.is_compiling():  # traced, not run: compiled code's nodes are bound when it runs
+            return func(*args, **(kwargs or {}))
         out = func(*args, **(kwargs or {}))
         if torch.is_grad_enabled():
             nodes = _grad_fns(out)
@@ -104,6 +106,14 @@ class VirtualAutograd:
                 stack.append(next_node)
             if edges:
                 node.register_hook(_posthook(ref, stream, edges))
+
+    def adopt_outputs(self, out) -> None:
+        """A compiled graph ran: bind the autograd nodes its outputs carry (and the new ones behind them) to the
+        stream current at the call, as the function mode does for each eager call."""
+        if self.active and torch.is_grad_enabled():
+            nodes = _grad_fns(out)
+            if nodes:
+                self.adopt(nodes)
 
     def enter_node(self, stream, grads, accumulate: bool = False) -> None:
         """A bound node is about to run: its stream becomes current, after the streams that wrote its inputs.
@@ -213,6 +223,8 @@ class _Backward:
 def _posthook(ref, stream, edges):
     # Holds no node: a hook referring to its own node would keep the graph alive through C++.
     def posthook(grad_inputs, grad_outputs):
+        if torch.compiler.is_compiling():  # traced into compiled autograd's graph: runs on the caller's stream
+            return
         model = ref()
         if model is not None and model.active:
             model.leave_node(stream, edges, grad_inputs)
@@ -222,6 +234,8 @@ def _posthook(ref, stream, edges):
 def _prehook(ref, stream, accumulate: bool):
     # Holds the model weakly: nodes (AccumulateGrad kept by DDP wrappers) may outlive the session.
     def prehook(grad_outputs):
+        if torch.compiler.is_compiling():  # traced into compiled autograd's graph: runs on the caller's stream
+            return
         model = ref()
         if model is not None and model.active:
             model.enter_node(stream, grad_outputs, accumulate)

@@ -1,0 +1,322 @@
+"""torch.compile under the detector: compiled code runs compiled, and what its kernels touch is seen.
+
+Dynamo compiles under the detector (the access tracker ignores compile internals, the virtual autograd model stays out
+of traced code, and the detector's own entry points are frames dynamo skips), so the program under test is the
+user's compiled program. What it does at run time reaches the tracker through its existing interface, as ops on the
+stream current at launch, with the user line that called the compiled function:
+
+- ATen calls of compiled code (aot_eager graphs, Inductor's extern kernels such as ``extern_kernels.mm`` and
+  fallbacks) pass the dispatcher, where the dispatch mode (virtual) or the C++ capture (cuda) sees them;
+- Inductor's generated kernels do not. Their arguments follow one naming convention — ``in_ptr*`` read,
+  ``out_ptr*`` written, ``in_out_ptr*`` both — and Inductor lists the arguments a Triton kernel mutates
+  (``mutated_arg_names``). C++ kernels (CPU) are module globals of the generated wrapper code, called by name: each
+  is replaced, while a session is active, by a callable that records its launch (roles from the C++ signature).
+  Triton kernels (Inductor's and user kernels from ``triton_op``/``wrap_triton``, launched through
+  ``CachingAutotuner.run``) record theirs on the stream they are launched on;
+- a CUDA-graph replay (``mode="reduce-overhead"``, cudagraph trees) is one op reading the graph's inputs and writing
+  its outputs on the replay stream; kernels launched while a stream captures are not work and are not recorded.
+
+Every compiled graph is wrapped (``OutputGraph.call_user_compiler``) in a run-time shim that picks up generated
+modules loaded since the last call and hands the graph's outputs to `on_outputs` (the virtual autograd model binds
+the autograd nodes compiled code created to the stream current at the call).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+import torch
+
+READ, WRITE = 1, 2
+_active: "CompiledCode | None" = None
+_roles_by_file: dict[str, dict[str, tuple[int, ...]]] = {}  # generated module file -> kernel name -> arg roles
+
+_CPP_KERNEL = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(\s*\[[^\]]*\]\s*,\s*r?'''(.*?)'''", re.S | re.M)
+_CPP_SIGNATURE = re.compile(r'extern\s+"C"[^(]*?\bkernel\s*\(([^)]*)\)', re.S)
+
+
+def _role(name: str, pointer: bool, const: bool) -> int:
+    """Read/write role of a generated kernel's argument from Inductor's naming convention (0: not memory)."""
+    if name.startswith("in_out_ptr"):
+        return READ | WRITE
+    if name.startswith("out_ptr"):
+        return WRITE
+    if name.startswith("in_ptr"):
+        return READ
+    if not pointer:
+        return 0
+    return READ if const else READ | WRITE  # a pointer named otherwise: assume the worst unless it is const
+
+
+def cpp_roles(source: str) -> tuple[int, ...] | None:
+    """Per argument of a generated C++ kernel (``extern "C" void kernel(const float* in_ptr0, ...)``), its role."""
+    found = _CPP_SIGNATURE.search(source)
+    if found is None:
+        return None
+    roles = []
+    for param in found.group(1).split(","):
+        param = param.strip()
+        if not param:
+            continue
+        name = re.findall(r"\w+", param)[-1]
+        roles.append(_role(name, "*" in param or "[" in param, param.startswith("const")))
+    return tuple(roles)
+
+
+def module_kernels(path: str) -> dict[str, tuple[int, ...]]:
+    """The C++ kernels a generated wrapper module defines, with their argument roles (parsed once per file)."""
+    kernels = _roles_by_file.get(path)
+    if kernels is None:
+        kernels = {}
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError:
+            text = ""
+        for match in _CPP_KERNEL.finditer(text):
+            roles = cpp_roles(match.group(2))
+            if roles is not None:
+                kernels[match.group(1)] = roles
+        _roles_by_file[path] = kernels
+    return kernels
+
+
+class _CppKernel:
+    """A generated C++ kernel in its module's globals: records its launch while a session is active."""
+
+    __slots__ = ("name", "fn", "roles")
+
+    def __init__(self, name, fn, roles):
+        self.name, self.fn, self.roles = name, fn, roles
+
+    def __call__(self, *args):
+        model = _active
+        if model is not None:
+            model.launch(self.name, args, self.roles)
+        return self.fn(*args)
+
+
+def _skip_in_dynamo(*functions) -> None:
+    """Frames dynamo never tries to compile: the detector's entry points called from C++ (a dispatch handler, autograd
+    hooks, weakref callbacks) run inside compiled regions too."""
+    try:
+        from torch._dynamo.eval_frame import skip_code
+    except ImportError:
+        return
+    for fn in functions:
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if code is not None:
+            skip_code(code)
+
+
+class CompiledCode:
+    """A patch (install/uninstall) plus the attr patches it needs: see the module docstring.
+
+    current(): the hb key of the stream current now; on_outputs(out): called with a compiled graph's outputs."""
+
+    def __init__(self, tracker, current, on_outputs=None):
+        self.tracker = tracker
+        self.current = current
+        self.on_outputs = on_outputs
+        self._wrapped: list[tuple[dict, str, object]] = []  # (module globals, name, original)
+        self._modules_seen = 0
+        self._seen_ids: set[int] = set()
+
+    # launches
+
+    def launch(self, name: str, args, roles, stream=None) -> None:
+        """One generated kernel launched with `args` (roles per argument) on `stream` (default: current)."""
+        tracker = self.tracker
+        if not tracker.enabled:
+            return
+        reads, writes = [], []
+        for arg, role in zip(args, roles):
+            if role and isinstance(arg, torch.Tensor):
+                if role & READ:
+                    reads.append(arg)
+                if role & WRITE:
+                    writes.append(arg)
+        if reads or writes:
+            try:
+                tracker.run(name, self.current() if stream is None else stream, reads, writes)
+            except Exception as exc:  # never inside the user's test
+                tracker.note(f"{name} is not checked: {type(exc).__name__}: {exc}")
+
+    # generated modules
+
+    def discover(self) -> None:
+        """Wrap the C++ kernels of generated modules loaded since the last look."""
+        try:
+            from torch._inductor.codecache import PyCodeCache
+        except ImportError:
+            return
+        modules = PyCodeCache.modules
+        if len(modules) == self._modules_seen:
+            return
+        for module in modules[self._modules_seen:]:
+            if id(module) in self._seen_ids:
+                continue
+            self._seen_ids.add(id(module))
+            path = getattr(module, "__file__", None)
+            if not path:
+                continue
+            namespace = vars(module)
+            for name, roles in module_kernels(path).items():
+                fn = namespace.get(name)
+                if fn is None or isinstance(fn, _CppKernel):
+                    continue
+                namespace[name] = _CppKernel(name, fn, roles)
+                self._wrapped.append((namespace, name, fn))
+        self._modules_seen = len(modules)
+
+    # patch protocol
+
+    def patches(self, attr_patch, backend: str) -> list:
+        out = []
+        try:
+            from torch._dynamo.output_graph import OutputGraph
+        except ImportError:
+            return [self]
+        original = OutputGraph.call_user_compiler
+
+        def call_user_compiler(graph, gm, example_inputs):
+            return _runtime(original(graph, gm, example_inputs))
+        out.append(attr_patch(OutputGraph, "call_user_compiler", call_user_compiler))
+        if backend == "cuda":
+            out += _cuda_patches(attr_patch)
+        return out + [self]
+
+    def install(self) -> None:
+        global _active
+        from . import tracker, virtual_autograd
+
+        _skip_in_dynamo(tracker.AccessTracker.__torch_dispatch__, tracker.AccessTracker._dead,
+                        virtual_autograd._NewNodes.__torch_function__)
+        _active = self
+        self.discover()
+
+    def uninstall(self) -> None:
+        global _active
+        _active = None
+        while self._wrapped:
+            namespace, name, original = self._wrapped.pop()
+            if isinstance(namespace.get(name), _CppKernel):
+                namespace[name] = original
+
+
+def _runtime(compiled_fn):
+    """A compiled graph as dynamo will call it: generated modules loaded since are wrapped first, the outputs go to
+    the active session after. Passes straight through when no session is active (compiled code outlives sessions)."""
+
+    def run(*args, **kwargs):
+        model = _active
+        if model is None:
+            return compiled_fn(*args, **kwargs)
+        model.discover()
+        out = compiled_fn(*args, **kwargs)
+        if model.on_outputs is not None and _active is model:
+            try:
+                model.on_outputs(out)
+            except Exception as exc:
+                model.tracker.note(f"compiled graph outputs are not bound to streams: {type(exc).__name__}: {exc}")
+        return out
+
+    for attr in ("_boxed_call",):
+        if hasattr(compiled_fn, attr):
+            setattr(run, attr, getattr(compiled_fn, attr))
+    return run
+
+
+# cuda backend: Triton launches and CUDA-graph replays
+
+def _triton_roles(autotuner) -> tuple[int, ...] | None:
+    """Per positional argument of a Triton kernel launched through Inductor's CachingAutotuner, its role: Inductor's
+    naming convention, plus the arguments it says are mutated (user kernels: their own names)."""
+    roles = getattr(autotuner, "_streamrace_roles", None)
+    if roles is not None:
+        return roles
+    names = getattr(getattr(autotuner, "fn", None), "arg_names", None)
+    if names is None:
+        return None
+    mutated = set(getattr(autotuner, "mutated_arg_names", ()) or ())
+    roles = []
+    for name in names:
+        role = _role(name, False, False)
+        if name in mutated:
+            role |= WRITE
+        if not role:
+            role = READ  # a user kernel's tensor argument that is not mutated: read (scalars are skipped later)
+        roles.append(role)
+    roles = tuple(roles)
+    try:
+        autotuner._streamrace_roles = roles
+    except AttributeError:
+        pass
+    return roles
+
+
+def _capturing() -> bool:
+    try:
+        return torch.cuda.is_current_stream_capturing()
+    except Exception:
+        return False
+
+
+def _cuda_patches(attr_patch) -> list:
+    out = []
+    try:
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    except Exception:  # no triton here
+        CachingAutotuner = None
+    if CachingAutotuner is not None:
+        run = CachingAutotuner.run
+
+        def launch(self, *args, stream, **kwargs):
+            model = _active
+            if model is not None and not _capturing():
+                roles = _triton_roles(self)
+                if roles is not None:
+                    name = getattr(getattr(self, "fn", None), "__name__", None) or "triton kernel"
+                    model.launch(name, args, roles, stream if isinstance(stream, int) else None)
+            return run(self, *args, stream=stream, **kwargs)
+        out.append(attr_patch(CachingAutotuner, "run", launch))
+    try:
+        from torch._inductor.cudagraph_trees import CUDAGraphNode
+    except Exception:
+        CUDAGraphNode = None
+    if CUDAGraphNode is not None:
+        for method in ("run", "run_first_inputs"):
+            original = getattr(CUDAGraphNode, method, None)
+            if original is not None:
+                out.append(attr_patch(CUDAGraphNode, method, _replay(original)))
+    return out
+
+
+def _replay(original):
+    """A cudagraph-tree node run: the replay reads the graph's inputs and writes its outputs on the current stream."""
+
+    def run(self, new_inputs):
+        model = _active
+        inputs = [t for t in list(new_inputs) + list(getattr(self, "reconstructed_inputs", None) or [])
+                  if isinstance(t, torch.Tensor)] if model is not None else []
+        outputs = original(self, new_inputs)
+        if model is not None and not _capturing():
+            written = [t for t in outputs if isinstance(t, torch.Tensor)] if isinstance(outputs, (list, tuple)) else []
+            try:
+                model.tracker.run("cudagraph replay", model.current(), inputs, written)
+            except Exception as exc:
+                model.tracker.note(f"a CUDA-graph replay is not checked: {type(exc).__name__}: {exc}")
+        return outputs
+    return run
+
+
+def inductor_cache_dir() -> str | None:
+    """Where Inductor writes generated code (its frames are machinery, not the user's)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+        return os.path.abspath(cache_dir())
+    except Exception:
+        return None
+
