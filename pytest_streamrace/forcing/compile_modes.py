@@ -28,9 +28,11 @@ class CompileMode:
     name: str
     backend: str = "aot_eager"
     graphs: dict = field(default_factory=lambda: {"forward": 0, "backward": 0})
-    _shown: list = field(default_factory=list, repr=False)
 
     def __post_init__(self):
+        from torch._dynamo.utils import counters
+
+        self._breaks_at_start = sum(counters["graph_break"].values())
         if self.name not in MODES:
             raise ValueError(f"streamrace: unknown compile mode {self.name!r}; expected one of {', '.join(MODES)}")
         if self.backend not in BACKENDS:
@@ -54,7 +56,6 @@ class CompileMode:
         """The model as this mode runs it (the model itself in eager mode)."""
         if self.name == "eager":
             return model
-        self._show_detector()
         return torch.compile(model, backend=self._counting("forward"))
 
     @contextlib.contextmanager
@@ -70,25 +71,11 @@ class CompileMode:
         def compiler(graph):
             return torch.compile(graph, backend=backend, fullgraph=False)
 
-        self._show_detector()
         with compiled_autograd._enable(compiler):
             yield
 
-    def _show_detector(self) -> None:
-        """Dynamo silently skips compiling (runs eager) while a dispatch mode that does not ignore compile internals
-        is active, and the detector's access tracker is one. Marking it so, until `close()`, lets compilation run
-        untracked and the compiled graphs' ops run tracked — what the tracker wants."""
-        from ..detector import session
-
-        tracker = getattr(session.active(), "tracker", None)
-        if tracker is not None and "ignore_compile_internals" not in vars(tracker):
-            tracker.ignore_compile_internals = _IGNORE
-            self._shown.append(tracker)
-
     def close(self) -> None:
-        """Undo `_show_detector` and forget compiled code, so the next run compiles (and counts) afresh."""
-        while self._shown:
-            _unhide(self._shown.pop())
+        """Forget compiled code, so the next run compiles (and counts) afresh."""
         if self.name != "eager":
             import torch._dynamo
 
@@ -100,6 +87,16 @@ class CompileMode:
     def __exit__(self, *exc) -> None:
         self.close()
 
+    def summary(self) -> str:
+        """Which mode ran and what it compiled, for the test's report."""
+        if self.name == "eager":
+            return "eager (nothing compiled)"
+        from torch._dynamo.utils import counters
+
+        graphs = ", ".join(f"{n} {kind}" for kind, n in self.graphs.items() if n or kind == "forward")
+        breaks = sum(counters["graph_break"].values()) - self._breaks_at_start
+        return f"{self}: compiled {graphs} graph(s), {breaks} graph break(s)"
+
     def check(self) -> None:
         """Raise unless this mode compiled what it promised (forward graphs; backward graphs too with compiled
         autograd)."""
@@ -110,15 +107,3 @@ class CompileMode:
             missing.append("no backward graph (was backward run inside compile_mode.backward()?)")
         if missing:
             raise AssertionError(f"streamrace: compile mode {self} compiled {' and '.join(missing)}")
-
-
-def _unhide(tracker) -> None:
-    if vars(tracker).get("ignore_compile_internals") is _IGNORE:
-        del tracker.ignore_compile_internals
-
-
-def _ignore() -> bool:
-    return True
-
-
-_IGNORE = _ignore

@@ -109,6 +109,8 @@ def compile_mode(request: pytest.FixtureRequest):
     name, backend = getattr(request, "param", ("eager", "aot_eager"))
     mode = CompileMode(name, backend)
     yield mode
+    request.node.user_properties.append(("streamrace_compile", mode.summary()))
+    request.node.add_report_section("teardown", "streamrace compile mode", mode.summary())
     mode.close()
     if request.node.stash.get(_call_passed_key, False):
         try:

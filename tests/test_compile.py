@@ -1,0 +1,161 @@
+"""torch.compile under --streamrace: compiled code compiles for real (no graph break of ours, dynamo's counters say so)
+and Inductor's kernels are seen as launches on the stream current at the call. Racy/clean twins, one pytester run (one
+Inductor compile per function: slow on 2 cores, so the models are tiny). The same cases run on CUDA in
+scripts/device/compile.sh."""
+
+import json
+
+from pytest_streamrace.detector.compiled import READ, WRITE, cpp_roles
+
+CASES = """
+import pytest, torch
+from torch._dynamo import compiled_autograd
+from torch._dynamo.utils import counters
+
+def f(x, y):
+    return (x * 2 + y).sin()
+
+def bump(x):
+    x.mul_(2).add_(1)
+
+cf, cbump = torch.compile(f), torch.compile(bump)
+
+def compiled_without_breaks():
+    assert counters["stats"]["unique_graphs"] >= 1, "nothing was compiled"
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+def side_stream():
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # inputs made on the default stream are ready there
+    return side
+
+def functional(wait):
+    x, y = torch.ones(64), torch.ones(64)
+    side = side_stream()
+    with torch.cuda.stream(side):
+        out = cf(x, y)
+    if wait:
+        torch.cuda.current_stream().wait_stream(side)
+    out.sum()
+    compiled_without_breaks()
+
+def in_place(wait):
+    x = torch.ones(64)
+    side = side_stream()
+    with torch.cuda.stream(side):
+        cbump(x)
+    if wait:
+        torch.cuda.current_stream().wait_stream(side)
+    x.sum()
+    compiled_without_breaks()
+
+model = torch.nn.Linear(8, 4)
+cmodel = torch.compile(model)
+
+def backward(wait):
+    model.zero_grad(set_to_none=True)
+    x = torch.ones(2, 8)
+    side = side_stream()
+    with torch.cuda.stream(side):
+        cmodel(x).sum().backward()
+    if wait:
+        torch.cuda.current_stream().wait_stream(side)
+    model.weight.grad.sum()
+    compiled_without_breaks()
+
+def hook_model():
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 4)
+    def double(p):
+        p.grad.mul_(2)
+    m.weight.register_post_accumulate_grad_hook(double)
+    return m
+
+def compiled_autograd_hook(wait):
+    m = hook_model()
+    x = torch.ones(2, 8)
+    side = side_stream()
+    with torch.cuda.stream(side):
+        loss = m(x).sum()
+        with compiled_autograd._enable(torch.compile):
+            loss.backward()
+    if wait:
+        torch.cuda.current_stream().wait_stream(side)
+    m.weight.grad.sum()
+    assert counters["compiled_autograd"]["captures"] >= 1
+    compiled_without_breaks()
+
+@pytest.mark.streamrace(expect="race")
+def test_functional_racy(): functional(False)
+
+@pytest.mark.streamrace(expect="clean")
+def test_functional_clean(): functional(True)
+
+@pytest.mark.streamrace(expect="race")
+def test_in_place_racy(): in_place(False)
+
+@pytest.mark.streamrace(expect="clean")
+def test_in_place_clean(): in_place(True)
+
+@pytest.mark.streamrace(expect="race")
+def test_backward_racy(): backward(False)
+
+@pytest.mark.streamrace(expect="clean")
+def test_backward_clean(): backward(True)
+
+@pytest.mark.streamrace(expect="race")
+def test_compiled_autograd_hook_racy(): compiled_autograd_hook(False)
+
+@pytest.mark.streamrace(expect="clean")
+def test_compiled_autograd_hook_clean(): compiled_autograd_hook(True)
+"""
+
+
+def test_compiled_twins_under_the_virtual_backend(pytester):
+    pytester.makepyfile(test_cases=CASES)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "-p", "no:cacheprovider",
+                                           "--streamrace-json=races.json")
+    result.assert_outcomes(passed=8)
+    races = json.loads((pytester.path / "races.json").read_text())["races"]
+    by_test: dict = {}
+    for race in races:
+        by_test.setdefault(race["test"].split("::")[-1], []).append(race)
+    assert sorted(by_test) == ["test_backward_racy", "test_compiled_autograd_hook_racy", "test_functional_racy",
+                               "test_in_place_racy"]
+    # the writes that race are the compiled code's own: Inductor's generated kernels, named, with the user's line
+    functional = by_test["test_functional_racy"]
+    assert any(r["earlier"]["op"].startswith("cpp_fused") for r in functional), functional
+    in_place = by_test["test_in_place_racy"]
+    assert any(r["earlier"]["op"].startswith("cpp_fused") and r["earlier"]["rw"] != "read" for r in in_place)
+    frames = [f for r in functional for f in r["earlier"]["frames"]]
+    assert any(f["file"].endswith("test_cases.py") and f["function"] == "functional" for f in frames), frames
+    assert not any("torchinductor" in f["file"] for f in frames), frames
+
+
+def test_cpp_kernel_roles_follow_inductors_argument_names():
+    source = '''#include <torch/csrc/inductor/cpp_prefix.h>
+extern "C"  void  kernel(float* in_out_ptr0,
+                       const float* in_ptr0,
+                       float* out_ptr0,
+                       const int64_t ks0)
+{ }'''
+    assert cpp_roles(source) == (READ | WRITE, READ, WRITE, 0)
+    assert cpp_roles("no kernel here") is None
+
+
+def test_compiled_code_keeps_its_graph_and_stays_quiet_without_streams(pytester):
+    """aot_eager: the compiled graph runs its ATen ops, seen by the dispatch mode; one stream is never a race."""
+    pytester.makepyfile("""
+        import torch
+        from torch._dynamo.testing import CompileCounter
+        from torch._dynamo.utils import counters
+
+        def test_one_stream():
+            counter = CompileCounter()
+            g = torch.compile(lambda x: (x + 1).relu().sum(), backend=counter)
+            assert g(torch.ones(4)).item() == 8
+            assert counter.frame_count == 1 and counter.op_count == 3
+            assert not counters["graph_break"]
+    """)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
