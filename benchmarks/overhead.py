@@ -7,6 +7,8 @@ Each configuration runs in its own process (the sanitizer cannot be switched off
 step and the slowdown against plain. "empty-mode" is a TorchDispatchMode that only calls through: the cost of
 entering Python for every op, the floor for any tool built on one (PyTorch's sanitizer is; the virtual backend is).
 "capture-floor" is the cuda backend's C++ op capture alone (``detector/capture.py``): records drained, none judged.
+The compiled model's forward runs under torch.compile (Inductor) and compiles under the detector; tools built on a
+plain dispatch mode make dynamo skip compiling, so they get no number there (nan).
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ import subprocess
 import sys
 import time
 
-MODELS = {  # name: (width, depth, batch)
-    "launch-bound MLP (8x64, batch 8)": (64, 8, 8),
-    "larger MLP (4x2048, batch 256)": (2048, 4, 256),
+MODELS = {  # name: (width, depth, batch, torch.compile'd)
+    "launch-bound MLP (8x64, batch 8)": (64, 8, 8, False),
+    "larger MLP (4x2048, batch 256)": (2048, 4, 256, False),
+    "compiled MLP (8x64, batch 8, inductor)": (64, 8, 8, True),
 }
+# A dispatch mode without ignore_compile_internals makes dynamo skip compiling (the step would run eager): no number.
+NOT_COMPILED_UNDER = ("empty-mode", "sanitizer")
 
 
 def step_time(model_name: str, mode: str, steps: int) -> float:
@@ -29,7 +34,9 @@ def step_time(model_name: str, mode: str, steps: int) -> float:
 
     cuda = torch.cuda.is_available()
     device = "cuda" if cuda else "cpu"
-    width, depth, batch = MODELS[model_name]
+    width, depth, batch, compiled = MODELS[model_name]
+    if compiled and mode in NOT_COMPILED_UNDER:
+        return float("nan")
     torch.manual_seed(0)
     layers = []
     for _ in range(depth):
@@ -37,10 +44,11 @@ def step_time(model_name: str, mode: str, steps: int) -> float:
     model = torch.nn.Sequential(*layers).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(batch, width, device=device)
+    forward = torch.compile(model) if compiled else model
 
     def step():
         opt.zero_grad(set_to_none=True)
-        model(x).pow(2).mean().backward()
+        forward(x).pow(2).mean().backward()
         opt.step()
 
     def timed(after_step=lambda: None):  # the median of 5 rounds of `steps` steps, after warm-up
