@@ -85,6 +85,23 @@ def compiled_autograd_hook(wait):
     assert counters["compiled_autograd"]["captures"] >= 1
     compiled_without_breaks()
 
+def switch_inside(x):
+    with torch.cuda.stream(SIDE):  # the virtual API graph-breaks, so the switch happens when the program runs
+        y = x * 2
+    return y
+
+SIDE = None
+
+@pytest.mark.streamrace(expect="race")
+def test_stream_switch_inside_compiled_code_racy():
+    global SIDE
+    SIDE = side_stream()
+    x = torch.ones(64)
+    torch.compile(switch_inside)(x).sum()
+    breaks = list(counters["graph_break"])
+    assert breaks and all("streamrace: virtual CUDA stream API" in b for b in breaks), breaks
+    counters["graph_break"].clear()  # ours, and said: the other cases assert none
+
 @pytest.mark.streamrace(expect="race")
 def test_functional_racy(): functional(False)
 
@@ -115,13 +132,13 @@ def test_compiled_twins_under_the_virtual_backend(pytester):
     pytester.makepyfile(test_cases=CASES)
     result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "-p", "no:cacheprovider",
                                            "--streamrace-json=races.json")
-    result.assert_outcomes(passed=8)
+    result.assert_outcomes(passed=9)
     races = json.loads((pytester.path / "races.json").read_text())["races"]
     by_test: dict = {}
     for race in races:
         by_test.setdefault(race["test"].split("::")[-1], []).append(race)
     assert sorted(by_test) == ["test_backward_racy", "test_compiled_autograd_hook_racy", "test_functional_racy",
-                               "test_in_place_racy"]
+                               "test_in_place_racy", "test_stream_switch_inside_compiled_code_racy"]
     # the writes that race are the compiled code's own: Inductor's generated kernels, named, with the user's line
     functional = by_test["test_functional_racy"]
     assert any(r["earlier"]["op"].startswith("cpp_fused") for r in functional), functional

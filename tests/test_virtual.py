@@ -431,6 +431,8 @@ def test_session_leaves_torch_as_it_was():
                "synchronize", "_sleep")}
     run_backward = torch.autograd.graph._engine_run_backward
     record_stream = torch.Tensor.record_stream
+    from torch._dynamo.output_graph import OutputGraph
+    call_user_compiler = OutputGraph.call_user_compiler
     with Detector():
         assert torch.cuda.Stream is not before["Stream"]
         assert torch._C._len_torch_function_stack() == 1
@@ -440,6 +442,7 @@ def test_session_leaves_torch_as_it_was():
     assert torch.cuda.streams.Stream is before["Stream"]
     assert torch.autograd.graph._engine_run_backward is run_backward is torch.autograd._engine_run_backward
     assert torch.Tensor.record_stream is record_stream and "record_stream" not in vars(torch.Tensor)
+    assert OutputGraph.call_user_compiler is call_user_compiler
     assert torch._C._len_torch_function_stack() == 0
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
     assert _get_current_dispatch_mode_stack() == []

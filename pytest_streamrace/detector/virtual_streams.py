@@ -166,6 +166,28 @@ def record_stream(self: torch.Tensor, stream: Stream) -> None:
         model.hb.record_stream(key, stream)
 
 
+def _opaque_to_dynamo() -> None:
+    """torch.compile must not trace the virtual API (it would run at trace time, once, and the compiled code would not
+    switch streams at all): each entry point graph-breaks and runs when the compiled program gets there, as the real
+    API's calls run on a GPU."""
+    def disabled(fn):
+        try:
+            return torch.compiler.disable(fn, reason="streamrace: virtual CUDA stream API (runs eagerly)")
+        except TypeError:  # a torch without `reason`
+            return torch.compiler.disable(fn)
+
+    for cls, names in ((Stream, ("__init__", "wait_event", "wait_stream", "record_event", "query", "synchronize")),
+                       (Event, ("__init__", "record", "wait", "query", "synchronize")),
+                       (StreamContext, ("__enter__", "__exit__"))):
+        for name in names:
+            setattr(cls, name, disabled(vars(cls)[name]))
+    for name in ("stream", "current_stream", "default_stream", "set_stream", "synchronize", "_sleep", "record_stream"):
+        globals()[name] = disabled(globals()[name])
+
+
+_opaque_to_dynamo()
+
+
 class VirtualStreams:
     """The per-session state (default stream, each thread's current stream) and the torch.cuda patches."""
 
@@ -189,7 +211,7 @@ class VirtualStreams:
         """What must be replaced in torch while the model is active (attr_patch(obj, name, value) objects)."""
         import torch.cuda.streams
 
-        replacements = {"Stream": Stream, "Event": Event, "StreamContext": StreamContext, "stream": stream,
+        replacements = {"Stream": Stream, "Event": Event, "stream": stream,
                         "current_stream": current_stream, "default_stream": default_stream,
                         "set_stream": set_stream, "synchronize": synchronize, "_sleep": _sleep}
         out = [attr_patch(torch.cuda, name, value) for name, value in replacements.items()]
