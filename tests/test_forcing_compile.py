@@ -64,9 +64,13 @@ def test_inductor(compile_mode):
 
 def test_each_mode_compiles_and_a_mode_that_compiled_nothing_fails(pytester):
     pytester.makepyfile(test_modes=MODES)
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "not bound")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-k", "not bound", "-rfEP")
     result.assert_outcomes(passed=4, errors=1)
     out = result.stdout.str()
+    # each test's report says which mode ran and what it compiled
+    result.stdout.fnmatch_lines(["*streamrace compile mode*", "compiled_autograd (aot_eager): compiled 1 forward, "
+                                 "1 backward graph(s), 0 graph break(s)"])
+    assert "eager (nothing compiled)" in out
     assert "streamrace: compile mode compile (aot_eager) compiled no forward graph" in out
     assert "ERROR test_modes.py::test_forgot_to_compile[compile]" in out
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 import torch
 
@@ -122,6 +123,10 @@ class CompiledCode:
         self._wrapped: list[tuple[dict, str, object]] = []  # (module globals, name, original)
         self._modules_seen = 0
         self._seen_ids: set[int] = set()
+        self._attr_patch = None
+        self._lazy: list = []  # (module name, make_patches(attr_patch, module)) applied when it is imported
+        self._hooks: list = []
+        self._applied: list = []
 
     # launches
 
@@ -147,11 +152,10 @@ class CompiledCode:
 
     def discover(self) -> None:
         """Wrap the C++ kernels of generated modules loaded since the last look."""
-        try:
-            from torch._inductor.codecache import PyCodeCache
-        except ImportError:
+        codecache = sys.modules.get("torch._inductor.codecache")
+        if codecache is None:  # nothing generated in this process yet
             return
-        modules = PyCodeCache.modules
+        modules = codecache.PyCodeCache.modules
         if len(modules) == self._modules_seen:
             return
         for module in modules[self._modules_seen:]:
@@ -173,36 +177,107 @@ class CompiledCode:
     # patch protocol
 
     def patches(self, attr_patch, backend: str) -> list:
-        out = []
-        try:
-            from torch._dynamo.output_graph import OutputGraph
-        except ImportError:
-            return [self]
-        original = OutputGraph.call_user_compiler
-
-        def call_user_compiler(graph, gm, example_inputs):
-            return _runtime(original(graph, gm, example_inputs))
-        out.append(attr_patch(OutputGraph, "call_user_compiler", call_user_compiler))
+        """This patch. What it patches in dynamo and Inductor is patched when that module is imported (now, if it
+        is): importing dynamo costs seconds, and most tests never compile."""
+        self._attr_patch = attr_patch
+        self._lazy = [("torch._dynamo.output_graph", _dynamo_patches)]
         if backend == "cuda":
-            out += _cuda_patches(attr_patch)
-        return out + [self]
+            self._lazy += [("torch._inductor.runtime.triton_heuristics", _triton_patches),
+                           ("torch._inductor.cudagraph_trees", _cudagraph_patches)]
+        return [self]
+
+    def _apply(self, make_patches, module) -> None:
+        for patch in make_patches(self._attr_patch, module):
+            patch.install()
+            self._applied.append(patch)
 
     def install(self) -> None:
         global _active
-        from . import tracker, virtual_autograd
-
-        _skip_in_dynamo(tracker.AccessTracker.__torch_dispatch__, tracker.AccessTracker._dead,
-                        virtual_autograd._NewNodes.__torch_function__)
         _active = self
+        for name, make_patches in self._lazy:
+            hook = _WhenImported(name, lambda module, make=make_patches: self._apply(make, module))
+            self._hooks.append(hook)
+            hook.install()
         self.discover()
 
     def uninstall(self) -> None:
         global _active
         _active = None
+        while self._hooks:
+            self._hooks.pop().uninstall()
+        while self._applied:
+            self._applied.pop().uninstall()
         while self._wrapped:
             namespace, name, original = self._wrapped.pop()
             if isinstance(namespace.get(name), _CppKernel):
                 namespace[name] = original
+
+
+class _WhenImported:
+    """Runs `then(module)` once the module `name` is imported — at once if it already is (an import hook until then).
+    """
+
+    def __init__(self, name: str, then):
+        self.name, self.then = name, then
+
+    def install(self) -> None:
+        module = sys.modules.get(self.name)
+        if module is not None:
+            self.then(module)
+        else:
+            sys.meta_path.insert(0, self)
+
+    def uninstall(self) -> None:
+        if self in sys.meta_path:
+            sys.meta_path.remove(self)
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.name:
+            return None
+        self.uninstall()
+        for finder in sys.meta_path:
+            find = getattr(finder, "find_spec", None)
+            spec = find(fullname, path, target) if find is not None else None
+            if spec is not None:
+                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
+                    spec.loader = _ThenLoader(spec.loader, self.then)
+                return spec
+        return None
+
+
+class _ThenLoader:
+    """A module's own loader, then a call with the module it executed."""
+
+    def __init__(self, loader, then):
+        self._loader, self._then = loader, then
+
+    def create_module(self, spec):
+        return self._loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self._loader.exec_module(module)
+        module.__loader__ = self._loader
+        if module.__spec__ is not None:
+            module.__spec__.loader = self._loader
+        self._then(module)
+
+    def __getattr__(self, name):
+        return getattr(self._loader, name)
+
+
+def _dynamo_patches(attr_patch, output_graph) -> list:
+    """Every graph a backend compiled is wrapped in the run-time shim (``_runtime``); the detector's entry points
+    become frames dynamo skips."""
+    from . import tracker, virtual_autograd
+
+    _skip_in_dynamo(tracker.AccessTracker.__torch_dispatch__, tracker.AccessTracker._dead,
+                    virtual_autograd._NewNodes.__torch_function__)
+    graph_class = output_graph.OutputGraph
+    original = graph_class.call_user_compiler
+
+    def call_user_compiler(graph, gm, example_inputs):
+        return _runtime(original(graph, gm, example_inputs))
+    return [attr_patch(graph_class, "call_user_compiler", call_user_compiler)]
 
 
 def _runtime(compiled_fn):
@@ -263,33 +338,32 @@ def _capturing() -> bool:
         return False
 
 
-def _cuda_patches(attr_patch) -> list:
-    out = []
-    try:
-        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
-    except Exception:  # no triton here
-        CachingAutotuner = None
-    if CachingAutotuner is not None:
-        run = CachingAutotuner.run
+def _triton_patches(attr_patch, triton_heuristics) -> list:
+    """Triton launches through Inductor's CachingAutotuner (its kernels and user kernels alike)."""
+    autotuner = getattr(triton_heuristics, "CachingAutotuner", None)
+    run = getattr(autotuner, "run", None)
+    if run is None:
+        return []
 
-        def launch(self, *args, stream, **kwargs):
-            model = _active
-            if model is not None and not _capturing():
-                roles = _triton_roles(self)
-                if roles is not None:
-                    name = getattr(getattr(self, "fn", None), "__name__", None) or "triton kernel"
-                    model.launch(name, args, roles, stream if isinstance(stream, int) else None)
-            return run(self, *args, stream=stream, **kwargs)
-        out.append(attr_patch(CachingAutotuner, "run", launch))
-    try:
-        from torch._inductor.cudagraph_trees import CUDAGraphNode
-    except Exception:
-        CUDAGraphNode = None
-    if CUDAGraphNode is not None:
-        for method in ("run", "run_first_inputs"):
-            original = getattr(CUDAGraphNode, method, None)
-            if original is not None:
-                out.append(attr_patch(CUDAGraphNode, method, _replay(original)))
+    def launch(self, *args, stream, **kwargs):
+        model = _active
+        if model is not None and not _capturing():
+            roles = _triton_roles(self)
+            if roles is not None:
+                name = getattr(getattr(self, "fn", None), "__name__", None) or "triton kernel"
+                model.launch(name, args, roles, stream if isinstance(stream, int) else None)
+        return run(self, *args, stream=stream, **kwargs)
+    return [attr_patch(autotuner, "run", launch)]
+
+
+def _cudagraph_patches(attr_patch, cudagraph_trees) -> list:
+    """CUDA-graph replays of cudagraph trees (mode="reduce-overhead")."""
+    node = getattr(cudagraph_trees, "CUDAGraphNode", None)
+    out = []
+    for method in ("run", "run_first_inputs"):
+        original = getattr(node, method, None)
+        if original is not None:
+            out.append(attr_patch(node, method, _replay(original)))
     return out
 
 

@@ -14,6 +14,7 @@ import threading
 
 import torch
 
+from .compiled import _WhenImported
 from .frames import created_at
 
 _active: "VirtualStreams | None" = None
@@ -166,10 +167,19 @@ def record_stream(self: torch.Tensor, stream: Stream) -> None:
         model.hb.record_stream(key, stream)
 
 
-def _opaque_to_dynamo() -> None:
+_API = ("stream", "current_stream", "default_stream", "set_stream", "synchronize", "_sleep", "record_stream")
+_opaque = False
+
+
+def _opaque_to_dynamo(_dynamo=None) -> None:
     """torch.compile must not trace the virtual API (it would run at trace time, once, and the compiled code would not
     switch streams at all): each entry point graph-breaks and runs when the compiled program gets there, as the real
-    API's calls run on a GPU."""
+    API's calls run on a GPU. Done once dynamo is imported (importing it costs seconds; most tests never compile)."""
+    global _opaque
+    if _opaque:
+        return
+    _opaque = True
+
     def disabled(fn):
         try:
             return torch.compiler.disable(fn, reason="streamrace: virtual CUDA stream API (runs eagerly)")
@@ -181,11 +191,14 @@ def _opaque_to_dynamo() -> None:
                        (StreamContext, ("__enter__", "__exit__"))):
         for name in names:
             setattr(cls, name, disabled(vars(cls)[name]))
-    for name in ("stream", "current_stream", "default_stream", "set_stream", "synchronize", "_sleep", "record_stream"):
-        globals()[name] = disabled(globals()[name])
-
-
-_opaque_to_dynamo()
+    module = globals()
+    for name in _API:
+        original = module[name]
+        module[name] = disabled(original)
+        if _active is not None:  # dynamo arrived during a session: what it patched in becomes the opaque one
+            owner = torch.Tensor if name == "record_stream" else torch.cuda
+            if getattr(owner, name, None) is original:
+                setattr(owner, name, module[name])
 
 
 class VirtualStreams:
@@ -216,7 +229,8 @@ class VirtualStreams:
                         "set_stream": set_stream, "synchronize": synchronize, "_sleep": _sleep}
         out = [attr_patch(torch.cuda, name, value) for name, value in replacements.items()]
         out += [attr_patch(torch.cuda.streams, "Stream", Stream), attr_patch(torch.cuda.streams, "Event", Event),
-                attr_patch(torch.Tensor, "record_stream", record_stream), _Activation(self)]
+                attr_patch(torch.Tensor, "record_stream", record_stream), _Activation(self),
+                _WhenImported("torch._dynamo", _opaque_to_dynamo)]
         return out
 
 
