@@ -176,3 +176,61 @@ def test_compiled_code_keeps_its_graph_and_stays_quiet_without_streams(pytester)
     """)
     result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+def test_triton_launches_and_cuda_graph_replays_are_accesses_on_their_stream():
+    """The cuda backend's hooks, on stand-ins with the attributes Inductor's CachingAutotuner and cudagraph-tree
+    nodes have (CPU has neither): a launch reads its in_ptr* arguments and writes its out_ptr* and mutated ones."""
+    import types
+
+    import torch
+
+    from pytest_streamrace.detector import compiled
+    from pytest_streamrace.detector.session import AttrPatch, Detector
+
+    class CachingAutotuner:
+        def __init__(self, names, mutated):
+            self.fn = types.SimpleNamespace(arg_names=names, __name__="triton_poi_fused_add_0")
+            self.mutated_arg_names = mutated
+            self.launched = []
+
+        def run(self, *args, stream, **kwargs):
+            self.launched.append(args)
+
+    class CUDAGraphNode:
+        def __init__(self, outputs):
+            self.outputs = outputs
+
+        def run(self, new_inputs):
+            new_inputs.clear()
+            return self.outputs
+
+    fake = types.SimpleNamespace(CachingAutotuner=CachingAutotuner, CUDAGraphNode=CUDAGraphNode)
+    with Detector("virtual") as d:
+        patches = compiled._triton_patches(AttrPatch, fake) + compiled._cudagraph_patches(AttrPatch, fake)
+        for patch in patches:
+            patch.install()
+        try:
+            side = torch.cuda.Stream()
+            x, y, out, acc, graph_out = torch.ones(8), torch.ones(8), torch.empty(8), torch.zeros(8), torch.empty(8)
+            side.wait_stream(torch.cuda.current_stream())
+            kernel = CachingAutotuner(["in_ptr0", "out_ptr0", "acc_ptr", "xnumel"], ["acc_ptr"])
+            with torch.cuda.stream(side):
+                kernel.run(x, out, acc, 8, stream=None)
+                CUDAGraphNode([graph_out]).run([y])
+            assert kernel.launched == [(x, out, acc, 8)]
+            x.add_(1)     # writes after the side stream's reads: race with the kernel's and the replay's reads
+            y.add_(1)
+            out.sum()     # read of the kernel's output
+            acc.sum()     # read of the mutated argument
+            graph_out.sum()  # read of the replay's output
+        finally:
+            for patch in reversed(patches):
+                patch.uninstall()
+        races = [(r.earlier.op.site.op, r.later.op.site.op) for r in d.races]
+    assert CachingAutotuner.run.__name__ == "run"  # the stand-in's own method is back
+    ops = set(races)
+    assert ("triton_poi_fused_add_0", "aten::sum") in ops
+    assert ("cudagraph replay", "aten::sum") in ops
+    assert {("triton_poi_fused_add_0", "aten::add_"), ("cudagraph replay", "aten::add_")} <= ops
+    assert races.count(("triton_poi_fused_add_0", "aten::sum")) == 2  # out and acc, the mutated argument

@@ -311,8 +311,11 @@ def _triton_roles(autotuner) -> tuple[int, ...] | None:
     roles = getattr(autotuner, "_streamrace_roles", None)
     if roles is not None:
         return roles
+    # The kernel's own argument names; in the parent of a compile worker `fn` may be a stub, the signature stays.
     names = getattr(getattr(autotuner, "fn", None), "arg_names", None)
-    if names is None:
+    if not names:
+        names = list((getattr(autotuner, "triton_meta", None) or {}).get("signature", {}) or ())
+    if not names:
         return None
     mutated = set(getattr(autotuner, "mutated_arg_names", ()) or ())
     roles = []
@@ -364,7 +367,26 @@ def _cudagraph_patches(attr_patch, cudagraph_trees) -> list:
         original = getattr(node, method, None)
         if original is not None:
             out.append(attr_patch(node, method, _replay(original)))
+    record = getattr(node, "_record", None)
+    if record is not None:
+        out.append(attr_patch(node, "_record", _untracked(record)))
     return out
+
+
+def _untracked(original):
+    """Recording a CUDA graph launches nothing: ops captured meanwhile (on the capture stream) are not accesses."""
+
+    def record(self, *args, **kwargs):
+        model = _active
+        if model is None:
+            return original(self, *args, **kwargs)
+        tracker = model.tracker
+        previous, tracker.enabled = tracker.enabled, False
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            tracker.enabled = previous
+    return record
 
 
 def _replay(original):
