@@ -23,30 +23,4 @@ timeout 180 python3 scripts/device/hook_streams.py 2>&1 | grep -v Warning | tee 
 echo "== overhead"
 timeout 420 python3 benchmarks/overhead.py --steps 30 2>&1 | tee "$OUT/overhead.log" | tail -5
 echo "== table"
-python3 - "$OUT/ours.xml" "$OUT/races.json" <<'PY' | tee "$OUT/table.md"
-import json, sys, xml.etree.ElementTree as ET
-cases = {}
-for tc in ET.parse(sys.argv[1]).getroot().iter("testcase"):
-    name = tc.get("name")  # test_racy[functional]
-    kind, case = name.split("[")[0].replace("test_", ""), name.split("[")[1].rstrip("]")
-    bad = tc.find("failure") if tc.find("failure") is not None else tc.find("error")
-    skip = tc.find("skipped") is not None
-    cases.setdefault(case, {})[kind] = "skip" if skip else ("FAIL" if bad is not None else "ok")
-    if bad is not None:
-        cases[case][kind + "_why"] = (bad.get("message") or "")[:90].replace("\n", " ")
-try:
-    races = json.load(open(sys.argv[2]))["races"]
-except Exception:
-    races = []
-ops = {}
-for r in races:
-    case = r["test"].split("[")[-1].rstrip("]")
-    ops.setdefault(case, set()).add(r["earlier"]["op"])
-print("| case | racy twin | clean twin | racing writer ops |")
-print("|---|---|---|---|")
-for case, got in cases.items():
-    print(f"| {case} | {got.get('racy', '-')} | {got.get('clean', '-')} | {', '.join(sorted(ops.get(case, ())))[:80]} |")
-    for k in ("racy_why", "clean_why"):
-        if k in got:
-            print(f"|   {k} | {got[k]} | | |")
-PY
+python3 scripts/device/compile_table.py "$OUT/ours.xml" "$OUT/races.json" | tee "$OUT/table.md"
