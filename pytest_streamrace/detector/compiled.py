@@ -180,7 +180,7 @@ class CompiledCode:
         """This patch. What it patches in dynamo and Inductor is patched when that module is imported (now, if it
         is): importing dynamo costs seconds, and most tests never compile."""
         self._attr_patch = attr_patch
-        self._lazy = [("torch._dynamo.output_graph", _dynamo_patches)]
+        self._lazy = [("torch._dynamo.output_graph", _dynamo_patches), ("torch._inductor.codecache", _codecache_patches)]
         if backend == "cuda":
             self._lazy += [("torch._inductor.runtime.triton_heuristics", _triton_patches),
                            ("torch._inductor.cudagraph_trees", _cudagraph_patches)]
@@ -339,6 +339,22 @@ def _capturing() -> bool:
         return torch.cuda.is_current_stream_capturing()
     except Exception:
         return False
+
+
+def _codecache_patches(attr_patch, codecache) -> list:
+    """Generated modules are wrapped as they load (a backward compiled lazily loads its module mid-backward)."""
+    cache = getattr(codecache, "PyCodeCache", None)
+    load = getattr(cache, "load_by_key_path", None)
+    if load is None:
+        return []
+
+    def load_by_key_path(cls, *args, **kwargs):
+        module = load(*args, **kwargs)
+        model = _active
+        if model is not None:
+            model.discover()
+        return module
+    return [attr_patch(cache, "load_by_key_path", classmethod(load_by_key_path))]
 
 
 def _triton_patches(attr_patch, triton_heuristics) -> list:
