@@ -156,6 +156,8 @@ class CompiledCode:
         if codecache is None:  # nothing generated in this process yet
             return
         modules = codecache.PyCodeCache.modules
+        if len(modules) < self._modules_seen:  # Inductor's caches were cleared: look at all again
+            self._modules_seen = 0
         if len(modules) == self._modules_seen:
             return
         for module in modules[self._modules_seen:]:
