@@ -425,12 +425,17 @@ def _replay(original):
     return run
 
 
-def inductor_cache_dir() -> str | None:
-    """Where Inductor writes generated code (its frames are machinery, not the user's)."""
+def inductor_cache_dir() -> str:
+    """Where Inductor writes generated code (its frames are machinery, not the user's), without importing Inductor:
+    TORCHINDUCTOR_CACHE_DIR, else its default, <tmp>/torchinductor_<user>."""
+    configured = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if configured:
+        return os.path.abspath(configured)
+    import getpass
+    import tempfile
+
     try:
-        from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-        return os.path.abspath(cache_dir())
+        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
     except Exception:
-        return None
-
+        user = "unknown"
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
