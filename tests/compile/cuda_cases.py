@@ -65,10 +65,22 @@ def in_place(wait):
     compiled_without_breaks()
 
 
+_compiled_models: dict = {}
+
+
+def compiled_model():
+    """One model compiled once for both twins (compiling is the slow part)."""
+    if not _compiled_models:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(256, 256, device="cuda")
+        _compiled_models["model"] = (model, torch.compile(model))
+    model, cmodel = _compiled_models["model"]
+    model.zero_grad(set_to_none=True)
+    return model, cmodel
+
+
 def backward(wait):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(256, 256, device="cuda")
-    cmodel = torch.compile(model)
+    model, cmodel = compiled_model()
     x = torch.ones(64, 256, device="cuda")
     side = side_stream()
     with torch.cuda.stream(side):
@@ -144,11 +156,18 @@ def _triton_add():
 _add = None
 
 
+def _add_twice(x, y):
+    return _add(x, y) * 2
+
+
+_compiled_add = torch.compile(_add_twice)
+
+
 def triton_op_case(wait, compiled=True):
     global _add
     if _add is None:
         _add = _triton_add()
-    fn = torch.compile(lambda x, y: _add(x, y) * 2) if compiled else (lambda x, y: _add(x, y) * 2)
+    fn = _compiled_add if compiled else _add_twice
     x, y = torch.ones(N, device="cuda"), torch.ones(N, device="cuda")
     side = side_stream()
     with torch.cuda.stream(side):
