@@ -11,6 +11,7 @@ devices keeps allocating on CPU.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -81,14 +82,17 @@ def _check(stream) -> Stream:
 
 
 class Event:
-    """A virtual CUDA event: a snapshot of a stream's progress in hb. Timing is not modelled."""
+    """A virtual CUDA event: a snapshot of a stream's progress in hb. Its time is the host's at record: a virtual
+    stream's work runs when it is issued."""
 
     def __init__(self, enable_timing=False, blocking=False, interprocess=False, **kwargs):
         _model()
+        self._recorded_at: float | None = None
 
     def record(self, stream: Stream | None = None) -> None:
         model = _model()
         model.hb.record_event(self, model.current() if stream is None else _check(stream))
+        self._recorded_at = time.perf_counter()
 
     def wait(self, stream: Stream | None = None) -> None:
         model = _model()
@@ -101,8 +105,15 @@ class Event:
     def synchronize(self) -> None:
         _model().hb.synchronize_event(self)
 
-    def elapsed_time(self, end_event) -> float:
-        raise RuntimeError("streamrace: Event.elapsed_time is not modelled on virtual streams (no GPU time exists)")
+    def elapsed_time(self, end_event: "Event") -> float:
+        """Milliseconds between the two records. CUDA answers only for completed events, so the host has learnt
+        that both completed: ordered as by two queries (timing code such as DeepSpeed's timers relies on it)."""
+        if self._recorded_at is None or end_event._recorded_at is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        hb = _model().hb
+        hb.synchronize_event(self)
+        hb.synchronize_event(end_event)
+        return (end_event._recorded_at - self._recorded_at) * 1e3
 
     def __repr__(self) -> str:
         return "<virtual torch.cuda.Event>"
