@@ -78,7 +78,8 @@ def load(config: pytest.Config) -> Levers:
 
 def validate(config: pytest.Config) -> int | None:
     """At the command line (before configuration): bad suppressions or baseline → one line on stderr, exit 2."""
-    if not options.get(config, "streamrace") or config.option.help or config.option.version:
+    if not options.get(config, "streamrace") or getattr(config.option, "help", False) or \
+            getattr(config.option, "version", False):
         return None
     try:
         load(config)
