@@ -74,17 +74,18 @@ class RaceChecks:
         self.trace_path = options.get(config, "streamrace_trace")
         self.races: list[tuple[str, dict]] = []  # (nodeid, race dict)
         self.traces: list[tuple[str, list]] = []  # (nodeid, events)
-        from . import levers
-
-        try:
-            self.levers = levers.load(config)  # checked at the command line already; here for xdist workers
-        except levers.BadInput as exc:
-            raise pytest.UsageError(f"streamrace: {exc}") from None
-        self.tally = levers.Tally(self.levers)
+        self.levers = self.tally = None  # at session start (`--help` configures, and starts no session)
 
     # running
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
+        from . import levers
+
+        try:
+            self.levers = levers.load(self.config)  # checked at the command line already (exit 2 there)
+        except levers.BadInput as exc:
+            raise pytest.UsageError(f"streamrace: {exc}") from None
+        self.tally = levers.Tally(self.levers)
         if self.backend == "cuda":  # build (or load) the op capture once, before any test's clock starts
             from .detector import capture
 
@@ -213,7 +214,7 @@ class RaceChecks:
 
     @pytest.hookimpl(trylast=True)
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        if not writes_session_files(self.config):
+        if self.tally is None or not writes_session_files(self.config):
             return
         if os.environ.get("GITHUB_ACTIONS") == "true":
             for line in self.tally.annotations():

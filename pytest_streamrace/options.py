@@ -89,6 +89,8 @@ def register(parser: pytest.Parser) -> None:
             group.addoption(s.flag, action="append", metavar="FILE", **kwargs)
             parser.addini(s.name, s.help, type="linelist", default=[])
             continue
+        if s.kind == "path":
+            kwargs["metavar"] = "FILE"
         if s.kind == "choice":
             kwargs["choices"] = s.choices
         elif s.kind == "float":

@@ -389,3 +389,11 @@ def test_bad_input_is_one_line_and_exit_2(pytester, files, args, message):
     assert "test_ok" not in result.stdout.str()  # nothing ran
     if "b.json" in files:
         assert pytester.path.joinpath("b.json").read_text() == files["b.json"]  # never overwritten
+
+
+def test_help_lists_the_levers_even_with_a_bad_baseline(pytester):
+    result = _run(pytester, "--streamrace-baseline", "missing.json", "--help")
+    assert result.ret == 0
+    result.stdout.fnmatch_lines(["*--streamrace-suppress=FILE*", "*--streamrace-baseline=FILE*",
+                                 "*--streamrace-baseline-update*", "*--streamrace-report-only*",
+                                 "*streamrace_suppressions (linelist)*"])
