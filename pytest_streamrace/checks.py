@@ -4,7 +4,8 @@ The detector is active from the test's setup to the end of its teardown, so fixt
 CPU-only machines the virtual torch.cuda API is there for them). Races are judged with the call phase; ones that only
 appear in teardown fail the teardown. Each report carries its races as JSON in ``user_properties``, which is how they
 travel from xdist workers and rank processes to the process that writes ``--streamrace-json`` and
-``--streamrace-trace``.
+``--streamrace-trace``. Which races fail a test is the adoption levers' call (``levers``: suppressions, a baseline,
+report-only), made here in every process that runs tests; the process that writes the files also prints the tally.
 """
 
 from __future__ import annotations
