@@ -397,3 +397,60 @@ def test_help_lists_the_levers_even_with_a_bad_baseline(pytester):
     result.stdout.fnmatch_lines(["*--streamrace-suppress=FILE*", "*--streamrace-baseline=FILE*",
                                  "*--streamrace-baseline-update*", "*--streamrace-report-only*",
                                  "*streamrace_suppressions (linelist)*"])
+
+
+# units: rule matching and the baseline file
+
+
+def _race(kind="read-after-write", tensor="ipg bucket", earlier=(("/venv/site-packages/deepspeed/runtime/zero/"
+          "stage3.py", 10, "reduce"),), later=(("/repo/tests/test_x.py", 5, "step"),)):
+    def frames(fs):
+        return [{"file": f, "line": n, "function": fn} for f, n, fn in fs]
+
+    return {"kind": kind, "tensor": {"name": tensor, "shape": [4], "dtype": "torch.float32"},
+            "earlier": {"op": "aten::add_", "frames": frames(earlier)},
+            "later": {"op": "aten::mul", "frames": frames(later)}}
+
+
+@pytest.mark.parametrize("rule, matches", [
+    ("file:deepspeed/runtime/zero/*", True),  # a trailing part of the path
+    ("file:/venv/site-packages/deepspeed/*", True),  # the whole path
+    ("file:runtime/zero", False),  # a directory is not a file: use runtime/zero/*
+    ("file:tests/test_x.py kind:raw", True),  # either access
+    ("file:tests/test_x.py kind:war", False),  # every term must match
+    ("function:red*", True),
+    ("function:Reduce", False),  # case-sensitive
+    ("tensor:ipg*", True),
+    ("tensor:ipg", False),
+    ("kind:free", False),
+])
+def test_rule_terms(rule, matches):
+    from pytest_streamrace import suppress
+
+    (parsed,) = suppress.parse(rule, "s.supp")
+    assert parsed.matches(_race()) is matches
+
+
+def test_first_matching_rule_wins_and_comments_are_ignored():
+    from pytest_streamrace import suppress
+
+    rules = suppress.parse("# header\n\nkind:raw  # all of them\ntensor:ipg*\n", "s.supp")
+    assert [(r.where, r.text) for r in rules] == [("s.supp:3", "kind:raw"), ("s.supp:4", "tensor:ipg*")]
+    assert suppress.match(rules, _race()).where == "s.supp:3"
+    assert suppress.match(rules, _race(kind="write-after-read")).where == "s.supp:4"
+    assert suppress.match(rules, _race(kind="write-after-read", tensor=None)) is None
+
+
+def test_baseline_signature_ignores_lines_and_ranks_and_round_trips(tmp_path):
+    from pytest_streamrace import baseline
+
+    moved = _race(earlier=(("/x/stage3.py", 99, "reduce"),), later=(("/repo/tests/test_x.py", 50, "step"),))
+    assert baseline.signature("t::a", _race()) == baseline.signature("t::a", dict(moved, rank=1)) == \
+        ("t::a", "read-after-write", "reduce", "aten::add_", "step", "aten::mul")
+    assert baseline.signature("t::b", _race()) != baseline.signature("t::a", _race())
+    sigs = {baseline.signature(t, _race()) for t in ("t::b", "t::a")}
+    path = tmp_path / "sub" / "b.json"
+    baseline.write(str(path), sigs)
+    assert baseline.load(str(path), str(tmp_path)) == sigs
+    lines = path.read_text().splitlines()
+    assert lines[1] < lines[2] and len(lines) == 4  # sorted, one a line
