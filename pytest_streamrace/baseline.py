@@ -5,7 +5,7 @@ A race is known by a signature that survives unrelated edits: the test id, the k
 change to it reads as a small diff::
 
     {"version": 1, "generator": "pytest-streamrace --streamrace-baseline-update", "races": [
-     {"test": "tests/test_ddp.py::test_overlap", "kind": "read-after-write", "earlier": ["reduce", "aten::add_"], "later": ["step", "aten::mul"]}
+     {"test": "t.py::test_a", "kind": "read-after-write", "earlier": ["reduce", "aten::add_"], "later": ["step", "aten::mul"]}
     ]}
 
 ``--streamrace-baseline-update`` rewrites it from the session: the entries of every test that ran are replaced by
