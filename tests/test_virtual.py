@@ -433,6 +433,25 @@ def test_elapsed_time_is_host_time_and_orders_the_host_after_both_events():
         ("read-after-write", line("timed-write"), line("untimed-read"))]
 
 
+def test_reading_a_value_back_orders_the_host_after_its_stream():
+    """``.item()`` of a device tensor waits for the stream that computed it (CUDA copies the value out and
+    synchronizes): whatever the host launches next, on any stream, comes after that stream's work so far."""
+    x, flag = torch.zeros(4), torch.zeros(1)
+    with Detector() as d:
+        s = torch.cuda.Stream()
+        x.add_(1)
+        flag.add_(1)
+        assert flag.item() == 1.0  # the host waits for the default stream here
+        with torch.cuda.stream(s):
+            x.sum()  # ordered by the item() above
+        torch.cuda.current_stream().wait_stream(s)
+        x.mul_(2)  # unsynced-write
+        with torch.cuda.stream(s):
+            x.sum()  # unsynced-read
+    assert [(r.kind, r.earlier.op.site.frames[0][1], r.later.op.site.frames[0][1]) for r in d.races] == [
+        ("read-after-write", line("unsynced-write"), line("unsynced-read"))]
+
+
 def test_module_names_reach_the_race():
     with Detector() as d:
         model = torch.nn.Linear(4, 4)

@@ -177,6 +177,9 @@ class AccessTracker(TorchDispatchMode):
         # Real autograd (cuda backend): the engine record_stream()s a gradient produced on one stream for the stream
         # of the node that consumes it — in C++, where no hook sees it. The virtual model does this in its hooks.
         self.engine_records_streams = False
+        # Ops after which the host has waited for the stream that ran them (reading a value back: .item(), nonzero's
+        # size). On a GPU the trace shows that wait as a stream synchronize; the virtual model names the ops here.
+        self.host_syncs: frozenset = frozenset()
 
     @property
     def enabled(self) -> bool:
@@ -438,6 +441,8 @@ class AccessTracker(TorchDispatchMode):
         _, races = self.hb.record(stream, Site(name, stack()), accesses, allocs)
         if races:
             self._report(races)
+        if name in self.host_syncs:
+            self.hb.synchronize_stream(stream)
 
     def _fresh(self, t: torch.Tensor, stream, writes_output: bool, allocs: list, accesses: list) -> None:
         """A fresh output: its storage is allocated by this op (unless it was already known), and written by it

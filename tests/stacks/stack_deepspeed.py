@@ -71,20 +71,9 @@ def _batches(device, rank, steps=2):
     return [torch.randn(BATCH, WIDTH, device=device, generator=generator) for _ in range(steps)]
 
 
-def _skip_known_gap(stage):
-    """Known gap, open: with every parameter partitioned, the virtual backend reports ZeRO-3's all-gather (on its own
-    stream, partition_parameters.py `_all_gather_dtype`) reading a partition that the step's copy (stage3.py
-    `_reassign_or_swap_out_partitioned_parameters`) wrote on the default stream; the cuda backend runs these cases
-    clean on 2xH200 (docs/gpu-validation.md). Skipped there, visibly, until the ordering the CPU model misses is found."""
-    if stage == 3 and _virtual():
-        pytest.skip("known gap: the virtual backend reports a race in ZeRO-3's parameter all-gather that the cuda "
-                    "backend does not see on H200")
-
-
 @pytest.mark.streamrace(expect="clean")
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_zero_overlap_comm(streamrace_device, rank, stage):
-    _skip_known_gap(stage)
     with _accelerator():
         engine = _engine(_model(streamrace_device), stage)
         for x in _batches(streamrace_device, rank, steps=3):
@@ -106,7 +95,6 @@ def _weights(engine, stage):
 @pytest.mark.parametrize("stage", [1, 3])
 def test_ema_on_side_stream(streamrace_device, rank, needs_streams, stage):
     """An EMA of the weights, updated on a side stream after each step (off the training stream's critical path)."""
-    _skip_known_gap(stage)
     with _accelerator():
         engine = _engine(_model(streamrace_device), stage)
         ema = [w.clone() for w in _weights(engine, stage)]
