@@ -18,12 +18,14 @@ from . import hardware, options
 
 RACES = "streamrace_races"  # user_properties key: [race dicts] (detector.report.to_dict, with rank)
 TRACE = "streamrace_trace"  # user_properties key: [chrome trace events] of this test's ops
+AFTER = "streamrace_after"  # user_properties key: [race dicts with "test"] of children that outlived their test
 EXPECT = ("race", "clean")
 MARKER = ("streamrace(expect='race'|'clean'): assert that the test's streams race (or not) when --streamrace "
           "is on; expect='race' turns a detected race into a pass and its absence into a failure")
 
 _detector_key = pytest.StashKey()
 _judged_key = pytest.StashKey()
+_children_key = pytest.StashKey()  # races of the processes the test started, judged so far
 
 
 def resolve_backend(config: pytest.Config) -> str:
@@ -72,6 +74,10 @@ class RaceChecks:
         self.trace_path = options.get(config, "streamrace_trace")
         self.races: list[tuple[str, dict]] = []  # (nodeid, race dict)
         self.traces: list[tuple[str, list]] = []  # (nodeid, events)
+        from .subprocesses import Children  # the processes each test starts (issue 12)
+
+        self.children = Children(backend, bool(self.trace_path))
+        self.after: list[dict] = []  # children's races judged after their test had finished
 
     # running
 
@@ -84,6 +90,7 @@ class RaceChecks:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item):
         expected(item)  # a bad marker is a usage error before anything runs
+        self.children.begin(item.nodeid)
         from .detector.session import Detector
 
         detector = Detector(backend=self.backend, trace=bool(self.trace_path))
@@ -111,39 +118,56 @@ class RaceChecks:
         races = detector.races
         judged = item.stash[_judged_key]
         fresh = races[judged:]
-        item.stash[_judged_key] = len(races)
         rank = process_rank()
+        children, child_traces = self.children.collect(item.nodeid)
+        item.stash[_judged_key] = len(races)
+        item.stash[_children_key] = item.stash.get(_children_key, 0) + len(children)
         # Recorded on the item, so the teardown report — the one collected, here and in a launching parent —
         # carries every phase's; the teardown report itself is already built, so it gets its own directly.
         record = report.user_properties if report.when == "teardown" else item.user_properties
-        if fresh:
+        if fresh or children:
             from .detector.report import to_dict
 
-            record.append((RACES, [to_dict(r, detector.hb.stream_name, rank) for r in fresh]))
+            record.append((RACES, [to_dict(r, detector.hb.stream_name, rank) for r in fresh] + children))
+        if self.trace_path:
+            from .subprocesses import child_trace
+
+            record += [(TRACE, child_trace(pid, events)) for pid, events in child_traces]
         if report.when == "teardown" and self.trace_path:
             from .detector.trace import trace_events
 
             events = trace_events(detector.hb.timeline, races, detector.hb.stream_name, rank)
             record.append((TRACE, events))
-        self._judge(item, report, fresh, rank)
+        if report.when == "teardown":
+            self.children.end()
+            after, self.children.after[:] = list(self.children.after), []
+            if after:  # shipped on a report, so an xdist controller or launching parent sees them too
+                report.user_properties.append((AFTER, after))
+        self._judge(item, report, fresh, rank, children)
         return report
 
     @staticmethod
-    def _judge(item: pytest.Item, report: pytest.TestReport, fresh: list, rank: int | None) -> None:
+    def _judge(item: pytest.Item, report: pytest.TestReport, fresh: list, rank: int | None,
+               children: list[dict] = ()) -> None:
         expect = expected(item)
         if report.skipped:
             return
         if expect == "race":
-            if report.when == "call" and report.passed and not item.stash[_judged_key]:
+            if report.when == "call" and report.passed and not (item.stash[_judged_key] or
+                                                                item.stash.get(_children_key, 0)):
                 report.outcome = "failed"
                 report.longrepr = ("streamrace: expected a stream race (marker streamrace(expect='race')), "
                                    "but none was detected")
             return
-        if not fresh:
+        if not fresh and not children:
             return
         from .detector.report import format_races
 
-        text = format_races([(rank, r) for r in fresh], item.stash[_detector_key].hb.stream_name)
+        text = format_races([(rank, r) for r in fresh], item.stash[_detector_key].hb.stream_name) if fresh else ""
+        if children:  # races in processes the test started (issue 12)
+            from .subprocesses import format_children
+
+            text = "\n\n".join(t for t in (text, format_children(children)) if t)
         if report.failed:
             report.sections.append(("stream races", text))
         else:
@@ -161,22 +185,35 @@ class RaceChecks:
                 self.races.extend((report.nodeid, race) for race in value)
             elif key == TRACE:
                 self.traces.append((report.nodeid, value))
+            elif key == AFTER:
+                self.after.extend(value)
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.children.collect(None)  # what children wrote after the last test: all "after their test"
+        self.after += self.children.after
+        self.children.close()
         if not writes_session_files(self.config):
             return  # the xdist controller / the launching parent / torchrun rank 0 writes them
         if self.json_path:
             from .detector.report import SCHEMA_VERSION
 
             doc = {"version": SCHEMA_VERSION, "races": [{"test": nodeid, **race} for nodeid, race in self.races]}
+            doc["races"] += [dict(race, after_test=True) for race in self.after]
             with open(self.json_path, "w", encoding="utf-8") as f:
                 json.dump(doc, f, indent=1)
                 f.write("\n")
         if self.trace_path:
             from .detector.trace import write_trace
 
-            write_trace(self.trace_path, _one_process_per_test(self.traces))
+            write_trace(self.trace_path, _one_process_per_test(self.traces + self.children.after_traces))
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.after:
+            from .subprocesses import format_after
+
+            terminalreporter.write_sep("=", "streamrace: races in processes after their test had finished")
+            terminalreporter.write_line(format_after(self.after))
 
 
 def writes_session_files(config: pytest.Config) -> bool:
