@@ -10,8 +10,9 @@ same fork handler for children forked from itself, adopting the test's own detec
 
 Each race is written when it is judged — one JSON line appended with ``os.write`` to this process's own file
 ``<dir>/child-<pid>.jsonl`` — so a child that ``os._exit``s or is killed still delivers what was judged before. Every
-record names the test it belongs to: the test that was running when this process started (or was forked), read from
-the live file ``<dir>/current`` that the parent rewrites at each test's start; a multiprocessing pool worker works for
+record names the test it belongs to: the test that was running when this process started (from the variable, which
+the parent sets at each test's start) or was forked (from the live file ``<dir>/current``, which the parent rewrites
+at each test's start: a forkserver's environment is that of the test that started the server); a multiprocessing pool worker works for
 whichever test is running when it hands a task's result back, so its races name the test current when judged. The
 cuda backend judges captured ops in batches: a child drains them before ``os._exit``, at interpreter exit, before a
 multiprocessing queue hands a result back and before ``destroy_process_group``.
@@ -66,7 +67,7 @@ def start() -> None:
             return  # a rank of our own distributed marker: its pytest session runs the checks itself
         _state.config = config
         _state.pid = os.getpid()
-        _state.origin = live_test(config["dir"], config.get("test", ""))
+        _state.origin = str(config.get("test", ""))  # as when exec'd: the live file may have moved on already
         _watch()
         os.register_at_fork(after_in_child=_after_fork)
     except Exception:
