@@ -23,7 +23,6 @@ the child: what fails is dropped (a broken child file only loses that child's ra
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
@@ -32,7 +31,8 @@ CURRENT = "current"  # the live test file in the data folder: the nodeid of the 
 
 
 class _State:
-    config: dict | None = None
+    raw: str = ""  # the variable as this process started with it (parsed when first needed: json costs ms)
+    parsed: dict | None = None
     origin: str = ""  # the test running when this process started (or was forked)
     pid: int = 0
     fd: int | None = None
@@ -50,6 +50,8 @@ def config_from_env(environ=os.environ) -> dict | None:
     raw = environ.get(ENV, "")
     if raw in ("", "0"):
         return None
+    import json
+
     try:
         config = json.loads(raw)
     except ValueError:
@@ -57,17 +59,24 @@ def config_from_env(environ=os.environ) -> dict | None:
     return config if isinstance(config, dict) and config.get("dir") else None
 
 
+def _config() -> dict | None:
+    if _state.parsed is None and _state.raw:
+        _state.parsed = config_from_env({ENV: _state.raw}) or {}
+        if not _state.origin:  # as when exec'd: the live file may have moved on already
+            _state.origin = str(_state.parsed.get("test", ""))
+    return _state.parsed or None
+
+
 def start() -> None:
     """The ``.pth`` hook: arm the torch watcher and the fork handler (never raises)."""
     try:
-        config = config_from_env()
-        if config is None or _state.config is not None:
+        raw = os.environ.get(ENV, "")
+        if not raw.startswith("{") or _state.raw:
             return
         if os.environ.get("STREAMRACE_RANK_SPEC"):
             return  # a rank of our own distributed marker: its pytest session runs the checks itself
-        _state.config = config
+        _state.raw = raw
         _state.pid = os.getpid()
-        _state.origin = str(config.get("test", ""))  # as when exec'd: the live file may have moved on already
         _watch()
         os.register_at_fork(after_in_child=_after_fork)
     except Exception:
@@ -173,15 +182,15 @@ def _unwatch() -> None:
 
 
 def _activate() -> None:
-    if _state.detector is not None or _state.stood_down or _state.config is None:
+    if _state.detector is not None or _state.stood_down or os.environ.get("STREAMRACE_RANK_SPEC"):
         return
-    if os.environ.get("STREAMRACE_RANK_SPEC"):
+    config = _config()
+    if config is None:
         return
     from .detector import session
 
     if session.active() is not None:
         return  # someone in this process runs a detector already
-    config = _state.config
     detector = session.Detector(backend=config.get("backend", "virtual"), trace=bool(config.get("trace")))
     detector.__enter__()
     _state.owns_detector = True
@@ -192,7 +201,8 @@ def _activate() -> None:
 def adopt(detector, config: dict, origin: str) -> None:
     """In a child forked from the parent pytest process during a test: report the test's (inherited) detector's
     further races from here, as this child's own."""
-    _state.config = config
+    _state.parsed = config
+    _state.raw = "adopted"
     _state.origin = origin
     _state.pid = os.getpid()
     _state.fd = None
@@ -215,12 +225,15 @@ def _attach(detector) -> None:
 
 def _after_fork() -> None:
     """In a forked child: a process of its own, working for the test running now."""
-    if _state.config is None or _state.stood_down:
+    if not _state.raw or _state.stood_down:
+        return
+    config = _config()
+    if config is None:
         return
     _state.pid = os.getpid()
     _state.fd = None
     _state.trace_written = False
-    _state.origin = live_test(_state.config["dir"], _state.origin)
+    _state.origin = live_test(config["dir"], _state.origin)
     queues = sys.modules.get("multiprocessing.queues")
     if queues is not None:
         _patch_queues(queues)
@@ -258,15 +271,17 @@ def _owner() -> str:
     """The test this process's work belongs to now."""
     mp = sys.modules.get("multiprocessing")
     if mp is not None and "PoolWorker" in getattr(mp.current_process(), "name", ""):
-        return live_test(_state.config["dir"], "")
+        return live_test(_config()["dir"], "")
     return _state.origin
 
 
 def _write(record: dict) -> None:
     if _state.fd is None or _state.pid != os.getpid():
         _state.pid = os.getpid()
-        path = os.path.join(_state.config["dir"], f"child-{_state.pid}.jsonl")
+        path = os.path.join(_config()["dir"], f"child-{_state.pid}.jsonl")
         _state.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    import json
+
     os.write(_state.fd, (json.dumps(record) + "\n").encode())
 
 
@@ -285,7 +300,7 @@ def _finish() -> None:
     if detector is None or _state.stood_down:
         return
     _drain()
-    if not _state.config.get("trace") or _state.trace_written:
+    if not _config().get("trace") or _state.trace_written:
         return
     _state.trace_written = True
     try:
