@@ -41,6 +41,7 @@ class _State:
     exit_wrapped = False
     stood_down = False
     trace_written = False
+    rank: int | None = None  # the last rank the process group gave (it is gone after destroy_process_group)
 
 
 _state = _State()
@@ -233,6 +234,7 @@ def _after_fork() -> None:
     _state.pid = os.getpid()
     _state.fd = None
     _state.trace_written = False
+    _state.rank = None
     _state.origin = live_test(config["dir"], _state.origin)
     queues = sys.modules.get("multiprocessing.queues")
     if queues is not None:
@@ -257,9 +259,12 @@ def _rank() -> int | None:
     dist = sys.modules.get("torch.distributed")
     try:
         if dist is not None and dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
+            _state.rank = dist.get_rank()
+            return _state.rank
     except Exception:
         pass
+    if _state.rank is not None:
+        return _state.rank
     for name in ("RANK", "LOCAL_RANK"):
         value = os.environ.get(name, "")
         if value.isdigit():
@@ -350,6 +355,7 @@ def _patch_distributed() -> None:
         return
 
     def destroy_process_group(*args, **kwargs):
+        _rank()
         _drain()
         return destroy(*args, **kwargs)
 

@@ -161,7 +161,8 @@ def child_trace(pid, events: list) -> list:
     renamed = []
     for event in events:
         if event.get("name") == "process_name":
-            event = dict(event, args={"name": f"child pid {pid}, {event['args']['name']}"})
+            name = event["args"]["name"]
+            event = dict(event, args={"name": f"child pid {pid}" + (f", {name}" if name.startswith("rank") else "")})
         renamed.append(event)
     return renamed
 

@@ -219,9 +219,23 @@ def tmpdir_marker(monkeypatch):
 
 def test_multiprocess_test_case_racy_fails_clean_passes(pytester, tmpdir_marker):
     pytester.makepyfile(body=BODY, test_mptc=MULTIPROCESS_TEST_CASE)
-    result = pytester.runpytest_subprocess("--streamrace", "-rA", "-p", "no:cacheprovider")
+    result = pytester.runpytest_subprocess("--streamrace", "-rA", "-p", "no:cacheprovider", "--streamrace-trace",
+                                           "trace.json", "--streamrace-json", "races.json")
     result.assert_outcomes(passed=1, failed=1)
     assert _outcomes(result) == {"test_racy": "failed", "test_clean": "passed"}
+    races = json.loads((pytester.path / "races.json").read_text())["races"]
+    assert sorted((r["test"].split("::")[-1], r["rank"]) for r in races) == [("test_racy", 0), ("test_racy", 1)]
+    # a trace process per rank process, named after its test, its pid and its rank; the race's flow arrow in each
+    events = json.loads((pytester.path / "trace.json").read_text())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"}
+    children = {pid: name for pid, name in names.items() if "child pid" in name}
+    assert sorted(name.split("::")[-1].split(" (")[0] for name in children.values()) == \
+        ["test_clean", "test_clean", "test_racy", "test_racy"]
+    assert sorted(name.rsplit(", ", 1)[-1] for name in children.values()) == ["rank 0)", "rank 0)", "rank 1)",
+                                                                             "rank 1)"]
+    racy = {pid for pid, name in children.items() if "test_racy" in name}
+    assert {e["pid"] for e in events if e.get("cat") == "race"} == racy
+    assert any(e.get("name") == "aten::mul_" and e["pid"] in racy for e in events)
     result.stdout.fnmatch_lines([
         "*_ TestRanks.test_racy _*",
         "1 stream race (unordered cross-stream accesses; deduplicated by location pair)",
