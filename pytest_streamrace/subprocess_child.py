@@ -188,6 +188,29 @@ def _activate() -> None:
     config = _config()
     if config is None:
         return
+    _patch_distributed()
+    if config.get("backend") == "cuda":
+        # Not before the child initializes CUDA itself: the backend asks for the current device's default stream,
+        # and a context made now would pin the device before the child's set_device / CUDA_VISIBLE_DEVICES and
+        # break children that fork later. Ops before CUDA is initialized are CPU ops, which this backend ignores.
+        import torch
+
+        if not torch.cuda.is_initialized():
+            torch.cuda._lazy_call(_start_quietly)
+            return
+    _start_detector(config)
+
+
+def _start_quietly() -> None:
+    try:  # runs inside torch.cuda's lazy initialization: an exception here would fail the child's first CUDA call
+        _start_detector(_config())
+    except Exception:
+        pass
+
+
+def _start_detector(config: dict) -> None:
+    if _state.detector is not None or _state.stood_down:
+        return
     from .detector import session
 
     if session.active() is not None:
@@ -196,7 +219,6 @@ def _activate() -> None:
     detector.__enter__()
     _state.owns_detector = True
     _attach(detector)
-    _patch_distributed()
 
 
 def adopt(detector, config: dict, origin: str) -> None:

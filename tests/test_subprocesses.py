@@ -347,3 +347,29 @@ def test_probe():
 def test_without_streamrace_a_child_is_untouched(pytester, tmpdir_marker):
     pytester.makepyfile(test_off=OFF)
     pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+CUDA_CHILD = """
+import torch
+from pytest_streamrace import subprocess_child
+from pytest_streamrace.detector import session
+assert not torch.cuda.is_initialized()
+assert session.active() is None, "the cuda backend started before the child initialized CUDA"
+assert [call for call, _ in torch.cuda._queued_calls if call is subprocess_child._start_quietly]
+print("waits for CUDA")
+"""
+
+
+def test_cuda_backend_starts_in_a_child_only_when_it_initializes_cuda(tmp_path):
+    """A child on the cuda backend must not make a CUDA context at `import torch` (it would pin the device before the
+    child's set_device and break children that fork later): the detector starts from CUDA's lazy initialization."""
+    import subprocess
+    import sys
+
+    from pytest_streamrace import subprocesses
+
+    assert subprocesses.install_pth() is None
+    env = {**os.environ, "STREAMRACE_SUBPROCESS": json.dumps({"dir": str(tmp_path), "backend": "cuda", "test": "t"})}
+    out = subprocess.run([sys.executable, "-c", CUDA_CHILD], env=env, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "waits for CUDA"
