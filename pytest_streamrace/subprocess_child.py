@@ -296,8 +296,7 @@ def _rank() -> int | None:
 
 def _owner() -> str:
     """The test this process's work belongs to now."""
-    mp = sys.modules.get("multiprocessing")
-    if mp is not None and "PoolWorker" in getattr(mp.current_process(), "name", ""):
+    if _is_pool_worker():
         return live_test(_config()["dir"], "")
     return _state.origin
 
@@ -319,6 +318,23 @@ def _drain() -> None:
             detector.tracker.drain()
         except Exception:
             pass
+
+
+def _task_done() -> None:
+    """A multiprocessing queue hands something back: judge what is pending; a pool worker's next task may be another
+    test's, whose races must be reported even where they repeat this one's."""
+    _drain()
+    detector = _state.detector
+    if detector is not None and _is_pool_worker():
+        try:
+            detector.hb.forget_races()
+        except Exception:
+            pass
+
+
+def _is_pool_worker() -> bool:
+    mp = sys.modules.get("multiprocessing")
+    return mp is not None and "PoolWorker" in getattr(mp.current_process(), "name", "")
 
 
 def _finish() -> None:
@@ -362,7 +378,7 @@ def _patch_queues(module) -> None:
     original = simple.put
 
     def put(self, obj):
-        _drain()
+        _task_done()
         return original(self, obj)
 
     put._streamrace = True

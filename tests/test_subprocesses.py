@@ -133,6 +133,9 @@ def test_pool_first_clean():
     assert _pool.map(pool_task, [False, False]) == [192.0, 192.0]
 
 def test_pool_second_racy():
+    _pool.map(pool_task, [True, True])
+
+def test_pool_third_racy_the_same_way():
     try:
         _pool.map(pool_task, [True, True])
     finally:
@@ -164,6 +167,7 @@ KINDS_OUTCOMES = {
     "test_spawn_racy": "failed", "test_spawn_clean": "passed", "test_fork_racy": "failed",
     "test_subprocess_racy": "failed", "test_subprocess_clean": "passed", "test_subprocess_opted_out": "passed",
     "test_os_exit_after_race": "failed", "test_pool_first_clean": "passed", "test_pool_second_racy": "failed",
+    "test_pool_third_racy_the_same_way": "failed",
     "test_outlived_by_its_child": "passed", "test_next_one_runs_while_it_races": "passed",
 }
 
@@ -262,10 +266,14 @@ def _check_kinds(pytester, result) -> None:
         by_test.setdefault(race["test"].split("::")[-1], []).append(race)
     assert sorted(by_test) == sorted(["test_spawn_racy", "test_fork_racy", "test_subprocess_racy",
                                       "test_os_exit_after_race", "test_pool_second_racy",
-                                      "test_outlived_by_its_child"])
+                                      "test_pool_third_racy_the_same_way", "test_outlived_by_its_child"])
     assert sorted(r["rank"] for r in by_test["test_spawn_racy"]) == [0, 1]
-    assert len(by_test["test_pool_second_racy"]) == 2  # one per worker; the first pool test had none
-    assert len({r["pid"] for r in by_test["test_pool_second_racy"]}) == 2
+    # the first pool test had none; the same 2 workers racing the same way in the next two tests report each time
+    # (once per worker that ran a task: the pool may hand both tasks to one worker)
+    second, third = by_test["test_pool_second_racy"], by_test["test_pool_third_racy_the_same_way"]
+    assert 1 <= len(second) == len({r["pid"] for r in second}) <= 2
+    assert 1 <= len(third) == len({r["pid"] for r in third}) <= 2
+    assert len({r["pid"] for r in second + third}) <= 2
     late = by_test["test_outlived_by_its_child"]
     assert [r.get("after_test") for r in late] == [True]
     assert all(not r.get("after_test") for name, races in by_test.items() if name != "test_outlived_by_its_child"
