@@ -79,6 +79,11 @@ class RaceChecks:
         self.children = Children(backend, bool(self.trace_path))
         self.after: list[dict] = []  # children's races judged after their test had finished
 
+    def pytest_report_header(self, config: pytest.Config) -> list[str]:
+        if self.children.problem:
+            return [f"streamrace: children started by exec are not followed: {self.children.problem}"]
+        return []
+
     # running
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
