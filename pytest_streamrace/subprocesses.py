@@ -11,6 +11,11 @@ test" section of the terminal summary and to ``--streamrace-json`` with ``"after
 The start-up hook is a ``.pth`` file written into this interpreter's site-packages at session start when missing
 (it is one line that checks the variable, so it costs nothing otherwise; it stays for later sessions). Where that
 folder is not writable, children started by exec are not followed and the header says so; forked children are.
+
+Limits: a child started with another interpreter (a different venv), with an environment that drops the variable, or
+with ``python -S`` is not followed. Under xdist, races a worker's children judge after that worker's last test cannot
+travel to the controller (no report is left to carry them) and are dropped. A child's trace is written when it exits
+(``os._exit`` and interpreter exit included, not SIGKILL) and goes with the test it belongs to then.
 """
 
 from __future__ import annotations
