@@ -42,6 +42,7 @@ class _State:
     stood_down = False
     trace_written = False
     rank: int | None = None  # the last rank the process group gave (it is gone after destroy_process_group)
+    reported: set = set()  # (test, race key) written: a pool worker forgets races between tasks, not per test
 
 
 _state = _State()
@@ -229,6 +230,7 @@ def adopt(detector, config: dict, origin: str) -> None:
     _state.origin = origin
     _state.pid = os.getpid()
     _state.fd = None
+    _state.reported = set()
     _state.owns_detector = False
     _attach(detector)
     queues = sys.modules.get("multiprocessing.queues")
@@ -257,6 +259,7 @@ def _after_fork() -> None:
     _state.fd = None
     _state.trace_written = False
     _state.rank = None
+    _state.reported = set()
     _state.origin = live_test(config["dir"], _state.origin)
     queues = sys.modules.get("multiprocessing.queues")
     if queues is not None:
@@ -271,6 +274,9 @@ def _on_race(races) -> None:
         rank = _rank()
         test = _owner()
         for race in races:
+            if (test, race.key()) in _state.reported:
+                continue  # a pool worker's earlier task for the same test reported it already
+            _state.reported.add((test, race.key()))
             _write({"kind": "race", "test": test, "rank": rank, "pid": os.getpid(),
                     "race": to_dict(race, detector.hb.stream_name, rank)})
     except Exception:
