@@ -4,12 +4,14 @@ The detector is active from the test's setup to the end of its teardown, so fixt
 CPU-only machines the virtual torch.cuda API is there for them). Races are judged with the call phase; ones that only
 appear in teardown fail the teardown. Each report carries its races as JSON in ``user_properties``, which is how they
 travel from xdist workers and rank processes to the process that writes ``--streamrace-json`` and
-``--streamrace-trace``.
+``--streamrace-trace``. Which races fail a test is the adoption levers' call (``levers``: suppressions, a baseline,
+report-only), made here in every process that runs tests; the process that writes the files also prints the tally.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -26,6 +28,7 @@ MARKER = ("streamrace(expect='race'|'clean'): assert that the test's streams rac
 _detector_key = pytest.StashKey()
 _judged_key = pytest.StashKey()
 _children_key = pytest.StashKey()  # races of the processes the test started, judged so far
+_statuses_key = pytest.StashKey[list]()  # levers status of each race judged so far, in detector order
 
 
 def resolve_backend(config: pytest.Config) -> str:
@@ -74,6 +77,7 @@ class RaceChecks:
         self.trace_path = options.get(config, "streamrace_trace")
         self.races: list[tuple[str, dict]] = []  # (nodeid, race dict)
         self.traces: list[tuple[str, list]] = []  # (nodeid, events)
+        self.levers = self.tally = None  # at session start (`--help` configures, and starts no session)
         from .subprocesses import Children  # the processes each test starts (issue 12)
 
         self.children = Children(backend, bool(self.trace_path))
@@ -87,6 +91,13 @@ class RaceChecks:
     # running
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
+        from . import levers
+
+        try:
+            self.levers = levers.load(self.config)  # checked at the command line already (exit 2 there)
+        except levers.BadInput as exc:
+            raise pytest.UsageError(f"streamrace: {exc}") from None
+        self.tally = levers.Tally(self.levers)
         if self.backend == "cuda":  # build (or load) the op capture once, before any test's clock starts
             from .detector import capture
 
@@ -102,6 +113,7 @@ class RaceChecks:
         detector.__enter__()
         item.stash[_detector_key] = detector
         item.stash[_judged_key] = 0
+        item.stash[_statuses_key] = []
         return (yield)
 
     @pytest.hookimpl(wrapper=True)
@@ -123,17 +135,29 @@ class RaceChecks:
         races = detector.races
         judged = item.stash[_judged_key]
         fresh = races[judged:]
+        item.stash[_judged_key] = len(races)
         rank = process_rank()
         children, child_traces = self.children.collect(item.nodeid)
-        item.stash[_judged_key] = len(races)
         item.stash[_children_key] = item.stash.get(_children_key, 0) + len(children)
         # Recorded on the item, so the teardown report — the one collected, here and in a launching parent —
         # carries every phase's; the teardown report itself is already built, so it gets its own directly.
         record = report.user_properties if report.when == "teardown" else item.user_properties
+        statuses = item.stash[_statuses_key]
+        failing = []
+        failing_children = []
         if fresh or children:
             from .detector.report import to_dict
 
-            record.append((RACES, [to_dict(r, detector.hb.stream_name, rank) for r in fresh] + children))
+            dicts = [to_dict(r, detector.hb.stream_name, rank) for r in fresh]
+            for race, data in zip(fresh, dicts):
+                status = self.levers.classify(item.nodeid, data, expected(item) == "race")
+                statuses.append(status)
+                if self.levers.fails(status):
+                    failing.append(race)
+            for data in children:  # races in processes the test started (issue 12)
+                if self.levers.fails(self.levers.classify(item.nodeid, data, expected(item) == "race")):
+                    failing_children.append(data)
+            record.append((RACES, dicts + children))
         if self.trace_path:
             from .subprocesses import child_trace
 
@@ -141,19 +165,22 @@ class RaceChecks:
         if report.when == "teardown" and self.trace_path:
             from .detector.trace import trace_events
 
-            events = trace_events(detector.hb.timeline, races, detector.hb.stream_name, rank)
+            events = trace_events(detector.hb.timeline, races, detector.hb.stream_name, rank, statuses)
             record.append((TRACE, events))
         if report.when == "teardown":
             self.children.end()
             after, self.children.after[:] = list(self.children.after), []
             if after:  # shipped on a report, so an xdist controller or launching parent sees them too
                 report.user_properties.append((AFTER, after))
-        self._judge(item, report, fresh, rank, children)
+        quiet = len(fresh) - len(failing) + len(children) - len(failing_children)
+        self._judge(item, report, failing, rank, quiet, failing_children)
         return report
 
     @staticmethod
-    def _judge(item: pytest.Item, report: pytest.TestReport, fresh: list, rank: int | None,
+    def _judge(item: pytest.Item, report: pytest.TestReport, fresh: list, rank: int | None, quiet: int = 0,
                children: list[dict] = ()) -> None:
+        """`fresh`: this phase's races that fail the test; `children`: those of processes the test started (race
+        dicts) that fail it; `quiet`: how many others it had (suppressed, in the baseline, report-only)."""
         expect = expected(item)
         if report.skipped:
             return
@@ -169,10 +196,13 @@ class RaceChecks:
         from .detector.report import format_races
 
         text = format_races([(rank, r) for r in fresh], item.stash[_detector_key].hb.stream_name) if fresh else ""
-        if children:  # races in processes the test started (issue 12)
+        if children:
             from .subprocesses import format_children
 
             text = "\n\n".join(t for t in (text, format_children(children)) if t)
+        if quiet:
+            text += (f"\n\n(and {quiet} more race{'s' if quiet > 1 else ''} that fail nothing: suppressed, in the "
+                     "baseline — see the streamrace summary)")
         if report.failed:
             report.sections.append(("stream races", text))
         else:
@@ -181,17 +211,25 @@ class RaceChecks:
 
     # collecting, where the session's files are written
 
-    @pytest.hookimpl
+    @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         if report.when != "teardown":
+            self.tally.add(report, [])
             return  # the teardown report carries every phase's records
+        races = []
         for key, value in report.user_properties:
             if key == RACES:
-                self.races.extend((report.nodeid, race) for race in value)
+                races += value
             elif key == TRACE:
                 self.traces.append((report.nodeid, value))
             elif key == AFTER:
                 self.after.extend(value)
+        self.races.extend((report.nodeid, race) for race in races)
+        found = self.tally.add(report, races)
+        if writes_session_files(self.config):
+            # The end of the records' journey: junit XML (which writes every user property) gets their count.
+            report.user_properties[:] = [(k, v) for k, v in report.user_properties if k != RACES]
+            report.user_properties.append((RACES, found))
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
@@ -212,13 +250,36 @@ class RaceChecks:
             from .detector.trace import write_trace
 
             write_trace(self.trace_path, _one_process_per_test(self.traces + self.children.after_traces))
+        if self.levers.update:
+            self.tally.write_baseline()
 
+    @pytest.hookimpl(trylast=True)
     def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.tally is None or not writes_session_files(self.config):
+            return
+        if os.environ.get("GITHUB_ACTIONS") == "true":
+            for line in self.tally.annotations():
+                terminalreporter.write_line(line)
+        terminalreporter.section("streamrace")
+        for line in self.tally.summary():
+            terminalreporter.line(line)
         if self.after:
             from .subprocesses import format_after
 
             terminalreporter.write_sep("=", "streamrace: races in processes after their test had finished")
             terminalreporter.write_line(format_after(self.after))
+
+
+def races_in(reports) -> list[dict]:
+    """The race dicts a test's reports carry (the teardown report has every phase's)."""
+    return [race for r in reports if r.when == "teardown" for k, v in r.user_properties if k == RACES for race in v]
+
+
+def add_races(reports, races: list[dict]) -> None:
+    """Give the test's teardown report more races (another torchrun rank's, to rank 0)."""
+    for r in reports:
+        if r.when == "teardown" and races:
+            r.user_properties.append((RACES, races))
 
 
 def writes_session_files(config: pytest.Config) -> bool:

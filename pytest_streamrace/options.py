@@ -16,12 +16,13 @@ class Setting:
     name: str  # ini key; the option is --streamrace-<name> (or --streamrace for "streamrace")
     help: str
     default: Any = None
-    kind: str = "string"  # "bool" | "string" | "float" | "int" | "choice"
+    kind: str = "string"  # "bool" | "string" | "float" | "int" | "choice" | "path" | "paths"
     choices: tuple = ()
+    option: str = ""  # the flag, where it is not the ini key's name
 
     @property
     def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
+        return self.option or "--" + self.name.replace("_", "-")
 
 
 SETTINGS = (
@@ -38,6 +39,16 @@ SETTINGS = (
             "stream slow in turn, then seeded random ones) and report which schedules failed", None, "int"),
     Setting("streamrace_nondefault_stream", "run each test body on a fresh non-default stream (needs a GPU or "
             "--streamrace)", False, "bool"),
+    # adopting --streamrace in an existing suite (docs/adopting.md)
+    Setting("streamrace_suppressions", "suppression file: races matching one of its rules (KEY:GLOB terms; keys "
+            "kind, file, function, tensor) do not fail tests; repeatable, adds to the ini's files (ini paths are "
+            "relative to the rootdir, one a line)", None, "paths", option="--streamrace-suppress"),
+    Setting("streamrace_baseline", "baseline file: races whose signature (test, kind, both accesses' function and "
+            "op) it lists are reported but do not fail; new ones fail", None, "path"),
+    Setting("streamrace_baseline_update", "rewrite the --streamrace-baseline file with this session's races "
+            "(no test fails because of a race)", False, "bool"),
+    Setting("streamrace_report_only", "report every race (summary, JSON, trace) but fail no test because of one",
+            False, "bool"),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 
@@ -74,6 +85,12 @@ def register(parser: pytest.Parser) -> None:
             parser.addini(s.name, s.help, type="bool", default=s.default)
             continue
         kwargs = {"dest": s.name, "default": None, "help": s.help}
+        if s.kind == "paths":
+            group.addoption(s.flag, action="append", metavar="FILE", **kwargs)
+            parser.addini(s.name, s.help, type="linelist", default=[])
+            continue
+        if s.kind == "path":
+            kwargs["metavar"] = "FILE"
         if s.kind == "choice":
             kwargs["choices"] = s.choices
         elif s.kind == "float":
@@ -88,6 +105,8 @@ def get(config: pytest.Config, name: str) -> Any:
     """The effective value of a setting: command line, else ini, else default. Bad ini values exit with a usage error."""
     s = _BY_NAME[name]
     value = config.getoption(s.name)
+    if s.kind in ("path", "paths"):
+        return _paths(config, s, value)
     if value is not None:
         return value
     raw = config.getini(s.name)
@@ -108,3 +127,23 @@ def get(config: pytest.Config, name: str) -> Any:
         except Exception as exc:
             raise pytest.UsageError(f"ini {s.name}: {exc}") from None
     return raw
+
+
+def _paths(config: pytest.Config, s: Setting, value) -> Any:
+    """Absolute paths: the command line's relative to the invocation directory, the ini's to the rootdir. For
+    "paths", the ini's files then the command line's."""
+    import os
+
+    def on_command_line(p: str) -> str:
+        return os.path.normpath(os.path.join(str(config.invocation_params.dir), p))
+
+    def in_ini(p: str) -> str:
+        return os.path.normpath(os.path.join(str(config.rootpath), p))
+
+    if s.kind == "path":
+        if value is not None:
+            return on_command_line(value)
+        raw = config.getini(s.name)
+        return in_ini(raw) if raw else None
+    out = [in_ini(p) for p in config.getini(s.name)] + [on_command_line(p) for p in value or ()]
+    return list(dict.fromkeys(out))

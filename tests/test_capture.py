@@ -51,6 +51,7 @@ def _program(keep: list) -> None:
         keep += [loss, *(p.grad for p in model.parameters())]
     keep.append(torch.cat([x, x.t().contiguous().t()]).sum())  # a strided read
     keep.append(x[1:3].mul_(2))  # a write to a slice
+    x.data.copy_(x.data)  # onto itself: ATen launches nothing, so no access either way
 
 
 def _ops(captured: bool, extension=None) -> list[tuple]:
@@ -113,14 +114,16 @@ def test_c10d_ops_are_handed_to_python_on_the_issuing_thread(extension, tmp_path
     try:
         handed = []
         with capturing(extension) as (_, tracker):
-            tracker.namespace_handlers["c10d"] = lambda func, args, kwargs, out: handed.append(
-                (func.name(), [a for a in args if isinstance(a, list)], out))
+            tracker.namespace_handlers["c10d"] = lambda func, args, kwargs, out, phase: handed.append(
+                (phase, func.name(), [a for a in args if isinstance(a, list)], out))
             t = torch.ones(4)
             work = dist.all_reduce(t, async_op=True)
             work.wait()
-        (call,) = handed
-        assert call[0] == "c10d::allreduce_"
-        assert call[1] and call[1][0][0] is t  # the caller's own tensor, not a copy
+        # before it runs (nothing returned yet), then as it returns (with its Work)
+        assert [(phase, name, out is None) for phase, name, _, out in handed] == [
+            ("start", "c10d::allreduce_", True), ("end", "c10d::allreduce_", False)]
+        for _, _, lists, _ in handed:
+            assert lists and lists[0][0] is t  # the caller's own tensor, not a copy
     finally:
         dist.destroy_process_group()
 

@@ -29,8 +29,14 @@ def test_cuda_devices_land_on_cpu_inside_and_nothing_changes_outside(virtual):
                 torch.zeros(2).to(0), torch.zeros(2).new_zeros(3, device="cuda")]
         assert [t.device.type for t in made] == ["cpu"] * len(made)
         assert torch.zeros(2, device="meta").device.type == "meta"  # other devices are left alone
+        # megatron's optimizers take parameters by their CUDA type name; conversions by name are untouched
+        assert [torch.zeros(1, dtype=d).type() for d in (torch.float32, torch.bfloat16, torch.float16)] == [
+            "torch.cuda.FloatTensor", "torch.cuda.BFloat16Tensor", "torch.cuda.HalfTensor"]
+        assert torch.zeros(1).type(torch.float64).dtype == torch.float64
+        assert torch.zeros(1).type("torch.DoubleTensor").type() == "torch.cuda.DoubleTensor"
         assert isinstance(torch.cuda.Stream(device=torch.cuda.current_device()), VirtualStream)
     assert torch.cuda.current_device is current_device
+    assert torch.zeros(1).type() == "torch.FloatTensor"
     if not torch.cuda.is_available():  # CUDA devices are CUDA again: on a CPU build, an error
         with pytest.raises((RuntimeError, AssertionError), match="CUDA"):
             torch.zeros(1, device="cuda")

@@ -81,6 +81,21 @@ def test_out_arguments_and_in_place_ops_are_writes_inputs_are_reads():
         ("write-after-read", line("read-a"), line("inplace-write"))]
 
 
+def test_a_copy_onto_the_same_bytes_is_no_access():
+    """``p.data.copy_(p.data)`` (DeepSpeed ZeRO-3's master-weight copy when the weights are fp32 already) returns
+    before launching anything; a copy between different bytes is a write."""
+    x, y = torch.zeros(4), torch.ones(4)
+    with Detector() as d:
+        s = side_stream()
+        with torch.cuda.stream(s):
+            x.data.copy_(x.data)
+            x[2:].copy_(x[:2])  # copy-write
+        x.sum()  # copy-read
+        y.sum()
+    assert [(r.kind, r.earlier.op.site.frames[0][1], r.later.op.site.frames[0][1]) for r in d.races] == [
+        ("read-after-write", line("copy-write"), line("copy-read"))]
+
+
 def test_tensor_lists_are_read_and_written():
     xs = [torch.zeros(4), torch.zeros(4)]
     with Detector() as d:

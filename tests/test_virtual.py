@@ -405,11 +405,51 @@ def test_stream_names_and_events():
         assert d.hb.stream_name(torch.cuda.default_stream()) == "default stream"
         assert isinstance(s, torch.cuda.Stream) and isinstance(torch.cuda.Event(), torch.cuda.Event)
         assert d.current_stream() is torch.cuda.current_stream() is torch.cuda.default_stream()
-        with pytest.raises(RuntimeError, match="elapsed_time is not modelled"):
+        with pytest.raises(RuntimeError, match="Both events must be recorded"):
             torch.cuda.Event(enable_timing=True).elapsed_time(torch.cuda.Event())
         with pytest.raises(TypeError, match="expected a torch.cuda.Stream"):
             s.wait_stream("default")
         assert streamrace_device() == torch.device("cpu")
+
+
+def test_elapsed_time_is_host_time_and_orders_the_host_after_both_events():
+    """As on CUDA, elapsed_time answers only once both events completed: timing code (DeepSpeed's timers) that reads
+    it has learnt that the work before the end event is done."""
+    x = torch.zeros(4)
+    with Detector() as d:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s = torch.cuda.Stream()
+        with torch.cuda.stream(s):
+            start.record()
+            x.add_(1)
+            end.record()
+        assert start.elapsed_time(end) >= 0.0
+        x.sum()  # ordered: the host learnt that end completed
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            x.add_(1)  # timed-write
+        x.sum()  # untimed-read
+    assert [(r.kind, r.earlier.op.site.frames[0][1], r.later.op.site.frames[0][1]) for r in d.races] == [
+        ("read-after-write", line("timed-write"), line("untimed-read"))]
+
+
+def test_reading_a_value_back_orders_the_host_after_its_stream():
+    """``.item()`` of a device tensor waits for the stream that computed it (CUDA copies the value out and
+    synchronizes): whatever the host launches next, on any stream, comes after that stream's work so far."""
+    x, flag = torch.zeros(4), torch.zeros(1)
+    with Detector() as d:
+        s = torch.cuda.Stream()
+        x.add_(1)
+        flag.add_(1)
+        assert flag.item() == 1.0  # the host waits for the default stream here
+        with torch.cuda.stream(s):
+            x.sum()  # ordered by the item() above
+        torch.cuda.current_stream().wait_stream(s)
+        x.mul_(2)  # unsynced-write
+        with torch.cuda.stream(s):
+            x.sum()  # unsynced-read
+    assert [(r.kind, r.earlier.op.site.frames[0][1], r.later.op.site.frames[0][1]) for r in d.races] == [
+        ("read-after-write", line("unsynced-write"), line("unsynced-read"))]
 
 
 def test_module_names_reach_the_race():

@@ -8,8 +8,9 @@ outputs, the current stream, whether it runs inside an autograd node, and the Py
 later). Which arguments are read or written is the tracker's own plan (``tracker._plan``), asked once per op.
 
 The tracker drains the records in order at every point where order matters (stream and event calls, frees, waits,
-reading races); frees arrive as markers in the same buffer. c10d ops are handed to Python at once, on the issuing
-thread, as the dispatch mode did: their model needs the process group, the Work object and the stream of that moment.
+reading races); frees arrive as markers in the same buffer. c10d ops are handed to Python on the issuing thread, as
+the dispatch mode did (their model needs the process group, the Work object and the stream of that moment), twice:
+before they run, and as they return. ``x.copy_(y)`` of a view onto the same bytes launches nothing and is no access.
 
 Built on first use with torch's C++ extension loader (a compiler is needed; about 20-40 s, cached).
 """
@@ -53,8 +54,8 @@ struct Record {
 };
 
 // What to do with an op, decided once (by the tracker's plan) per op overload.
-struct Plan { bool below_autograd = false, record = false, handoff = false, fresh = false, writes_output = false;
-              std::vector<std::pair<size_t, bool>> args; };
+struct Plan { bool below_autograd = false, record = false, handoff = false, fresh = false, writes_output = false,
+                   copy = false; std::vector<std::pair<size_t, bool>> args; };
 struct Pending : at::ObserverContext { Record record; const Plan* plan; std::vector<c10::IValue> inputs; };
 
 std::mutex mutex;  // records and plans
@@ -92,6 +93,7 @@ const Plan* plan_for(const at::RecordFunction& fn) {
   Plan plan;
   auto op = c10::Dispatcher::singleton().findOp(*name);
   plan.below_autograd = op && reaches_kernel(*op);
+  plan.copy = name->name == "aten::copy_";
   if (plan.below_autograd) {
     py::gil_scoped_acquire gil;
     if (plan_fn == nullptr) return nullptr;
@@ -152,16 +154,53 @@ bool on_subclass(const at::RecordFunction& fn) {
   return false;
 }
 
+// x.copy_(y) where both are views of the same bytes: ATen returns before launching anything (no access).
+bool copies_onto_itself(const at::RecordFunction& fn) {
+  auto inputs = fn.inputs();
+  if (inputs.size() < 2 || !inputs[0].isTensor() || !inputs[1].isTensor()) return false;
+  const auto& a = inputs[0].toTensor();
+  const auto& b = inputs[1].toTensor();
+  return a.defined() && b.defined() && a.is_alias_of(b) && a.storage_offset() == b.storage_offset() &&
+         a.sizes().equals(b.sizes()) && a.strides().equals(b.strides()) && a.scalar_type() == b.scalar_type() &&
+         a.is_conj() == b.is_conj() && a.is_neg() == b.is_neg();
+}
+
+// A c10d op to the Python model, on the issuing thread: at "start" (before it runs; `out` is None) and at "end".
+void hand_over(const at::RecordFunction& fn, const std::vector<c10::IValue>& inputs, const char* phase) {
+  if (!on.load()) return;
+  py::gil_scoped_acquire gil;
+  py::tuple args(inputs.size());
+  for (size_t i = 0; i < inputs.size(); ++i) args[i] = torch::jit::toPyObject(inputs[i]);
+  py::object out = py::none();
+  if (phase[0] == 'e') {
+    auto outputs = fn.outputs();
+    if (outputs.size() == 1) out = torch::jit::toPyObject(outputs[0]);
+    else {
+      py::tuple t(outputs.size());
+      for (size_t i = 0; i < outputs.size(); ++i) t[i] = torch::jit::toPyObject(outputs[i]);
+      out = t;
+    }
+  }
+  auto name = fn.operator_name();
+  try {
+    if (handoff_fn != nullptr) (*handoff_fn)(name->name, name->overload_name, args, out, phase);
+  } catch (py::error_already_set& error) {  // printed as Python does for errors it cannot raise
+    error.discard_as_unraisable("streamrace: modelling a collective");
+  }
+}
+
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (depth > 0 || !on.load()) return nullptr;
   const Plan* plan = plan_for(fn);
   if (plan == nullptr || !plan->below_autograd || on_subclass(fn)) return nullptr;
+  if (plan->copy && copies_onto_itself(fn)) return nullptr;
   ++depth;
   auto pending = std::make_unique<Pending>();
   pending->plan = plan;
   if (plan->handoff) {
     auto inputs = fn.inputs();
     pending->inputs.assign(inputs.begin(), inputs.end());
+    hand_over(fn, pending->inputs, "start");
   }
   if (plan->record) {
     Record& r = pending->record;
@@ -185,25 +224,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
   auto* pending = static_cast<Pending*>(context);
   const Plan* plan = pending->plan;
   if (plan->handoff) {
-    const auto& inputs = pending->inputs;
-    if (!on.load()) return;
-    py::gil_scoped_acquire gil;
-    py::tuple args(inputs.size());
-    for (size_t i = 0; i < inputs.size(); ++i) args[i] = torch::jit::toPyObject(inputs[i]);
-    auto outputs = fn.outputs();
-    py::object out;
-    if (outputs.size() == 1) out = torch::jit::toPyObject(outputs[0]);
-    else {
-      py::tuple t(outputs.size());
-      for (size_t i = 0; i < outputs.size(); ++i) t[i] = torch::jit::toPyObject(outputs[i]);
-      out = t;
-    }
-    auto name = fn.operator_name();
-    try {
-      if (handoff_fn != nullptr) (*handoff_fn)(name->name, name->overload_name, args, out);
-    } catch (py::error_already_set& error) {  // printed as Python does for errors it cannot raise
-      error.discard_as_unraisable("streamrace: modelling a collective");
-    }
+    hand_over(fn, pending->inputs, "end");
     return;
   }
   if (!plan->record) return;

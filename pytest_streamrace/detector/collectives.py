@@ -136,10 +136,19 @@ class Collectives:
 
     # what happens at dispatch
 
-    def on_op(self, func, args, kwargs, out) -> None:
-        """One c10d op has been issued by the current thread: model it on its communication stream."""
+    def on_op(self, func, args, kwargs, out, phase: str = "once") -> None:
+        """One c10d op issued by the current thread: model it on its communication stream.
+
+        The C++ capture hands each op over twice: before it runs ("start") and as it returns ("end"); the dispatch
+        mode once, after it ran ("once"). A collective torch's C++ issues is modelled before it runs: the events the
+        backend records inside it (ProcessGroupNCCL's stream waiting on the issuing one, the work's future completed
+        on its stream) then carry it to whatever stream waits on them — a C++ then-callback's stream, say. Python's
+        are modelled as they return, with the Work its wait() will name."""
         from torch._C._distributed_c10d import ProcessGroup, Work
 
+        python = getattr(self._python, "depth", 0) > 0
+        if phase == ("end" if not python else "start"):
+            return
         plan = self._plans.get(func)
         if plan is None:
             plan = self._plans[func] = _Plan(func)
@@ -155,7 +164,7 @@ class Collectives:
         self.hb.wait_stream(comm, current)
         reads, writes = plan.accesses(args, group_rank)
         self.tracker.run(plan.name, comm, reads, writes)
-        if plan.synchronous(args) or not getattr(self._python, "depth", 0):
+        if plan.synchronous(args) or not python:
             self.hb.wait_stream(current, comm)
         work = None
         if plan.work is not None:

@@ -24,8 +24,9 @@ def _ts(op: Op) -> int:
 
 
 def trace_events(timeline: Sequence[Op], races: Iterable[Race], stream_name: Callable[[object], str] = str,
-                 rank: int | None = None) -> list[dict]:
-    """Chrome trace events of one process: its ops (``HappensBefore(trace=True).timeline``) and its races."""
+                 rank: int | None = None, statuses: Sequence[str] = ()) -> list[dict]:
+    """Chrome trace events of one process: its ops (``HappensBefore(trace=True).timeline``) and its races.
+    `statuses`: each race's status (``levers``); races not "new" are marked with theirs."""
     pid = rank if rank is not None else 0
     events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
                "args": {"name": f"rank {rank}" if rank is not None else "pytest"}}]
@@ -51,9 +52,12 @@ def trace_events(timeline: Sequence[Op], races: Iterable[Race], stream_name: Cal
         if first is None or second is None:
             continue  # the race's ops are not in this timeline
         what = f"{race.kind} on {race.later.tensor.name or 'tensor'}"
+        status = statuses[flow_id - 1] if flow_id <= len(statuses) else "new"
+        mark = "" if status == "new" else f" ({status})"
+        what += mark
         for end, other in ((first, second), (second, first)):
             end["args"].setdefault("races", []).append(f"{what} with {other['args']['location']}")
-        common = {"cat": "race", "name": race.kind, "pid": pid, "id": flow_id}
+        common = {"cat": "race", "name": race.kind + mark, "pid": pid, "id": flow_id}
         events.append({**common, "ph": "s", "tid": first["tid"], "ts": first["ts"] + DUR // 2})
         events.append({**common, "ph": "f", "bp": "e", "tid": second["tid"], "ts": second["ts"] + DUR // 2})
     return events

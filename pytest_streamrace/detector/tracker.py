@@ -110,6 +110,15 @@ def _plan(func):
     return name, tuple(inputs), fresh if any(fresh) else (), _NO_KERNEL.match(name) is None
 
 
+def _onto_itself(args) -> bool:
+    """``dst.copy_(src)`` where both are views of the same bytes (``p.data.copy_(p.data)``)."""
+    if len(args) < 2:
+        return False
+    dst, src = args[0], args[1]
+    return (isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor) and dst.is_set_to(src)
+            and dst.dtype == src.dtype and dst.is_conj() == src.is_conj() and dst.is_neg() == src.is_neg())
+
+
 def _tensors(value) -> list[torch.Tensor]:
     if isinstance(value, torch.Tensor):
         return [value]
@@ -168,6 +177,9 @@ class AccessTracker(TorchDispatchMode):
         # Real autograd (cuda backend): the engine record_stream()s a gradient produced on one stream for the stream
         # of the node that consumes it — in C++, where no hook sees it. The virtual model does this in its hooks.
         self.engine_records_streams = False
+        # Ops after which the host has waited for the stream that ran them (reading a value back: .item(), nonzero's
+        # size). On a GPU the trace shows that wait as a stream synchronize; the virtual model names the ops here.
+        self.host_syncs: frozenset = frozenset()
 
     @property
     def enabled(self) -> bool:
@@ -218,8 +230,9 @@ class AccessTracker(TorchDispatchMode):
         _, inputs, fresh, writes_output = plan
         return [(i, write) for i, _, write in inputs], bool(fresh), writes_output
 
-    def _handoff(self, name: str, overload: str, args: tuple, out) -> None:
-        """A c10d op, handed over by the C++ capture on the issuing thread as it returns."""
+    def _handoff(self, name: str, overload: str, args: tuple, out, phase: str) -> None:
+        """A c10d op, handed over by the C++ capture on the issuing thread before it runs (phase "start", out None)
+        and as it returns ("end"). The dispatch mode sees it once, after it ran (phase "once")."""
         namespace, op = name.split("::", 1)
         handler = self.namespace_handlers.get(namespace)
         if handler is None:
@@ -227,7 +240,7 @@ class AccessTracker(TorchDispatchMode):
         func = getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
         with self._lock:
             self.drain()
-            handler(func, args, {}, out)
+            handler(func, args, {}, out, phase)
 
     def _apply_captured(self, records: list) -> None:
         watched, names, last_writer = self.watched, self.names, self.last_writer
@@ -394,6 +407,8 @@ class AccessTracker(TorchDispatchMode):
     def _record(self, plan, args, kwargs, out) -> None:
         # The hottest code of the detector: every op that touches memory passes here.
         name, inputs, fresh_returns, writes_output = plan
+        if name == "aten::copy_" and _onto_itself(args):
+            return  # ATen returns before launching anything: no access
         on_device = self.on_device
         touched: list[tuple[torch.Tensor, bool]] = []
         nargs = len(args)
@@ -426,6 +441,8 @@ class AccessTracker(TorchDispatchMode):
         _, races = self.hb.record(stream, Site(name, stack()), accesses, allocs)
         if races:
             self._report(races)
+        if name in self.host_syncs:
+            self.hb.synchronize_stream(stream)
 
     def _fresh(self, t: torch.Tensor, stream, writes_output: bool, allocs: list, accesses: list) -> None:
         """A fresh output: its storage is allocated by this op (unless it was already known), and written by it

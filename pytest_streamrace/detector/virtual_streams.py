@@ -11,6 +11,7 @@ devices keeps allocating on CPU.
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -81,14 +82,17 @@ def _check(stream) -> Stream:
 
 
 class Event:
-    """A virtual CUDA event: a snapshot of a stream's progress in hb. Timing is not modelled."""
+    """A virtual CUDA event: a snapshot of a stream's progress in hb. Its time is the host's at record: a virtual
+    stream's work runs when it is issued."""
 
     def __init__(self, enable_timing=False, blocking=False, interprocess=False, **kwargs):
         _model()
+        self._recorded_at: float | None = None
 
     def record(self, stream: Stream | None = None) -> None:
         model = _model()
         model.hb.record_event(self, model.current() if stream is None else _check(stream))
+        self._recorded_at = time.perf_counter()
 
     def wait(self, stream: Stream | None = None) -> None:
         model = _model()
@@ -101,8 +105,15 @@ class Event:
     def synchronize(self) -> None:
         _model().hb.synchronize_event(self)
 
-    def elapsed_time(self, end_event) -> float:
-        raise RuntimeError("streamrace: Event.elapsed_time is not modelled on virtual streams (no GPU time exists)")
+    def elapsed_time(self, end_event: "Event") -> float:
+        """Milliseconds between the two records. CUDA answers only for completed events, so the host has learnt
+        that both completed: ordered as by two queries (timing code such as DeepSpeed's timers relies on it)."""
+        if self._recorded_at is None or end_event._recorded_at is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        hb = _model().hb
+        hb.synchronize_event(self)
+        hb.synchronize_event(end_event)
+        return (end_event._recorded_at - self._recorded_at) * 1e3
 
     def __repr__(self) -> str:
         return "<virtual torch.cuda.Event>"
@@ -166,12 +177,20 @@ def record_stream(self: torch.Tensor, stream: Stream) -> None:
         model.hb.record_stream(key, stream)
 
 
+# Ops whose CUDA kernels hand a value back to the host, which waits for the stream that ran them: .item() /
+# bool() / .cpu() then .item() (the copy out synchronizes), and ops whose output size comes from the data. Work the
+# host issues after them is ordered after everything that stream had done (DeepSpeed ZeRO-3 relies on such a read).
+HOST_SYNCS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
+                        "aten::unique_dim", "aten::unique_consecutive"})
+
+
 class VirtualStreams:
     """The per-session state (default stream, each thread's current stream) and the torch.cuda patches."""
 
     def __init__(self, hb, tracker):
         self.hb = hb
         self.tracker = tracker
+        tracker.host_syncs = HOST_SYNCS
         self._tls = threading.local()
         self.default = Stream.__new__(Stream)
         self.default.priority = 0

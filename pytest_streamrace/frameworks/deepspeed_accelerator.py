@@ -31,9 +31,6 @@ def virtual_stream_accelerator():
         def handles_memory_backpressure(self):
             return False
 
-        def use_host_timers(self):  # CUDA-event timers would need elapsed_time
-            return True
-
         @property
         def Stream(self):
             return torch.cuda.Stream

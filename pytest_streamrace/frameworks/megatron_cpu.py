@@ -5,7 +5,9 @@ and creates its communication stream with ``torch.cuda.Stream(device=torch.cuda.
 virtual backend ``torch.cuda.Stream`` is already the virtual stream; this context adds what is missing without
 touching megatron-core's files: ``torch.cuda.current_device()`` answers 0 (as on a one-GPU rank), and a torch
 function mode turns every CUDA device argument (``0``, ``"cuda"``, ``"cuda:1"``, ``torch.device("cuda")``) and
-``Tensor.cuda()`` into CPU. Megatron's own stream logic then runs unchanged, on gloo, under the detector.
+``Tensor.cuda()`` into CPU, and ``Tensor.type()`` names a CPU tensor's type as CUDA's (``torch.cuda.FloatTensor``:
+megatron's optimizers accept parameters by that name). Megatron's own stream logic then runs unchanged, on gloo,
+under the detector.
 
 megatron-core 0.15.2 also JIT-builds a CUDA allocator extension when it is imported
 (``megatron/core/inference/unified_memory.py``). A CPU build of torch has no CUDA_HOME, so ``load_inline`` fails at
@@ -55,12 +57,15 @@ def _cpu_mode():
     cpu = torch.device("cpu")
 
     class CudaDevicesOnCpu(TorchFunctionMode):
-        """Rewrites CUDA device arguments to CPU (``device=`` anywhere, ``.to(0)``/``.to("cuda")``, ``.cuda()``)."""
+        """Rewrites CUDA device arguments to CPU (``device=`` anywhere, ``.to(0)``/``.to("cuda")``, ``.cuda()``);
+        ``.type()`` of a CPU tensor answers its CUDA type name."""
 
         def __torch_function__(self, func, types, args=(), kwargs=None):
             kwargs = dict(kwargs or {})
             if func is torch.Tensor.cuda:  # (modes are off inside their own handler: .to is not seen again)
                 return args[0].to(cpu, non_blocking=kwargs.get("non_blocking", False))
+            if func is torch.Tensor.type and len(args) == 1 and not kwargs and args[0].device.type == "cpu":
+                return func(*args).replace("torch.", "torch.cuda.", 1)  # torch.FloatTensor -> torch.cuda.FloatTensor
             if "device" in kwargs and _is_cuda(kwargs["device"]):
                 kwargs["device"] = cpu
             if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):  # .to(0), .to("cuda")

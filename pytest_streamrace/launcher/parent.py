@@ -109,6 +109,8 @@ class ParentPlugin:
             argv += ["-n", "0"]  # addopts may ask for workers; a rank runs its one item in-process
         for s in options.SETTINGS:  # the plugin's own settings as this session resolved them
             value = options.get(config, s.name)
+            if isinstance(value, list):  # "paths": absolute already, one a line as a linelist ini value
+                value = "\n".join(value) or None
             if value is not None:
                 argv += ["-o", f"{s.name}={str(value).lower() if isinstance(value, bool) else value}"]
         return argv
