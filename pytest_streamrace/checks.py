@@ -20,12 +20,14 @@ from . import hardware, options
 
 RACES = "streamrace_races"  # user_properties key: [race dicts] (detector.report.to_dict, with rank)
 TRACE = "streamrace_trace"  # user_properties key: [chrome trace events] of this test's ops
+AFTER = "streamrace_after"  # user_properties key: [race dicts with "test"] of children that outlived their test
 EXPECT = ("race", "clean")
 MARKER = ("streamrace(expect='race'|'clean'): assert that the test's streams race (or not) when --streamrace "
           "is on; expect='race' turns a detected race into a pass and its absence into a failure")
 
 _detector_key = pytest.StashKey()
 _judged_key = pytest.StashKey()
+_children_key = pytest.StashKey()  # races of the processes the test started, judged so far
 _statuses_key = pytest.StashKey[list]()  # levers status of each race judged so far, in detector order
 
 
@@ -76,6 +78,15 @@ class RaceChecks:
         self.races: list[tuple[str, dict]] = []  # (nodeid, race dict)
         self.traces: list[tuple[str, list]] = []  # (nodeid, events)
         self.levers = self.tally = None  # at session start (`--help` configures, and starts no session)
+        from .subprocesses import Children  # the processes each test starts (issue 12)
+
+        self.children = Children(backend, bool(self.trace_path))
+        self.after: list[dict] = []  # children's races judged after their test had finished
+
+    def pytest_report_header(self, config: pytest.Config) -> list[str]:
+        if self.children.problem:
+            return [f"streamrace: children started by exec are not followed: {self.children.problem}"]
+        return []
 
     # running
 
@@ -95,6 +106,7 @@ class RaceChecks:
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item):
         expected(item)  # a bad marker is a usage error before anything runs
+        self.children.begin(item.nodeid)
         from .detector.session import Detector
 
         detector = Detector(backend=self.backend, trace=bool(self.trace_path))
@@ -125,12 +137,15 @@ class RaceChecks:
         fresh = races[judged:]
         item.stash[_judged_key] = len(races)
         rank = process_rank()
+        children, child_traces = self.children.collect(item.nodeid)
+        item.stash[_children_key] = item.stash.get(_children_key, 0) + len(children)
         # Recorded on the item, so the teardown report — the one collected, here and in a launching parent —
         # carries every phase's; the teardown report itself is already built, so it gets its own directly.
         record = report.user_properties if report.when == "teardown" else item.user_properties
         statuses = item.stash[_statuses_key]
         failing = []
-        if fresh:
+        failing_children = []
+        if fresh or children:
             from .detector.report import to_dict
 
             dicts = [to_dict(r, detector.hb.stream_name, rank) for r in fresh]
@@ -139,33 +154,52 @@ class RaceChecks:
                 statuses.append(status)
                 if self.levers.fails(status):
                     failing.append(race)
-            record.append((RACES, dicts))
+            for data in children:  # races in processes the test started (issue 12)
+                if self.levers.fails(self.levers.classify(item.nodeid, data, expected(item) == "race")):
+                    failing_children.append(data)
+            record.append((RACES, dicts + children))
+        if self.trace_path:
+            from .subprocesses import child_trace
+
+            record += [(TRACE, child_trace(pid, events)) for pid, events in child_traces]
         if report.when == "teardown" and self.trace_path:
             from .detector.trace import trace_events
 
             events = trace_events(detector.hb.timeline, races, detector.hb.stream_name, rank, statuses)
             record.append((TRACE, events))
-        self._judge(item, report, failing, rank, len(fresh) - len(failing))
+        if report.when == "teardown":
+            self.children.end()
+            after, self.children.after[:] = list(self.children.after), []
+            if after:  # shipped on a report, so an xdist controller or launching parent sees them too
+                report.user_properties.append((AFTER, after))
+        quiet = len(fresh) - len(failing) + len(children) - len(failing_children)
+        self._judge(item, report, failing, rank, quiet, failing_children)
         return report
 
     @staticmethod
-    def _judge(item: pytest.Item, report: pytest.TestReport, fresh: list, rank: int | None, quiet: int = 0) -> None:
-        """`fresh`: this phase's races that fail the test; `quiet`: how many others it had (suppressed, in the
-        baseline, report-only)."""
+    def _judge(item: pytest.Item, report: pytest.TestReport, fresh: list, rank: int | None, quiet: int = 0,
+               children: list[dict] = ()) -> None:
+        """`fresh`: this phase's races that fail the test; `children`: those of processes the test started (race
+        dicts) that fail it; `quiet`: how many others it had (suppressed, in the baseline, report-only)."""
         expect = expected(item)
         if report.skipped:
             return
         if expect == "race":
-            if report.when == "call" and report.passed and not item.stash[_judged_key]:
+            if report.when == "call" and report.passed and not (item.stash[_judged_key] or
+                                                                item.stash.get(_children_key, 0)):
                 report.outcome = "failed"
                 report.longrepr = ("streamrace: expected a stream race (marker streamrace(expect='race')), "
                                    "but none was detected")
             return
-        if not fresh:
+        if not fresh and not children:
             return
         from .detector.report import format_races
 
-        text = format_races([(rank, r) for r in fresh], item.stash[_detector_key].hb.stream_name)
+        text = format_races([(rank, r) for r in fresh], item.stash[_detector_key].hb.stream_name) if fresh else ""
+        if children:
+            from .subprocesses import format_children
+
+            text = "\n\n".join(t for t in (text, format_children(children)) if t)
         if quiet:
             text += (f"\n\n(and {quiet} more race{'s' if quiet > 1 else ''} that fail nothing: suppressed, in the "
                      "baseline — see the streamrace summary)")
@@ -188,6 +222,8 @@ class RaceChecks:
                 races += value
             elif key == TRACE:
                 self.traces.append((report.nodeid, value))
+            elif key == AFTER:
+                self.after.extend(value)
         self.races.extend((report.nodeid, race) for race in races)
         found = self.tally.add(report, races)
         if writes_session_files(self.config):
@@ -197,19 +233,23 @@ class RaceChecks:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self.children.collect(None)  # what children wrote after the last test: all "after their test"
+        self.after += self.children.after
+        self.children.close()
         if not writes_session_files(self.config):
             return  # the xdist controller / the launching parent / torchrun rank 0 writes them
         if self.json_path:
             from .detector.report import SCHEMA_VERSION
 
             doc = {"version": SCHEMA_VERSION, "races": [{"test": nodeid, **race} for nodeid, race in self.races]}
+            doc["races"] += [dict(race, after_test=True) for race in self.after]
             with open(self.json_path, "w", encoding="utf-8") as f:
                 json.dump(doc, f, indent=1)
                 f.write("\n")
         if self.trace_path:
             from .detector.trace import write_trace
 
-            write_trace(self.trace_path, _one_process_per_test(self.traces))
+            write_trace(self.trace_path, _one_process_per_test(self.traces + self.children.after_traces))
         if self.levers.update:
             self.tally.write_baseline()
 
@@ -223,6 +263,11 @@ class RaceChecks:
         terminalreporter.section("streamrace")
         for line in self.tally.summary():
             terminalreporter.line(line)
+        if self.after:
+            from .subprocesses import format_after
+
+            terminalreporter.write_sep("=", "streamrace: races in processes after their test had finished")
+            terminalreporter.write_line(format_after(self.after))
 
 
 def races_in(reports) -> list[dict]:

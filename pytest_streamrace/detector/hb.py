@@ -430,6 +430,11 @@ class HappensBefore:
         with self._lock:
             return list(self._races.values())
 
+    def forget_races(self) -> None:
+        """Report races seen so far again when they recur (a pool worker starting work for another test)."""
+        with self._lock:
+            self._races.clear()
+
     @property
     def timeline(self) -> list[Op]:
         """Every launch (and free) in order; empty unless trace=True."""

@@ -1,0 +1,407 @@
+"""The child side of following a test into the processes it starts (the parent side is ``subprocesses``).
+
+While ``pytest --streamrace`` runs a test, its environment carries ``STREAMRACE_SUBPROCESS`` (JSON: the session's data
+folder and backend). Every Python process started then runs ``start()`` from a one-line ``.pth`` start-up hook
+(``subprocesses.PTH``), which costs one environment lookup when the variable is absent. ``start()`` imports nothing
+heavy: it arms a ``sys.meta_path`` watcher that activates a Detector when ``torch`` finishes importing (a child that
+never imports torch pays for nothing else), and an ``os.register_at_fork`` handler for children forked from it
+(multiprocessing's fork and forkserver start methods do not re-run the ``.pth``). The parent pytest process arms the
+same fork handler for children forked from itself, adopting the test's own detector (``adopt``).
+
+Each race is written when it is judged — one JSON line appended with ``os.write`` to this process's own file
+``<dir>/child-<pid>.jsonl`` — so a child that ``os._exit``s or is killed still delivers what was judged before. Every
+record names the test it belongs to: the test that was running when this process started (from the variable, which
+the parent sets at each test's start) or was forked (from the live file ``<dir>/current``, which the parent rewrites
+at each test's start: a forkserver's environment is that of the test that started the server); a multiprocessing pool worker works for
+whichever test is running when it hands a task's result back, so its races name the test current when judged. The
+cuda backend judges captured ops in batches: a child drains them before ``os._exit``, at interpreter exit, before a
+multiprocessing queue hands a result back and before ``destroy_process_group``.
+
+Opting out: ``STREAMRACE_SUBPROCESS=0`` (or removing the variable) in a child's environment. Nothing here may raise into
+the child: what fails is dropped (a broken child file only loses that child's races).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ENV = "STREAMRACE_SUBPROCESS"
+CURRENT = "current"  # the live test file in the data folder: the nodeid of the running test, or empty
+
+
+class _State:
+    raw: str = ""  # the variable as this process started with it (parsed when first needed: json costs ms)
+    parsed: dict | None = None
+    origin: str = ""  # the test running when this process started (or was forked)
+    pid: int = 0
+    fd: int | None = None
+    detector = None
+    owns_detector = False  # started here (not adopted from a forked parent pytest process)
+    exit_wrapped = False
+    stood_down = False
+    trace_written = False
+    rank: int | None = None  # the last rank the process group gave (it is gone after destroy_process_group)
+    reported: set = set()  # (test, race key) written: a pool worker forgets races between tasks, not per test
+
+
+_state = _State()
+
+
+def config_from_env(environ=os.environ) -> dict | None:
+    raw = environ.get(ENV, "")
+    if raw in ("", "0"):
+        return None
+    import json
+
+    try:
+        config = json.loads(raw)
+    except ValueError:
+        return None
+    return config if isinstance(config, dict) and config.get("dir") else None
+
+
+def _config() -> dict | None:
+    if _state.parsed is None and _state.raw:
+        _state.parsed = config_from_env({ENV: _state.raw}) or {}
+        if not _state.origin:  # as when exec'd: the live file may have moved on already
+            _state.origin = str(_state.parsed.get("test", ""))
+    return _state.parsed or None
+
+
+def start() -> None:
+    """The ``.pth`` hook: arm the torch watcher and the fork handler (never raises)."""
+    try:
+        raw = os.environ.get(ENV, "")
+        if not raw.startswith("{") or _state.raw:
+            return
+        if os.environ.get("STREAMRACE_RANK_SPEC"):
+            return  # a rank of our own distributed marker: its pytest session runs the checks itself
+        _state.raw = raw
+        _state.pid = os.getpid()
+        _watch()
+        os.register_at_fork(after_in_child=_after_fork)
+    except Exception:
+        pass
+
+
+def stand_down() -> None:
+    """This process is a pytest session that runs ``--streamrace`` itself: undo what ``start`` armed."""
+    _state.stood_down = True
+    _unwatch()
+    detector, _state.detector = _state.detector, None
+    if detector is not None and _state.owns_detector:
+        try:
+            detector.__exit__(None, None, None)
+        except Exception:
+            pass
+
+
+def live_test(folder: str, default: str = "") -> str:
+    try:
+        with open(os.path.join(folder, CURRENT), encoding="utf-8") as f:
+            return f.read().strip()
+    except OSError:
+        return default
+
+
+# waiting for torch
+
+
+class _Watcher:
+    """A meta-path finder that lets the normal finders load a module and runs a callback once it executed."""
+
+    def __init__(self, callbacks: dict):
+        self.callbacks = callbacks  # module name -> callable(module)
+
+    def find_spec(self, fullname, path=None, target=None):
+        callback = self.callbacks.get(fullname)
+        if callback is None:
+            return None
+        spec = None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
+        loader = getattr(spec, "loader", None)
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        original = loader.exec_module
+
+        def exec_module(module):
+            try:
+                del loader.exec_module  # back to the class's method: this instance is the module's loader for good
+            except AttributeError:
+                pass
+            original(module)
+            self.callbacks.pop(fullname, None)
+            if not self.callbacks:
+                _unwatch()
+            try:
+                callback(module)
+            except Exception:
+                pass
+
+        try:
+            loader.exec_module = exec_module
+        except (AttributeError, TypeError):
+            return spec  # a loader that cannot be wrapped: that module is not followed
+        return spec
+
+
+_watcher: _Watcher | None = None
+
+
+def _watch() -> None:
+    global _watcher
+    callbacks = {}
+    if "torch" in sys.modules:
+        _activate()
+    else:
+        callbacks["torch"] = lambda module: _activate()
+    if "multiprocessing.queues" in sys.modules:
+        _patch_queues(sys.modules["multiprocessing.queues"])
+    else:
+        callbacks["multiprocessing.queues"] = _patch_queues
+    if callbacks:
+        _watcher = _Watcher(callbacks)
+        sys.meta_path.insert(0, _watcher)
+
+
+def _unwatch() -> None:
+    global _watcher
+    if _watcher is not None:
+        try:
+            sys.meta_path.remove(_watcher)
+        except ValueError:
+            pass
+        _watcher = None
+
+
+# the detector
+
+
+def _activate() -> None:
+    if _state.detector is not None or _state.stood_down or os.environ.get("STREAMRACE_RANK_SPEC"):
+        return
+    config = _config()
+    if config is None:
+        return
+    _patch_distributed()
+    if config.get("backend") == "cuda":
+        # Not before the child initializes CUDA itself: the backend asks for the current device's default stream,
+        # and a context made now would pin the device before the child's set_device / CUDA_VISIBLE_DEVICES and
+        # break children that fork later. Ops before CUDA is initialized are CPU ops, which this backend ignores.
+        import torch
+
+        if not torch.cuda.is_initialized():
+            torch.cuda._lazy_call(_start_quietly)
+            return
+    _start_detector(config)
+
+
+def _start_quietly() -> None:
+    try:  # runs inside torch.cuda's lazy initialization: an exception here would fail the child's first CUDA call
+        _start_detector(_config())
+    except Exception:
+        pass
+
+
+def _start_detector(config: dict) -> None:
+    if _state.detector is not None or _state.stood_down:
+        return
+    from .detector import session
+
+    if session.active() is not None:
+        return  # someone in this process runs a detector already
+    detector = session.Detector(backend=config.get("backend", "virtual"), trace=bool(config.get("trace")))
+    detector.__enter__()
+    _state.owns_detector = True
+    _attach(detector)
+
+
+def adopt(detector, config: dict, origin: str) -> None:
+    """In a child forked from the parent pytest process during a test: report the test's (inherited) detector's
+    further races from here, as this child's own."""
+    _state.parsed = config
+    _state.raw = "adopted"
+    _state.origin = origin
+    _state.pid = os.getpid()
+    _state.fd = None
+    _state.reported = set()
+    _state.owns_detector = False
+    _attach(detector)
+    queues = sys.modules.get("multiprocessing.queues")
+    if queues is not None:
+        _patch_queues(queues)
+
+
+def _attach(detector) -> None:
+    _state.detector = detector
+    _state.trace_written = False
+    detector.tracker.on_race = _on_race
+    _wrap_exit()
+    import atexit
+
+    atexit.register(_finish)
+
+
+def _after_fork() -> None:
+    """In a forked child: a process of its own, working for the test running now."""
+    if not _state.raw or _state.stood_down:
+        return
+    config = _config()
+    if config is None:
+        return
+    _state.pid = os.getpid()
+    _state.fd = None
+    _state.trace_written = False
+    _state.rank = None
+    _state.reported = set()
+    _state.origin = live_test(config["dir"], _state.origin)
+    queues = sys.modules.get("multiprocessing.queues")
+    if queues is not None:
+        _patch_queues(queues)
+
+
+def _on_race(races) -> None:
+    try:
+        from .detector.report import to_dict
+
+        detector = _state.detector
+        rank = _rank()
+        test = _owner()
+        for race in races:
+            if (test, race.key()) in _state.reported:
+                continue  # a pool worker's earlier task for the same test reported it already
+            _state.reported.add((test, race.key()))
+            _write({"kind": "race", "test": test, "rank": rank, "pid": os.getpid(),
+                    "race": to_dict(race, detector.hb.stream_name, rank)})
+    except Exception:
+        pass
+
+
+def _rank() -> int | None:
+    dist = sys.modules.get("torch.distributed")
+    try:
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            _state.rank = dist.get_rank()
+            return _state.rank
+    except Exception:
+        pass
+    if _state.rank is not None:
+        return _state.rank
+    for name in ("RANK", "LOCAL_RANK"):
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return None
+
+
+def _owner() -> str:
+    """The test this process's work belongs to now."""
+    if _is_pool_worker():
+        return live_test(_config()["dir"], "")
+    return _state.origin
+
+
+def _write(record: dict) -> None:
+    if _state.fd is None or _state.pid != os.getpid():
+        _state.pid = os.getpid()
+        path = os.path.join(_config()["dir"], f"child-{_state.pid}.jsonl")
+        _state.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    import json
+
+    os.write(_state.fd, (json.dumps(record) + "\n").encode())
+
+
+def _drain() -> None:
+    detector = _state.detector
+    if detector is not None:
+        try:
+            detector.tracker.drain()
+        except Exception:
+            pass
+
+
+def _task_done() -> None:
+    """A multiprocessing queue hands something back: judge what is pending; a pool worker's next task may be another
+    test's, whose races must be reported even where they repeat this one's."""
+    _drain()
+    detector = _state.detector
+    if detector is not None and _is_pool_worker():
+        try:
+            detector.hb.forget_races()
+        except Exception:
+            pass
+
+
+def _is_pool_worker() -> bool:
+    mp = sys.modules.get("multiprocessing")
+    return mp is not None and "PoolWorker" in getattr(mp.current_process(), "name", "")
+
+
+def _finish() -> None:
+    """This process ends: judge what is pending, and write its trace."""
+    detector = _state.detector
+    if detector is None or _state.stood_down:
+        return
+    _drain()
+    if not _config().get("trace") or _state.trace_written:
+        return
+    _state.trace_written = True
+    try:
+        from .detector.trace import trace_events
+
+        rank = _rank()
+        events = trace_events(detector.hb.timeline, detector.hb.races, detector.hb.stream_name, rank)
+        _write({"kind": "trace", "test": _owner(), "rank": rank, "pid": os.getpid(), "events": events})
+    except Exception:
+        pass
+
+
+def _wrap_exit() -> None:
+    if _state.exit_wrapped:
+        return
+    _state.exit_wrapped = True
+    original = os._exit
+
+    def _exit(status):
+        _finish()
+        original(status)
+
+    _exit.__wrapped__ = original
+    os._exit = _exit
+
+
+def _patch_queues(module) -> None:
+    """Judge pending ops before a multiprocessing queue hands something back (a pool worker's task result)."""
+    simple = getattr(module, "SimpleQueue", None)
+    if simple is None or getattr(simple.put, "_streamrace", False):
+        return
+    original = simple.put
+
+    def put(self, obj):
+        _task_done()
+        return original(self, obj)
+
+    put._streamrace = True
+    simple.put = put
+
+
+def _patch_distributed() -> None:
+    """Judge pending ops while the process group still names this process's rank."""
+    dist = sys.modules.get("torch.distributed")
+    destroy = getattr(dist, "destroy_process_group", None)
+    if destroy is None or getattr(destroy, "_streamrace", False):
+        return
+
+    def destroy_process_group(*args, **kwargs):
+        _rank()
+        _drain()
+        return destroy(*args, **kwargs)
+
+    destroy_process_group._streamrace = True
+    dist.destroy_process_group = destroy_process_group

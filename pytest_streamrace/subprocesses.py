@@ -1,0 +1,196 @@
+"""The parent side of following each test into the Python processes it starts (the child side is
+``subprocess_child``), modelled on coverage.py's subprocess measurement: a start-up hook gated by an environment
+variable, one data file per process, combined here.
+
+While a test runs (from the start of its setup to the end of its teardown) this process's environment carries
+``STREAMRACE_SUBPROCESS`` and the live file ``<dir>/current`` names the test. At each judging point of the test
+(its call and teardown reports) the children's files are read on from where they were left: races of this test fail
+it like its own ones; races of a test that already finished (a child that outlived it) go to the "after their
+test" section of the terminal summary and to ``--streamrace-json`` with ``"after_test": true``.
+
+The start-up hook is a ``.pth`` file written into this interpreter's site-packages at session start when missing
+(it is one line that checks the variable, so it costs nothing otherwise; it stays for later sessions). Where that
+folder is not writable, children started by exec are not followed and the header says so; forked children are.
+
+Limits: a child started with another interpreter (a different venv), with an environment that drops the variable, or
+with ``python -S`` is not followed. Under xdist, races a worker's children judge after that worker's last test cannot
+travel to the controller (no report is left to carry them) and are dropped. A child's trace is written when it exits
+(``os._exit`` and interpreter exit included, not SIGKILL) and goes with the test it belongs to then.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sysconfig
+import tempfile
+
+from . import subprocess_child
+
+ENV = subprocess_child.ENV
+PTH_NAME = "pytest-streamrace-subprocess.pth"
+PTH = ("import os; exec('try:\\n from pytest_streamrace.subprocess_child import start; start()\\nexcept Exception: "
+       f"pass') if os.environ.get({ENV!r}, '0') not in ('', '0') else None\n")
+AFTER = "streamrace_after"  # user_properties key: [race dicts with "test"] of tests that finished earlier
+
+
+def install_pth() -> str | None:
+    """Make sure the start-up hook is in this interpreter's site-packages; None, or why it could not be."""
+    folder = sysconfig.get_paths()["purelib"]
+    path = os.path.join(folder, PTH_NAME)
+    try:
+        with open(path, encoding="utf-8") as f:
+            if f.read() == PTH:
+                return None
+    except OSError:
+        pass
+    try:
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".streamrace-pth-")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(PTH)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)  # atomic: concurrent sessions write the same content
+    except OSError as exc:
+        return f"cannot write {path} ({exc.strerror or exc})"
+    return None
+
+
+class Children:
+    """The children of one pytest process: their data folder, the live test, what they reported."""
+
+    def __init__(self, backend: str, trace: bool):
+        self.backend = backend
+        self.trace = trace
+        self.dir = tempfile.mkdtemp(prefix="streamrace-sub-")
+        self.problem = install_pth()
+        self.current = ""
+        self._offsets: dict[str, int] = {}
+        self._pending: dict[str, bytes] = {}
+        self.finished: set[str] = set()
+        self.after: list[dict] = []  # race dicts with "test": races of tests that had finished
+        self.after_traces: list[tuple[str, list]] = []
+        self._forks_armed = False
+        self._write_current("")
+
+    # the test that runs
+
+    def begin(self, nodeid: str) -> None:
+        self.current = nodeid
+        self._write_current(nodeid)
+        os.environ[ENV] = json.dumps({"dir": self.dir, "backend": self.backend, "trace": self.trace,
+                                      "test": nodeid})
+        if not self._forks_armed:
+            self._forks_armed = True
+            os.register_at_fork(after_in_child=self._forked)
+
+    def end(self) -> None:
+        self.finished.add(self.current)
+        self.current = ""
+        self._write_current("")
+        os.environ.pop(ENV, None)
+
+    def close(self) -> None:
+        os.environ.pop(ENV, None)
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _write_current(self, nodeid: str) -> None:
+        tmp = os.path.join(self.dir, subprocess_child.CURRENT + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(nodeid)
+        os.replace(tmp, os.path.join(self.dir, subprocess_child.CURRENT))
+
+    def _forked(self) -> None:
+        """A child forked from this pytest process while a test runs: it reports the test's detector's races."""
+        if not self.current or os.environ.get(ENV) is None:
+            return
+        from .detector import session
+
+        detector = session.active()
+        if detector is not None:
+            config = {"dir": self.dir, "backend": self.backend, "trace": self.trace}
+            subprocess_child.adopt(detector, config, self.current)
+
+    # what the children said
+
+    def collect(self, nodeid: str | None) -> tuple[list[dict], list[tuple[int, list]]]:
+        """Races (dicts with rank and pid) and traces ((pid, events)) the children wrote for test `nodeid` since the
+        last call; records of finished tests go to `after`."""
+        races, traces = [], []
+        for record in self._read():
+            test = record.get("test", "")
+            if record.get("kind") == "race" and isinstance(record.get("race"), dict):
+                race = dict(record["race"], pid=record.get("pid"))
+                if test == nodeid and test not in self.finished:
+                    races.append(race)
+                else:
+                    self.after.append(dict(race, test=test or "<between tests>"))
+            elif record.get("kind") == "trace" and isinstance(record.get("events"), list):
+                if test == nodeid and test not in self.finished:
+                    traces.append((record.get("pid"), record["events"]))
+                else:
+                    self.after_traces.append((test or "<between tests>", record["events"]))
+        return races, traces
+
+    def _read(self) -> list[dict]:
+        records = []
+        try:
+            names = sorted(n for n in os.listdir(self.dir) if n.startswith("child-") and n.endswith(".jsonl"))
+        except OSError:
+            return records
+        for name in names:
+            path = os.path.join(self.dir, name)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._offsets.get(name, 0))
+                    chunk = f.read()
+            except OSError:
+                continue
+            self._offsets[name] = self._offsets.get(name, 0) + len(chunk)
+            data = self._pending.pop(name, b"") + chunk
+            *lines, rest = data.split(b"\n")
+            if rest:
+                self._pending[name] = rest  # a line being written: read with the rest next time
+            for line in lines:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict):
+                    records.append(record)
+        return records
+
+
+def child_trace(pid, events: list) -> list:
+    """A child's trace events, its process named after it (one more process of the session's trace)."""
+    renamed = []
+    for event in events:
+        if event.get("name") == "process_name":
+            name = event["args"]["name"]
+            event = dict(event, args={"name": f"child pid {pid}" + (f", {name}" if name.startswith("rank") else "")})
+        renamed.append(event)
+    return renamed
+
+
+def format_children(races: list[dict]) -> str:
+    """The failure text for races in processes a test started: the marker's rendering, "stream race on rank N"."""
+    from .detector.report import format_races, from_dict
+
+    pids = sorted({r.get("pid") for r in races if r.get("pid") is not None})
+    text = format_races([(r.get("rank"), from_dict(r)) for r in races])
+    return f"{text}\n  (in {'processes' if len(pids) > 1 else 'a process'} the test started: pid " \
+           f"{', '.join(map(str, pids))})"
+
+
+def format_after(races: list[dict]) -> str:
+    from .detector.report import format_races, from_dict
+
+    lines = []
+    by_test: dict[str, list] = {}
+    for race in races:
+        by_test.setdefault(race.get("test", "?"), []).append(race)
+    for test, found in by_test.items():
+        lines.append(f"from processes started by {test}, judged after that test had finished:")
+        lines.append(format_races([(r.get("rank"), from_dict(r)) for r in found]))
+        lines.append("")
+    return "\n".join(lines).rstrip()
