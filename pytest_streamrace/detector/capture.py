@@ -17,6 +17,7 @@ Built on first use with torch's C++ extension loader (a compiler is needed; abou
 
 from __future__ import annotations
 
+import hashlib
 import re
 
 SOURCE = r"""
@@ -333,8 +334,10 @@ def load():
             import torch
             from torch.utils.cpp_extension import load_inline
 
-            # one build per torch version: the extension is compiled against that torch's headers and ABI
-            name = "streamrace_capture_" + re.sub(r"\W", "_", torch.__version__)
+            # one build per torch version (compiled against its headers and ABI) and per source: checkouts with other
+            # sources share the extensions folder without rebuilding each other's
+            digest = hashlib.sha1(SOURCE.encode()).hexdigest()[:10]
+            name = f"streamrace_capture_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{digest}"
             _extension = load_inline(name, SOURCE, extra_cflags=["-O2", "-DNDEBUG"])
         except Exception as exc:  # a failed build must leave the slower dispatch mode working, and say why
             _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
