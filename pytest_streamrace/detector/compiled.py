@@ -368,12 +368,16 @@ def _triton_patches(attr_patch, triton_heuristics) -> list:
 
     def launch(self, *args, stream, **kwargs):
         model = _active
-        if model is not None and not _capturing():
-            roles = _triton_roles(self)
-            if roles is not None:
-                name = getattr(getattr(self, "fn", None), "__name__", None) or "triton kernel"
-                model.launch(name, args, roles, stream if isinstance(stream, int) else None)
-        return run(self, *args, stream=stream, **kwargs)
+        if model is None or _capturing():
+            return run(self, *args, stream=stream, **kwargs)
+        # Recorded once run() returns: on its first call run() autotunes first (benchmark launches on copies of the
+        # arguments, then a device synchronize), and the kernel is launched after that synchronize, not before it.
+        out = run(self, *args, stream=stream, **kwargs)
+        roles = _triton_roles(self)
+        if roles is not None:
+            name = getattr(getattr(self, "fn", None), "__name__", None) or "triton kernel"
+            model.launch(name, args, roles, stream if isinstance(stream, int) else None)
+        return out
     return [attr_patch(autotuner, "run", launch)]
 
 
