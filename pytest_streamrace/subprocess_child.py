@@ -108,76 +108,30 @@ def live_test(folder: str, default: str = "") -> str:
 # waiting for torch
 
 
-class _Watcher:
-    """A meta-path finder that lets the normal finders load a module and runs a callback once it executed."""
+_hooks: list = []  # WhenImported hooks armed by start()
 
-    def __init__(self, callbacks: dict):
-        self.callbacks = callbacks  # module name -> callable(module)
 
-    def find_spec(self, fullname, path=None, target=None):
-        callback = self.callbacks.get(fullname)
-        if callback is None:
-            return None
-        spec = None
-        for finder in sys.meta_path:
-            if finder is self or not hasattr(finder, "find_spec"):
-                continue
-            spec = finder.find_spec(fullname, path, target)
-            if spec is not None:
-                break
-        loader = getattr(spec, "loader", None)
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        original = loader.exec_module
-
-        def exec_module(module):
-            try:
-                del loader.exec_module  # back to the class's method: this instance is the module's loader for good
-            except AttributeError:
-                pass
-            original(module)
-            self.callbacks.pop(fullname, None)
-            if not self.callbacks:
-                _unwatch()
-            try:
-                callback(module)
-            except Exception:
-                pass
-
+def _quietly(callback):
+    def run(module) -> None:
         try:
-            loader.exec_module = exec_module
-        except (AttributeError, TypeError):
-            return spec  # a loader that cannot be wrapped: that module is not followed
-        return spec
-
-
-_watcher: _Watcher | None = None
+            callback(module)
+        except Exception:
+            pass
+    return run
 
 
 def _watch() -> None:
-    global _watcher
-    callbacks = {}
-    if "torch" in sys.modules:
-        _activate()
-    else:
-        callbacks["torch"] = lambda module: _activate()
-    if "multiprocessing.queues" in sys.modules:
-        _patch_queues(sys.modules["multiprocessing.queues"])
-    else:
-        callbacks["multiprocessing.queues"] = _patch_queues
-    if callbacks:
-        _watcher = _Watcher(callbacks)
-        sys.meta_path.insert(0, _watcher)
+    from .when_imported import WhenImported
+
+    for name, callback in (("torch", lambda module: _activate()), ("multiprocessing.queues", _patch_queues)):
+        hook = WhenImported(name, _quietly(callback))
+        _hooks.append(hook)
+        hook.install()
 
 
 def _unwatch() -> None:
-    global _watcher
-    if _watcher is not None:
-        try:
-            sys.meta_path.remove(_watcher)
-        except ValueError:
-            pass
-        _watcher = None
+    while _hooks:
+        _hooks.pop().uninstall()
 
 
 # the detector

@@ -29,6 +29,8 @@ import sys
 
 import torch
 
+from ..when_imported import WhenImported
+
 READ, WRITE = 1, 2
 _active: "CompiledCode | None" = None
 _roles_by_file: dict[str, dict[str, tuple[int, ...]]] = {}  # generated module file -> kernel name -> arg roles
@@ -197,7 +199,7 @@ class CompiledCode:
         global _active
         _active = self
         for name, make_patches in self._lazy:
-            hook = _WhenImported(name, lambda module, make=make_patches: self._apply(make, module))
+            hook = WhenImported(name, lambda module, make=make_patches: self._apply(make, module))
             self._hooks.append(hook)
             hook.install()
         self.discover()
@@ -213,58 +215,6 @@ class CompiledCode:
             namespace, name, original = self._wrapped.pop()
             if isinstance(namespace.get(name), _CppKernel):
                 namespace[name] = original
-
-
-class _WhenImported:
-    """Runs `then(module)` once the module `name` is imported — at once if it already is (an import hook until then).
-    """
-
-    def __init__(self, name: str, then):
-        self.name, self.then = name, then
-
-    def install(self) -> None:
-        module = sys.modules.get(self.name)
-        if module is not None:
-            self.then(module)
-        else:
-            sys.meta_path.insert(0, self)
-
-    def uninstall(self) -> None:
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != self.name:
-            return None
-        self.uninstall()
-        for finder in sys.meta_path:
-            find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find is not None else None
-            if spec is not None:
-                if spec.loader is not None and hasattr(spec.loader, "exec_module"):
-                    spec.loader = _ThenLoader(spec.loader, self.then)
-                return spec
-        return None
-
-
-class _ThenLoader:
-    """A module's own loader, then a call with the module it executed."""
-
-    def __init__(self, loader, then):
-        self._loader, self._then = loader, then
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self._loader.exec_module(module)
-        module.__loader__ = self._loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._loader
-        self._then(module)
-
-    def __getattr__(self, name):
-        return getattr(self._loader, name)
 
 
 def _dynamo_patches(attr_patch, output_graph) -> list:

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from .compiled import _WhenImported
+from ..when_imported import WhenImported
 from .frames import created_at
 
 _active: "VirtualStreams | None" = None
@@ -249,7 +249,7 @@ class VirtualStreams:
         out = [attr_patch(torch.cuda, name, value) for name, value in replacements.items()]
         out += [attr_patch(torch.cuda.streams, "Stream", Stream), attr_patch(torch.cuda.streams, "Event", Event),
                 attr_patch(torch.Tensor, "record_stream", record_stream), _Activation(self),
-                _WhenImported("torch._dynamo", _opaque_to_dynamo)]
+                WhenImported("torch._dynamo", _opaque_to_dynamo)]
         return out
 
 
