@@ -141,6 +141,8 @@ def run_worker(model: str, mode: str, steps: int) -> subprocess.CompletedProcess
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--model", action="append", default=[], metavar="TEXT",
+                        help="only the rows whose name contains TEXT (repeatable)")
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--store", default="", help=argparse.SUPPRESS)
@@ -156,7 +158,13 @@ def main() -> int:
     where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     print(f"torch {torch.__version__} on {where}; {args.steps} steps per measurement")
     print(f"{'model':36} " + " ".join(f"{m + ' ms':>14}" for m in modes) + "  slowdown vs plain")
+    gpus = torch.cuda.device_count()
     for model in MODELS:
+        if args.model and not any(text in model for text in args.model):
+            continue
+        if gpus and MODELS[model][3] > gpus:  # gloo on the CPU would measure another program than the GPU rows
+            print(f"{model:36} skipped: {MODELS[model][3]} ranks need as many GPUs, this machine has {gpus}")
+            continue
         ms = {}
         for mode in modes:
             out = run_worker(model, mode, args.steps)

@@ -30,5 +30,5 @@ python3 scripts/device/compile_table.py "$OUT/ours.xml" "$OUT/races.json" | tee 
 fi
 if [ "$PART" != cases ]; then
 echo "== overhead"
-timeout 540 python3 benchmarks/overhead.py --steps 30 2>&1 | tee "$OUT/overhead.log" | tail -5
+timeout 540 python3 benchmarks/overhead.py --steps 30 --model launch-bound --model compiled 2>&1 | tee "$OUT/overhead.log" | tail -5
 fi

@@ -69,7 +69,10 @@ fi
 if [ "$part" = coalesce ] || [ "$part" = all ]; then
   [ -d "$DS/unit" ] || { echo "no DeepSpeed tests under $DS"; exit 2; }
   echo "== DeepSpeed test_zero_coalesce_grad_reduction.py, plain vs --streamrace"
-  (cd "$DS" && OUT=$OUT compare coalesce 280 unit/v1/zero/test_zero_coalesce_grad_reduction.py)
+  # 14 of its 49 tests (bit-exact multi-backward ZeRO 1/2/3 with and without CPU offload and fp16, collective counts):
+  # the whole file takes longer than one device command allows for two runs
+  coalesce_k=${COALESCE_K:-TestCoalesceCorrectness or TestCoalesceFP16 or TestCoalesceCollectiveCount}
+  (cd "$DS" && OUT=$OUT compare coalesce 280 unit/v1/zero/test_zero_coalesce_grad_reduction.py -k "$coalesce_k")
   echo "== a race planted in a DistributedTest body (reused pool: clean test, then racy test)"
   cp scripts/device/ds_planted_race.py "$DS/unit/test_streamrace_planted.py"
   (cd "$DS" && timeout 150 $pt unit/test_streamrace_planted.py -rA --color=no --streamrace > "$OUT/planted.log" 2>&1)
@@ -79,9 +82,9 @@ fi
 
 if [ "$part" = zero ] || [ "$part" = all ]; then
   [ -d "$DS/unit" ] || { echo "no DeepSpeed tests under $DS"; exit 2; }
+  # 20 of its 99 tests (each starts fresh rank processes: ~10 s a test)
   classes="TestZeroUnbalancedGradients or TestZero3RepeatForwardLoop or TestZeroToFP32 or TestPartitionNcclAlignment"
-  classes="$classes or TestZeroFrozenWeights or TestZero3DictFwd or TestZeroOffloadStage1 or TestBF16OptimizerGradReduction"
-  classes="$classes or TestGradientAllreduceOpTraining or TestZero3SwitchModes"
+  classes=${ZERO_K:-$classes or TestZeroFrozenWeights or TestZero3DictFwd}
   echo "== DeepSpeed test_zero.py ($classes), plain vs --streamrace"
   (cd "$DS" && OUT=$OUT compare zero 280 unit/v1/zero/test_zero.py -k "$classes")
 fi

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The stock-stack suite (tests/stacks) on GPUs — cuda backend, NCCL, one GPU per rank — plain and under --streamrace;
-# or, with `regress`, the corpus, the repros (DeepSpeed's and Megatron's) and the overhead benchmark again (nothing may
-# regress). Two calls, each inside a device command's 10 minutes. On the lent 2-GPU machine, with the wheels under .whl/
-# (docs/gpu-validation.md says how they are made):
-#   device run (kind nvidia-h200-x2, carry .whl): bash scripts/device/stacks.sh [regress]
-# STACKS=... picks stack modules (default: all of tests/stacks/stack_*.py).
+# The stock-stack suite (tests/stacks) on GPUs — cuda backend, NCCL, one GPU per rank — under --streamrace; with
+# `plain`, without the plugin (each item starts NCCL, ~8-10 s: the two passes do not fit one 10-minute command); with
+# `regress`, the corpus, the repros (DeepSpeed's and Megatron's) and the overhead benchmark again (nothing may
+# regress). On the lent 2-GPU machine, with the wheels under .whl/ (docs/gpu-validation.md says how they are made):
+#   device run (kind nvidia-h200-x2, carry .whl): bash scripts/device/stacks.sh [plain|regress]
+# STACKS=... picks stack modules (default: all of tests/stacks/stack_*.py); LIMIT=... caps a stacks pass (s, default 540).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=/tmp/tex  # megatron-core 0.15.2 builds an extension at import
@@ -17,16 +17,18 @@ python3 -c "import torch, pytest, deepspeed, megatron.core as mc; print('torch',
 pt="python3 -m pytest -p no:cacheprovider"
 stacks=${STACKS:-tests/stacks/stack_*.py}
 start=$SECONDS
-if [ "${1:-}" != regress ]; then
-echo "== stacks, plain (every case runs on NCCL without the plugin's checks)"
-timeout 240 $pt $stacks -q -p no:randomly > "$OUT/stacks-plain.log" 2>&1; tail -2 "$OUT/stacks-plain.log"
-echo "== stacks under --streamrace (cuda backend): clean cases must pass clean, racy twins must be caught"
-timeout 300 $pt $stacks --streamrace -rA -q --streamrace-json "$OUT/stacks-races.json" \
-  > "$OUT/stacks-streamrace.log" 2>&1
-grep -E "^(PASSED|FAILED|SKIPPED|ERROR)" "$OUT/stacks-streamrace.log"; tail -1 "$OUT/stacks-streamrace.log"
-echo "stacks: $((SECONDS - start)) s"
-exit 0
-fi
+case "${1:-}" in
+plain)
+  echo "== stacks, plain (every case runs on NCCL without the plugin's checks)"
+  timeout ${LIMIT:-540} $pt $stacks -q -p no:randomly > "$OUT/stacks-plain.log" 2>&1; tail -2 "$OUT/stacks-plain.log"
+  echo "stacks: $((SECONDS - start)) s"; exit 0;;
+"")
+  echo "== stacks under --streamrace (cuda backend): clean cases must pass clean, racy twins must be caught"
+  timeout ${LIMIT:-540} $pt $stacks --streamrace -rA -q -p no:randomly --streamrace-json "$OUT/stacks-races.json" \
+    > "$OUT/stacks-streamrace.log" 2>&1
+  grep -E "^(PASSED|FAILED|SKIPPED|ERROR)" "$OUT/stacks-streamrace.log"; tail -1 "$OUT/stacks-streamrace.log"
+  echo "stacks: $((SECONDS - start)) s"; exit 0;;
+esac
 echo "== corpus, ours (cuda backend)"
 $pt tests/corpus/corpus_cases.py --streamrace --streamrace-backend=cuda --junitxml="$OUT/ours.xml" -q \
   > "$OUT/corpus-ours.log" 2>&1; tail -1 "$OUT/corpus-ours.log"
