@@ -28,6 +28,7 @@ MARKER = ("streamrace(expect='race'|'clean'): assert that the test's streams rac
 _detector_key = pytest.StashKey()
 _judged_key = pytest.StashKey()
 _children_key = pytest.StashKey()  # races of the processes the test started, judged so far
+_child_notes_key = pytest.StashKey()  # [(rank, note)]: what the detectors of those processes could not model
 _statuses_key = pytest.StashKey[list]()  # levers status of each race judged so far, in detector order
 
 
@@ -53,11 +54,13 @@ def expected(item: pytest.Item) -> str | None:
     return expect
 
 
-def detector_notes(item: pytest.Item) -> list[str]:
-    """What the test's detector could not model and skipped (once each)."""
+def detector_notes(item: pytest.Item) -> list[tuple[int | None, str]]:
+    """(rank, note) for what the test's detector, and those of the processes it started, could not model and
+    skipped (once each)."""
     detector = item.stash.get(_detector_key, None)
     tracker = getattr(detector, "tracker", None)
-    return list(tracker.notes) if tracker is not None else []
+    own = [(process_rank(), note) for note in tracker.notes] if tracker is not None else []
+    return own + list(item.stash.get(_child_notes_key, ()))
 
 
 def process_rank() -> int | None:
@@ -139,6 +142,7 @@ class RaceChecks:
         rank = process_rank()
         children, child_traces = self.children.collect(item.nodeid)
         item.stash[_children_key] = item.stash.get(_children_key, 0) + len(children)
+        item.stash[_child_notes_key] = self.children.notes.get(item.nodeid, [])
         # Recorded on the item, so the teardown report — the one collected, here and in a launching parent —
         # carries every phase's; the teardown report itself is already built, so it gets its own directly.
         record = report.user_properties if report.when == "teardown" else item.user_properties

@@ -118,12 +118,12 @@ class StreamHints:
     def pytest_runtest_teardown(self, item: pytest.Item, nextitem):
         return (yield from self._capture(item))
 
-    @pytest.hookimpl(wrapper=True)
+    @pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: after the race checks read the children's notes
     def pytest_runtest_makereport(self, item: pytest.Item, call):
         report = yield
         found = item.stash.setdefault(_hints_key, [])
-        for note in detector_notes(item):
-            hint = note_hint(note, process_rank())
+        for rank, note in detector_notes(item):
+            hint = note_hint(note, rank)
             if hint not in found:
                 found.append(hint)
         if found and report.when == "call":

@@ -196,6 +196,7 @@ def _attach(detector) -> None:
     _state.detector = detector
     _state.trace_written = False
     detector.tracker.on_race = _on_race
+    detector.tracker.on_note = _on_note
     _wrap_exit()
     import atexit
 
@@ -233,6 +234,14 @@ def _on_race(races) -> None:
             _state.reported.add((test, race.key()))
             _write({"kind": "race", "test": test, "rank": rank, "pid": os.getpid(),
                     "race": to_dict(race, detector.hb.stream_name, rank)})
+    except Exception:
+        pass
+
+
+def _on_note(text: str) -> None:
+    """Something this process's detector could not model: said to the test, as the test's own notes are."""
+    try:
+        _write({"kind": "note", "test": _owner(), "rank": _rank(), "pid": os.getpid(), "text": text})
     except Exception:
         pass
 

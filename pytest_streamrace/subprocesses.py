@@ -5,8 +5,9 @@ variable, one data file per process, combined here.
 While a test runs (from the start of its setup to the end of its teardown) this process's environment carries
 ``STREAMRACE_SUBPROCESS`` and the live file ``<dir>/current`` names the test. At each judging point of the test
 (its call and teardown reports) the children's files are read on from where they were left: races of this test fail
-it like its own ones; races of a test that already finished (a child that outlived it) go to the "after their
-test" section of the terminal summary and to ``--streamrace-json`` with ``"after_test": true``.
+it like its own ones, and their notes (what they could not model) join the test's hints; races of a test that
+already finished (a child that outlived it) go to the "after their test" section of the terminal summary and to
+``--streamrace-json`` with ``"after_test": true``.
 
 The start-up hook is a ``.pth`` file written into this interpreter's site-packages at session start when missing
 (it is one line that checks the variable, so it costs nothing otherwise; it stays for later sessions). Where that
@@ -70,6 +71,7 @@ class Children:
         self.finished: set[str] = set()
         self.after: list[dict] = []  # race dicts with "test": races of tests that had finished
         self.after_traces: list[tuple[str, list]] = []
+        self.notes: dict[str, list[tuple[int | None, str]]] = {}  # test -> (rank, note) its children's detectors said
         self._forks_armed = False
         self._write_current("")
 
@@ -86,6 +88,7 @@ class Children:
 
     def end(self) -> None:
         self.finished.add(self.current)
+        self.notes.pop(self.current, None)
         self.current = ""
         self._write_current("")
         os.environ.pop(ENV, None)
@@ -115,7 +118,7 @@ class Children:
 
     def collect(self, nodeid: str | None) -> tuple[list[dict], list[tuple[int, list]]]:
         """Races (dicts with rank and pid) and traces ((pid, events)) the children wrote for test `nodeid` since the
-        last call; records of finished tests go to `after`."""
+        last call; records of finished tests go to `after`. Their notes (what they could not model) go to `notes`."""
         races, traces = [], []
         for record in self._read():
             test = record.get("test", "")
@@ -125,6 +128,10 @@ class Children:
                     races.append(race)
                 else:
                     self.after.append(dict(race, test=test or "<between tests>"))
+            elif record.get("kind") == "note" and isinstance(record.get("text"), str):
+                said = self.notes.setdefault(test, [])
+                if (record.get("rank"), record["text"]) not in said:
+                    said.append((record.get("rank"), record["text"]))
             elif record.get("kind") == "trace" and isinstance(record.get("events"), list):
                 if test == nodeid and test not in self.finished:
                     traces.append((record.get("pid"), record["events"]))

@@ -381,3 +381,42 @@ def test_cuda_backend_starts_in_a_child_only_when_it_initializes_cuda(tmp_path):
     out = subprocess.run([sys.executable, "-c", CUDA_CHILD], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "waits for CUDA"
+
+
+UNMODELLED_CHILD = '''
+import os, subprocess, sys
+
+CHILD = """
+import torch
+import pytest_streamrace.detector.tracker as tracker
+
+real = tracker.byte_range
+
+def failing(t):  # stands for any tensor the tracker cannot describe
+    if tuple(t.shape) == (7, 3):
+        raise RuntimeError("cannot describe this tensor")
+    return real(t)
+
+tracker.byte_range = failing
+(torch.ones(7, 3) * 2).sum()
+"""
+
+def test_child_skips_an_op():
+    subprocess.run([sys.executable, "-c", CHILD], check=True, env={**os.environ, "RANK": "1"})
+
+def test_next_child_is_clean():
+    subprocess.run([sys.executable, "-c", "import torch; (torch.ones(7, 3) * 2).sum()"], check=True)
+'''
+
+
+def test_what_a_child_could_not_model_is_said_in_its_test(pytester, tmpdir_marker):
+    """A child's detector skips what it cannot model as the test's own does: with a note, shown with the test that
+    started the child (its rank named), not lost in the child and not raised into it."""
+    pytester.makepyfile(test_note=UNMODELLED_CHILD)
+    result = pytester.runpytest_subprocess("--streamrace", "-rA", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    notes = [line for line in result.stdout.lines if "is not checked: RuntimeError: cannot describe this tensor" in line]
+    assert notes and all("(streamrace note, rank 1)" in line for line in notes), notes
+    summary = [line for line in notes if line.startswith("test_note.py")]
+    assert summary and all(line.startswith("test_note.py::test_child_skips_an_op: ") for line in summary), summary
+    assert "Ops the detector could not model are skipped" in result.stdout.str()

@@ -180,6 +180,7 @@ class AccessTracker(TorchDispatchMode):
         self._capture = None  # the C++ capture (cuda backend), when it replaces this dispatch mode
         self._plans: dict = {}  # op -> _plan(...)
         self.notes: list[str] = []  # what could not be modelled and was skipped, once each
+        self.on_note: Callable[[str], None] | None = None  # told each new note (a child process passes it on)
         # Real autograd (cuda backend): the engine record_stream()s a gradient produced on one stream for the stream
         # of the node that consumes it — in C++, where no hook sees it. The virtual model does this in its hooks.
         self.engine_records_streams = False
@@ -385,6 +386,11 @@ class AccessTracker(TorchDispatchMode):
         """Something the detector could not model and skipped: said once per session (``notes``)."""
         if text not in self.notes:
             self.notes.append(text)
+            if self.on_note is not None:
+                try:
+                    self.on_note(text)
+                except Exception:
+                    pass
 
     def _accesses(self, touched: list[tuple[torch.Tensor, bool]], stream, accesses: list) -> list[tuple]:
         """Append (tensor, write) pairs as hb takes them: (storage, start, end, write, (shape, dtype, name)), for
