@@ -415,7 +415,8 @@ def test_what_a_child_could_not_model_is_said_in_its_test(pytester, tmpdir_marke
     pytester.makepyfile(test_note=UNMODELLED_CHILD)
     result = pytester.runpytest_subprocess("--streamrace", "-rA", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
-    notes = [line for line in result.stdout.lines if "is not checked: RuntimeError: cannot describe this tensor" in line]
+    said = "is not checked: RuntimeError: cannot describe this tensor"
+    notes = [line for line in result.stdout.lines if said in line]
     assert notes and all("(streamrace note, rank 1)" in line for line in notes), notes
     summary = [line for line in notes if line.startswith("test_note.py")]
     assert summary and all(line.startswith("test_note.py::test_child_skips_an_op: ") for line in summary), summary
