@@ -1,11 +1,14 @@
-"""The launcher's pure decisions: marker arguments, backend choice, GPU split between xdist workers."""
+"""The launcher's pure decisions: marker arguments, backend choice, GPU split between xdist workers, the item's
+outcome from its ranks' records."""
 
 from __future__ import annotations
 
 import pytest
 
 from pytest_streamrace import hardware
-from pytest_streamrace.launcher import marker, placement
+from pytest_streamrace.launcher import marker, placement, report
+from pytest_streamrace.launcher.spec import RankSpec
+from pytest_streamrace.launcher.supervise import RankRun
 
 
 def mark(*args, **kwargs):
@@ -68,3 +71,32 @@ def test_cpu_machine_cannot_serve_nccl():
     assert placement.place(2, None).backend == "gloo"
     with pytest.raises(placement.Unservable, match="backend nccl needs 2 CUDA GPUs, this machine has 0"):
         placement.place(2, "nccl")
+
+
+def _phase(when, outcome="passed", longrepr=""):
+    return {"kind": "report", "when": when, "outcome": outcome, "longrepr": longrepr, "sections": [],
+            "user_properties": []}
+
+
+def _run(rank, records, exit_status=None, tmp_path=None):
+    spec = RankSpec(rank, 2, "gloo", "store", "result", "stacks", "release", 30.0)
+    return RankRun(spec, 100 + rank, str(tmp_path / f"out{rank}"), records, exit_status)
+
+
+def test_a_peer_failing_in_setup_after_a_rank_died_in_call_fails_the_call(request, tmp_path):
+    """Rank 1 finished joining the group, ran ahead and exited in its call while rank 0 was still connecting (its
+    setup then fails): the item failed in call because rank 1 died, not with a setup error (seen under load)."""
+    died = _run(1, [_phase("setup")], exit_status=3, tmp_path=tmp_path)
+    consequence = _run(0, [_phase("setup", "failed", "E   RuntimeError: Connection closed by peer")], tmp_path=tmp_path)
+    reports = report.build(request.node, [consequence, died], timeout=30.0, duration=1.0)
+    outcomes = {r.when: r.outcome for r in reports}
+    assert outcomes == {"setup": "passed", "call": "failed", "teardown": "passed"}
+    text = next(r for r in reports if r.when == "call").longreprtext
+    assert "rank 1 of 2 died: exit code 3" in text and "rank 0: failed in setup after a peer died" in text
+
+
+def test_without_a_death_the_earliest_failure_decides_the_phase(request, tmp_path):
+    setup_error = _run(0, [_phase("setup", "failed", "E   fixture broke")], tmp_path=tmp_path)
+    call_failure = _run(1, [_phase("setup"), _phase("call", "failed", "E   assert 0")], tmp_path=tmp_path)
+    reports = report.build(request.node, [setup_error, call_failure], timeout=30.0, duration=1.0)
+    assert {r.when: r.outcome for r in reports}["setup"] == "failed"

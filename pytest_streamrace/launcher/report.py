@@ -70,8 +70,11 @@ def build(item: pytest.Item, runs: list[RankRun], timeout: float, duration: floa
 
     if any(k in by_kind for k in ("failed", "error", "died")) or _timed_out(runs) or \
             ("skipped" in by_kind and len(by_kind["skipped"]) < n and "xfailed" not in by_kind):
-        when = min((v.when for v in verdicts if v.kind not in ("passed", "stopped")),
-                   key=PHASES.index, default="call")
+        # A rank that died is the cause: its peers' failures after it (a setup still connecting to the dead rank)
+        # are consequences and do not move the item's failure to an earlier phase.
+        culprits = [v for v in verdicts if v.kind == "died"] or \
+            [v for v in verdicts if v.kind not in ("passed", "stopped")]
+        when = min((v.when for v in culprits), key=PHASES.index, default="call")
         return _reports(item, when, "failed", _failure_text(verdicts, runs, timeout), sections, duration, props)
     if "skipped" in by_kind:  # on every rank
         skips = by_kind["skipped"]
