@@ -115,7 +115,7 @@ def test_torch_once_warnings_reach_every_test_under_streamrace(pytester, streamr
     result.assert_outcomes(failed=failed, passed=2 - failed)
 
 
-UNMODELLED = """
+UNDESCRIBABLE = """
 import torch
 import pytest_streamrace.detector.tracker as tracker
 
@@ -129,7 +129,9 @@ def failing(t):  # stands for any tensor the tracker cannot describe
 
 
 tracker.byte_range = failing
+"""
 
+UNMODELLED = UNDESCRIBABLE + """
 
 def test_unmodelled_op_is_skipped(streamrace_device):
     odd = torch.ones(7, 3, device=streamrace_device)

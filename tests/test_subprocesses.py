@@ -386,20 +386,7 @@ def test_cuda_backend_starts_in_a_child_only_when_it_initializes_cuda(tmp_path):
 UNMODELLED_CHILD = '''
 import os, subprocess, sys
 
-CHILD = """
-import torch
-import pytest_streamrace.detector.tracker as tracker
-
-real = tracker.byte_range
-
-def failing(t):  # stands for any tensor the tracker cannot describe
-    if tuple(t.shape) == (7, 3):
-        raise RuntimeError("cannot describe this tensor")
-    return real(t)
-
-tracker.byte_range = failing
-(torch.ones(7, 3) * 2).sum()
-"""
+CHILD = "import undescribable, torch; (torch.ones(7, 3) * 2).sum()"  # undescribable: the tracker fails on 7x3
 
 def test_child_skips_an_op():
     subprocess.run([sys.executable, "-c", CHILD], check=True, env={**os.environ, "RANK": "1"})
@@ -412,7 +399,9 @@ def test_next_child_is_clean():
 def test_what_a_child_could_not_model_is_said_in_its_test(pytester, tmpdir_marker):
     """A child's detector skips what it cannot model as the test's own does: with a note, shown with the test that
     started the child (its rank named), not lost in the child and not raised into it."""
-    pytester.makepyfile(test_note=UNMODELLED_CHILD)
+    from test_hints import UNDESCRIBABLE
+
+    pytester.makepyfile(test_note=UNMODELLED_CHILD, undescribable=UNDESCRIBABLE)
     result = pytester.runpytest_subprocess("--streamrace", "-rA", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2)
     said = "is not checked: RuntimeError: cannot describe this tensor"
