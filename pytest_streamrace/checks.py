@@ -142,7 +142,7 @@ class RaceChecks:
         rank = process_rank()
         children, child_traces = self.children.collect(item.nodeid)
         item.stash[_children_key] = item.stash.get(_children_key, 0) + len(children)
-        item.stash[_child_notes_key] = self.children.notes.get(item.nodeid, [])
+        item.stash[_child_notes_key] = list(self.children.notes)
         # Recorded on the item, so the teardown report — the one collected, here and in a launching parent —
         # carries every phase's; the teardown report itself is already built, so it gets its own directly.
         record = report.user_properties if report.when == "teardown" else item.user_properties

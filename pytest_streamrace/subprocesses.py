@@ -71,7 +71,7 @@ class Children:
         self.finished: set[str] = set()
         self.after: list[dict] = []  # race dicts with "test": races of tests that had finished
         self.after_traces: list[tuple[str, list]] = []
-        self.notes: dict[str, list[tuple[int | None, str]]] = {}  # test -> (rank, note) its children's detectors said
+        self.notes: list[tuple[int | None, str]] = []  # (rank, note) the running test's children's detectors said
         self._forks_armed = False
         self._write_current("")
 
@@ -79,6 +79,7 @@ class Children:
 
     def begin(self, nodeid: str) -> None:
         self.current = nodeid
+        self.notes = []
         self._write_current(nodeid)
         os.environ[ENV] = json.dumps({"dir": self.dir, "backend": self.backend, "trace": self.trace,
                                       "test": nodeid})
@@ -88,7 +89,6 @@ class Children:
 
     def end(self) -> None:
         self.finished.add(self.current)
-        self.notes.pop(self.current, None)
         self.current = ""
         self._write_current("")
         os.environ.pop(ENV, None)
@@ -129,9 +129,9 @@ class Children:
                 else:
                     self.after.append(dict(race, test=test or "<between tests>"))
             elif record.get("kind") == "note" and isinstance(record.get("text"), str):
-                said = self.notes.setdefault(test, [])
-                if (record.get("rank"), record["text"]) not in said:
-                    said.append((record.get("rank"), record["text"]))
+                note = (record.get("rank"), record["text"])
+                if test == nodeid and test not in self.finished and note not in self.notes:
+                    self.notes.append(note)
             elif record.get("kind") == "trace" and isinstance(record.get("events"), list):
                 if test == nodeid and test not in self.finished:
                     traces.append((record.get("pid"), record["events"]))

@@ -15,6 +15,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 export OMP_NUM_THREADS=4
 OUT=${OUT:-/tmp/streamrace-harnesses}; mkdir -p "$OUT"
 part=${1:-all}
+case "$part" in mptc|coalesce|zero|all) ;; *) echo "harnesses.sh: unknown part '$part' (mptc|coalesce|zero|all)"; exit 2;; esac
 REPO=$PWD
 DS=$REPO/.gpu/ds-tests/tests
 date -u; nvidia-smi -L

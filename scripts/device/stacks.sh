@@ -6,6 +6,8 @@
 #   device run (kind nvidia-h200-x2, carry .whl): bash scripts/device/stacks.sh [plain|regress]
 # STACKS=... picks stack modules (default: all of tests/stacks/stack_*.py); LIMIT=... caps a stacks pass (s, default 540).
 set -u
+part=${1:-streamrace}
+case "$part" in streamrace|plain|regress) ;; *) echo "stacks.sh: unknown part '$part' (plain|regress)"; exit 2;; esac
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=/tmp/tex  # megatron-core 0.15.2 builds an extension at import
 OUT=${OUT:-/tmp/streamrace-stacks}; mkdir -p "$OUT"
@@ -17,12 +19,12 @@ python3 -c "import torch, pytest, deepspeed, megatron.core as mc; print('torch',
 pt="python3 -m pytest -p no:cacheprovider"
 stacks=${STACKS:-tests/stacks/stack_*.py}
 start=$SECONDS
-case "${1:-}" in
+case "$part" in
 plain)
   echo "== stacks, plain (every case runs on NCCL without the plugin's checks)"
   timeout ${LIMIT:-540} $pt $stacks -q -p no:randomly > "$OUT/stacks-plain.log" 2>&1; tail -2 "$OUT/stacks-plain.log"
   echo "stacks: $((SECONDS - start)) s"; exit 0;;
-"")
+streamrace)
   echo "== stacks under --streamrace (cuda backend): clean cases must pass clean, racy twins must be caught"
   timeout ${LIMIT:-540} $pt $stacks --streamrace -rA -q -p no:randomly --streamrace-json "$OUT/stacks-races.json" \
     > "$OUT/stacks-streamrace.log" 2>&1
