@@ -2,7 +2,9 @@
 
 torch fires ``torch.cuda._gpu_trace`` callbacks for stream and event creation, event record/wait/synchronize,
 stream/device synchronize and caching-allocator (de)allocation, with raw ``cudaStream_t`` / ``cudaEvent_t`` handles.
-Those handles are the hb keys. The engine applies autograd's stream rules itself on a GPU, so nothing about
+Those handles are the hb keys. Streams are named where Python constructs them: CUDA's stream pool creates all its
+streams (and fires the creation callbacks) at the first request on a device, often inside ``init_process_group``, and
+hands them out round-robin later without a callback. The engine applies autograd's stream rules itself on a GPU, so nothing about
 autograd is modelled here: its ops and the events it records reach hb like everyone else's. Callbacks that order
 streams or the host first drain the ops captured so far (``capture``), so both land in the order they happened.
 """
@@ -41,7 +43,7 @@ class CudaStreams:
     # callbacks (they run inside torch calls: keep them small; hb serializes itself)
 
     def _stream_created(self, handle: int) -> None:
-        self.hb.add_stream(handle, f"stream created at {created_at()}")
+        self.hb.add_stream(handle, f"pooled CUDA stream (pool created at {created_at()})")
 
     def _event_record(self, event: int, stream: int) -> None:
         self.tracker.drain()
@@ -74,6 +76,13 @@ class CudaStreams:
     def patches(self, attr_patch) -> list:
         original_sleep = torch.cuda._sleep
         original_record_stream = torch.Tensor.record_stream
+        original_new = torch.cuda.Stream.__new__
+
+        def stream_new(cls, *args, **kwargs):
+            stream = original_new(cls, *args, **kwargs)
+            if "stream_id" not in kwargs and "stream_ptr" not in kwargs:  # a new stream, not a view of a known one
+                self.hb.add_stream(stream.cuda_stream, f"stream created at {created_at()}")
+            return stream
 
         def _sleep(cycles):
             self.tracker.run("torch.cuda._sleep", self.current())
@@ -88,7 +97,7 @@ class CudaStreams:
                     self.hb.record_stream(key, self.key(stream))
 
         return [attr_patch(torch.cuda, "_sleep", _sleep), attr_patch(torch.Tensor, "record_stream", record_stream),
-                self]
+                attr_patch(torch.cuda.Stream, "__new__", staticmethod(stream_new)), self]
 
     def install(self) -> None:
         import torch.cuda._gpu_trace as trace

@@ -3,8 +3,9 @@
 # nvidia-h200):
 #   bash scripts/device/compile.sh
 # Racy/clean twins of compiled code (Inductor's Triton kernels, a triton_op user kernel, a CUDA-graph replay,
-# max-autotune-no-cudagraphs, backward and a compiled-autograd hook), the #8061 hook-stream experiment, and the
-# overhead benchmark with its compiled training step. Logs land in $OUT; a compact table closes the output.
+# max-autotune-no-cudagraphs, backward and a compiled-autograd hook), tests/test_cuda_backend.py (stream names), the
+# #8061 hook-stream experiment, and the overhead benchmark with its compiled training step. Logs land in $OUT; a
+# compact table closes the output.
 # PART=cases (the twins and the hook experiment, ~5 min) or PART=bench (the benchmark, ~5 min) splits it in two runs
 # under the 10-minute limit of one device command; default: both.
 set -u
@@ -23,6 +24,8 @@ echo "== compiled cases, ours (cuda backend)"
 timeout 420 $pt tests/compile/cuda_cases.py --streamrace --streamrace-backend=cuda -rA --junitxml="$OUT/ours.xml" \
   --streamrace-json "$OUT/races.json" > "$OUT/cases.log" 2>&1; echo "exit $?"; tail -3 "$OUT/cases.log"
 grep -E "^(FAILED|ERROR) " "$OUT/cases.log" | cut -c1-200 | head -20
+echo "== cuda backend: streams named where Python constructs them (pooled streams, NCCL first)"
+timeout 120 $pt tests/test_cuda_backend.py -q > "$OUT/cuda_backend.log" 2>&1; echo "exit $?"; tail -15 "$OUT/cuda_backend.log"
 echo "== #8061: which stream gradient hooks run on"
 timeout 180 python3 scripts/device/hook_streams.py 2>&1 | grep -v Warning | tee "$OUT/hook_streams.log" | tail -5
 echo "== table"

@@ -13,6 +13,8 @@
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=4
+# DeepSpeed's FusedAdam JIT build (most of test_zero.py) dies parsing the image's arch list ("invalid literal ... '0a'")
+export TORCH_CUDA_ARCH_LIST=9.0 TORCH_EXTENSIONS_DIR=/tmp/tex
 OUT=${OUT:-/tmp/streamrace-harnesses}; mkdir -p "$OUT"
 part=${1:-all}
 case "$part" in mptc|coalesce|zero|all) ;; *) echo "harnesses.sh: unknown part '$part' (mptc|coalesce|zero|all)"; exit 2;; esac
