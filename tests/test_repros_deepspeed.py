@@ -45,3 +45,30 @@ def test_shipped_repro_items_pass_under_pytest_streamrace(pytester):
     passed = {line.split("[")[1].split("]")[0] for line in result.outlines if " PASSED" in line}
     assert passed == {f"{name}-{variant}" for name in ("zero_overlap", "zero_bucket_reuse")
                       for variant in ("unpatched", "patched")}
+
+
+def test_zero3_param_gather_cli(tmp_path):
+    """ZeRO-3's all-gather after a step (deepspeed 0.19.8): the gather's read of a partition races the step's copy."""
+    from pytest_streamrace.repro import registry
+
+    problem = registry.get("zero3_param_gather").framework.problem()
+    if problem:
+        pytest.skip(problem)
+    path = tmp_path / "out.json"
+    out = subprocess.run([sys.executable, "-m", "pytest_streamrace.repro", "zero3_param_gather", "--json", str(path)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "zero3_param_gather/unpatched: reproduced (as expected)" in out.stdout
+    assert "zero3_param_gather/patched: clean (as expected)" in out.stdout
+    runs = {r["variant"]: r for r in json.loads(path.read_text())["runs"]}
+    assert runs["patched"]["races"] == []
+    races = runs["unpatched"]["races"]
+    assert races and {r["rank"] for r in races} == {0, 1}
+    for race in races:
+        assert race["kind"] == "read-after-write"
+        copy, gather = race["earlier"]["frames"][0], race["later"]
+        assert copy["file"].endswith("deepspeed/runtime/zero/stage3.py"), copy
+        assert copy["function"] == "_reassign_or_swap_out_partitioned_parameters"
+        assert any(f["function"] == "_all_gather_dtype" and f["file"].endswith("partition_parameters.py")
+                   for f in gather["frames"]), gather
+        assert race["later"]["stream"] == "stream created at parameter_offload.py:195"

@@ -35,7 +35,7 @@ echo "== corpus, ours (cuda backend)"
 $pt tests/corpus/corpus_cases.py --streamrace --streamrace-backend=cuda --junitxml="$OUT/ours.xml" -q \
   > "$OUT/corpus-ours.log" 2>&1; tail -1 "$OUT/corpus-ours.log"
 python3 scripts/device/corpus_table.py "$OUT/ours.xml" | tail -3
-for repro in zero_overlap zero_bucket_reuse; do
+for repro in zero_overlap zero_bucket_reuse zero3_param_gather; do
   echo "== deepspeed: $repro, 3 runs per variant"
   timeout 200 python3 -m pytest_streamrace.repro $repro --backend cuda --repeat 3 > "$OUT/$repro.log" 2>&1
   echo "exit $?"; grep -E ": (reproduced|clean|inconclusive|error) [0-9]+/|every variant" "$OUT/$repro.log" | sort | uniq -c

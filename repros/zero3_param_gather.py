@@ -1,0 +1,137 @@
+"""New: ZeRO-3 all-gathers parameter partitions that the optimizer step's copy is still writing (deepspeed 0.19.8)."""
+
+from __future__ import annotations
+
+import contextlib
+
+from pytest_streamrace.repro.spec import Framework, Repro, Variant
+
+COPY = ("stage3.py", "_reassign_or_swap_out_partitioned_parameters")  # the step writes the partitions
+GATHER = ("partition_parameters.py", "_all_gather_dtype")  # the next fetch reads them
+SLEEP_CYCLES = 100_000_000  # ~50 ms on an H100/H200: the copy then lands after the prefetch's read
+
+
+def _in(access: dict, where: tuple[str, str]) -> bool:
+    return any(f["function"] == where[1] and f["file"].endswith(where[0]) for f in access["frames"])
+
+
+def gather_reads_partition_under_copy(race: dict) -> bool:
+    return _in(race["earlier"], COPY) and _in(race["later"], GATHER)
+
+
+@contextlib.contextmanager
+def _patched(gather_waits: bool, delay: bool):
+    """The fix (every all-gather first waits for the stream that issues it) and, on GPUs, the forcing: a sleep on the
+    step's stream just before its copy into the partitions, so that the copy is still queued when the prefetch runs."""
+    import torch
+    from deepspeed.accelerator import get_accelerator
+    from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
+
+    gather_name = "_PartitionedParameterCoordinator__all_gather_params"
+    gather, copy = getattr(Coordinator, gather_name), Stage3._reassign_or_swap_out_partitioned_parameters
+
+    def gather_after_issuer(self, params, forward):
+        stream = self._PartitionedParameterCoordinator__allgather_stream
+        if stream is not None:
+            stream.wait_stream(get_accelerator().current_stream())
+        return gather(self, params, forward)
+
+    def copy_late(self, sub_group_id):
+        torch.cuda._sleep(SLEEP_CYCLES)
+        return copy(self, sub_group_id)
+
+    if gather_waits:
+        setattr(Coordinator, gather_name, gather_after_issuer)
+    if delay:
+        Stage3._reassign_or_swap_out_partitioned_parameters = copy_late
+    try:
+        yield
+    finally:
+        setattr(Coordinator, gather_name, gather)
+        Stage3._reassign_or_swap_out_partitioned_parameters = copy
+
+
+def _train(ctx, overlap: bool, fix: bool, forced: bool) -> dict:
+    """ctx.steps optimizer steps of ZeRO-3 (2 micro-batches each); returns the final fp32 partitions by name."""
+    import deepspeed
+    import torch
+    from deepspeed.utils import safe_get_local_fp32_param
+
+    width = 256 if ctx.backend == "cuda" else 16
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(4)]).to(ctx.device)
+    config = {
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2,
+        "zero_optimization": {"stage": 3, "overlap_comm": overlap, "stage3_param_persistence_threshold": 0},
+        # stock option; with the default (synchronized) the timer's device sync hides the race after step 1
+        "timers": {"throughput": {"enabled": True, "synchronized": False}},
+        "zero_allow_untested_optimizer": True, "steps_per_print": 1 << 30,
+    }
+    with _patched(gather_waits=fix, delay=forced and ctx.backend == "cuda"):
+        engine, _, _, _ = deepspeed.initialize(model=model, config=config,
+                                               optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+        generator = torch.Generator(device=ctx.device).manual_seed(1 + ctx.rank)
+        for step in range(ctx.steps):
+            for _ in range(2):
+                x = torch.randn(4, width, device=ctx.device, generator=generator)
+                loss = engine(x).pow(2).mean()
+                engine.backward(loss)
+                engine.step()
+            # no loss.item() here: a host sync after the step would order the next all-gather after the copy
+            ctx.progress(f"{'forced' if forced else 'reference'} run: step {step + 1}/{ctx.steps}")
+        if ctx.backend == "cuda":
+            torch.cuda.synchronize()
+        return {n: safe_get_local_fp32_param(p).detach().float().cpu().clone()
+                for n, p in engine.module.named_parameters()}
+
+
+def run(ctx) -> dict | None:
+    """One rank. On a GPU the forced run is compared with an overlap_comm=False run (one stream, so ordered); on the
+    virtual backend the detector is the evidence."""
+    import contextlib as _cl
+
+    from pytest_streamrace.frameworks.deepspeed_accelerator import deepspeed_on_virtual_streams
+
+    fix = ctx.variant == "patched"
+    with deepspeed_on_virtual_streams() if ctx.backend == "virtual" else _cl.nullcontext():
+        reference = None
+        if ctx.backend == "cuda":
+            with ctx.detector.paused():
+                reference = _train(ctx, overlap=False, fix=fix, forced=False)
+        forced = _train(ctx, overlap=True, fix=fix, forced=True)
+    if reference is None:
+        return None
+    from pytest_streamrace.forcing.referee import compare
+
+    verdict = compare(forced, reference)
+    return {"max_rel_err": verdict.max_rel_error, "first_param": verdict.first_difference,
+            "nan": bool(verdict.nonfinite), "compared": verdict.compared, "against": "overlap_comm=False"}
+
+
+REPRO = Repro(
+    name="zero3_param_gather",
+    title="DeepSpeed ZeRO-3: the next all-gather reads parameter partitions the optimizer step is still writing",
+    description="""
+At the end of a step ZeRO-3 copies the updated fp32 partition into each parameter's partition (stage3.py
+_reassign_or_swap_out_partitioned_parameters, on the current stream). The next forward's first fetch prefetches the
+parameters on the coordinator's all-gather stream (partitioned_param_coordinator.py __all_gather_params), whose
+torch.cat in partition_parameters.py _all_gather_dtype reads those partitions. Nothing makes the all-gather stream wait
+for the step's stream: only incidental host syncs order them (the module-trace check while the trace is recorded, and
+the throughput timer's synchronize from global step 2 with timers.throughput.synchronized, the default). With
+gradient accumulation the first step is exposed; with synchronized: false every step is. On the device the prefetch
+then gathers pre-step values and the next micro-batch computes with them (docs/zero3-param-gather.md). Found by
+pytest --streamrace in DeepSpeed's own test_zero.py::TestZeroToFP32::test_2_param_groups. The repro runs stock
+ZeRO-3 (overlap_comm, accumulation 2, synchronized: false); the patched variant makes every all-gather wait for the
+stream that issues it.""",
+    references=("docs/zero3-param-gather.md (measurements on 2xH200, write-up for upstream)",),
+    affected="deepspeed 0.19.8 (older releases not checked)",
+    fixed="not fixed upstream as of 0.19.8",
+    framework=Framework("deepspeed", "==0.19.8", extra="deepspeed"),
+    variants=(
+        Variant("unpatched", "reproduced", "stock: the all-gather stream never waits for the step's copy"),
+        Variant("patched", "clean", "every all-gather first waits for the stream that issues it"),
+    ),
+    run=run,
+    relevant=gather_reads_partition_under_copy,
+)
