@@ -145,21 +145,20 @@ def _train(ctx, overlap: bool, forced: bool) -> dict:
     return {n: p.detach().float().cpu().clone() for n, p in engine.module.named_parameters()}
 
 
-def run(ctx, producer_fix: bool, reuse_fix: bool) -> dict | None:
-    """One rank of a ZeRO-2 overlap_comm run with the hooks forced onto two streams. On a GPU the result is compared
-    with an overlap_comm=False reference run (the numbers); on the virtual backend the detector is the evidence."""
+def referee_run(ctx, train) -> dict | None:
+    """One rank of a ZeRO overlap_comm repro. On a GPU ``train(overlap=True, forced=True)`` is compared with
+    ``train(overlap=False, forced=False)`` (one stream, so ordered; run with the detector paused); on the virtual
+    backend the detector is the evidence."""
     import contextlib as _cl
 
     from pytest_streamrace.frameworks.deepspeed_accelerator import deepspeed_on_virtual_streams
 
-    accelerator = deepspeed_on_virtual_streams() if ctx.backend == "virtual" else _cl.nullcontext()
-    with accelerator:
+    with deepspeed_on_virtual_streams() if ctx.backend == "virtual" else _cl.nullcontext():
         reference = None
         if ctx.backend == "cuda":
             with ctx.detector.paused():
-                reference = _train(ctx, overlap=False, forced=False)
-        with zero_fixes(producer_fix, reuse_fix):
-            forced = _train(ctx, overlap=True, forced=True)
+                reference = train(overlap=False, forced=False)
+        forced = train(overlap=True, forced=True)
     if reference is None:
         return None
     from pytest_streamrace.forcing.referee import compare
@@ -168,3 +167,14 @@ def run(ctx, producer_fix: bool, reuse_fix: bool) -> dict | None:
     return {"max_rel_err": verdict.max_rel_error, "first_param": verdict.first_difference,
             "nan": bool(verdict.nonfinite), "compared": verdict.compared, "against": "overlap_comm=False"}
 
+
+def run(ctx, producer_fix: bool, reuse_fix: bool) -> dict | None:
+    """ZeRO-2 with the hooks forced onto two streams, with #8080 and the bucket-reuse fix on or off."""
+
+    def train(overlap: bool, forced: bool) -> dict:
+        if not forced:
+            return _train(ctx, overlap, forced)
+        with zero_fixes(producer_fix, reuse_fix):
+            return _train(ctx, overlap, forced)
+
+    return referee_run(ctx, train)

@@ -6,6 +6,8 @@ import contextlib
 
 from pytest_streamrace.repro.spec import Framework, Repro, Variant
 
+from . import _zero
+
 COPY = ("stage3.py", "_reassign_or_swap_out_partitioned_parameters")  # the step writes the partitions
 GATHER = ("partition_parameters.py", "_all_gather_dtype")  # the next fetch reads them
 SLEEP_CYCLES = 100_000_000  # ~50 ms on an H100/H200: the copy then lands after the prefetch's read
@@ -87,26 +89,8 @@ def _train(ctx, overlap: bool, fix: bool, forced: bool) -> dict:
 
 
 def run(ctx) -> dict | None:
-    """One rank. On a GPU the forced run is compared with an overlap_comm=False run (one stream, so ordered); on the
-    virtual backend the detector is the evidence."""
-    import contextlib as _cl
-
-    from pytest_streamrace.frameworks.deepspeed_accelerator import deepspeed_on_virtual_streams
-
     fix = ctx.variant == "patched"
-    with deepspeed_on_virtual_streams() if ctx.backend == "virtual" else _cl.nullcontext():
-        reference = None
-        if ctx.backend == "cuda":
-            with ctx.detector.paused():
-                reference = _train(ctx, overlap=False, fix=fix, forced=False)
-        forced = _train(ctx, overlap=True, fix=fix, forced=True)
-    if reference is None:
-        return None
-    from pytest_streamrace.forcing.referee import compare
-
-    verdict = compare(forced, reference)
-    return {"max_rel_err": verdict.max_rel_error, "first_param": verdict.first_difference,
-            "nan": bool(verdict.nonfinite), "compared": verdict.compared, "against": "overlap_comm=False"}
+    return _zero.referee_run(ctx, lambda overlap, forced: _train(ctx, overlap, fix, forced))
 
 
 REPRO = Repro(

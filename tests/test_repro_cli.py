@@ -1,15 +1,9 @@
 """`python -m pytest_streamrace.repro`: listing, describing, third-party repros, and one-line errors (exit 2)."""
 
-import subprocess
-import sys
 import textwrap
 
 import pytest
-
-
-def repro(*args, env=None, cwd=None):
-    return subprocess.run([sys.executable, "-m", "pytest_streamrace.repro", *args], capture_output=True, text=True,
-                          env=env, cwd=cwd, timeout=300)
+from repro_cli import repro
 
 
 def test_list_shows_the_shipped_repros():

@@ -3,17 +3,11 @@ of the installed DeepSpeed (0.19.8) its harness patch relies on. The repro itsel
 (scripts/device/deepcompile.sh)."""
 
 import inspect
-import subprocess
-import sys
 
 import pytest
+from repro_cli import repro
 
 pytest.importorskip("deepspeed")
-
-
-def repro(*args):
-    return subprocess.run([sys.executable, "-m", "pytest_streamrace.repro", *args], capture_output=True, text=True,
-                          timeout=300)
 
 
 @pytest.mark.parametrize("args, message", [

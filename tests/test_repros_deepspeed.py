@@ -2,11 +2,9 @@
 verdicts and JSON evidence, and the shipped pytest items as users run them in CI."""
 
 import importlib.util
-import json
-import subprocess
-import sys
 
 import pytest
+from repro_cli import both_variants
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
 
@@ -16,14 +14,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, r
     ("zero_bucket_reuse", {"write-after-read", "write-after-write"}),  # a copy into a buffer a reduction uses
 ])
 def test_cli_verdicts_and_json_evidence(tmp_path, name, bug_kinds):
-    path = tmp_path / "out.json"
-    out = subprocess.run([sys.executable, "-m", "pytest_streamrace.repro", name, "--json", str(path)],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert f"{name}/unpatched: reproduced (as expected)" in out.stdout
-    assert f"{name}/patched: clean (as expected)" in out.stdout
-    assert "[unpatched] forced run: step 2/2" in out.stdout  # progress while the ranks run
-    doc = json.loads(path.read_text())
+    stdout, doc = both_variants(name, tmp_path)
+    assert "[unpatched] forced run: step 2/2" in stdout  # progress while the ranks run
     assert doc["backend"] == "virtual" and doc["framework"].startswith("deepspeed ")
     runs = {r["variant"]: r for r in doc["runs"]}
     assert runs["patched"]["races"] == [] and runs["patched"]["verdict"] == "clean"
@@ -54,13 +46,8 @@ def test_zero3_param_gather_cli(tmp_path):
     problem = registry.get("zero3_param_gather").framework.problem()
     if problem:
         pytest.skip(problem)
-    path = tmp_path / "out.json"
-    out = subprocess.run([sys.executable, "-m", "pytest_streamrace.repro", "zero3_param_gather", "--json", str(path)],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "zero3_param_gather/unpatched: reproduced (as expected)" in out.stdout
-    assert "zero3_param_gather/patched: clean (as expected)" in out.stdout
-    runs = {r["variant"]: r for r in json.loads(path.read_text())["runs"]}
+    _, doc = both_variants("zero3_param_gather", tmp_path)
+    runs = {r["variant"]: r for r in doc["runs"]}
     assert runs["patched"]["races"] == []
     races = runs["unpatched"]["races"]
     assert races and {r["rank"] for r in races} == {0, 1}

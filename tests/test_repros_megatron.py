@@ -2,11 +2,9 @@
 the CLI's verdicts and JSON evidence, and the shipped pytest items with their stream hints."""
 
 import importlib.util
-import json
-import subprocess
-import sys
 
 import pytest
+from repro_cli import both_variants
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("megatron") is None, reason="megatron-core is not installed")
 
@@ -19,14 +17,8 @@ def _functions(access: dict, file: str) -> set:
 
 
 def test_cli_verdicts_and_json_evidence(tmp_path):
-    path = tmp_path / "out.json"
-    out = subprocess.run([sys.executable, "-m", "pytest_streamrace.repro", "megatron_instances", "--json", str(path)],
-                         capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stdout + out.stderr
-    assert "megatron_instances/unpatched: reproduced (as expected)" in out.stdout
-    assert "megatron_instances/patched: clean (as expected)" in out.stdout
-    assert "[unpatched] overlapped run: iteration 2/2" in out.stdout  # >= 2 iterations, progress while ranks run
-    doc = json.loads(path.read_text())
+    stdout, doc = both_variants("megatron_instances", tmp_path)
+    assert "[unpatched] overlapped run: iteration 2/2" in stdout  # >= 2 iterations, progress while ranks run
     assert doc["backend"] == "virtual" and doc["framework"].startswith("megatron-core ") and doc["world_size"] == 2
     runs = {r["variant"]: r for r in doc["runs"]}
     assert runs["patched"]["races"] == [] and runs["patched"]["verdict"] == "clean"
