@@ -5,8 +5,9 @@ stream/device synchronize and caching-allocator (de)allocation, with raw ``cudaS
 Those handles are the hb keys. Streams are named where Python constructs them: CUDA's stream pool creates all its
 streams (and fires the creation callbacks) at the first request on a device, often inside ``init_process_group``, and
 hands them out round-robin later without a callback. The engine applies autograd's stream rules itself on a GPU, so
-nothing about autograd is modelled here: its ops and the events it records reach hb like everyone else's. Callbacks that order
-streams or the host first drain the ops captured so far (``capture``), so both land in the order they happened.
+nothing about autograd is modelled here: its ops and the events it records reach hb like everyone else's. Callbacks
+that order streams or the host first drain the ops captured so far (``capture``), so both land in the order they
+happened.
 """
 
 from __future__ import annotations
