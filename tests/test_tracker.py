@@ -7,7 +7,7 @@ from tagged_lines import line
 
 from pytest_streamrace.detector.frames import user_frames
 from pytest_streamrace.detector.session import Detector
-from pytest_streamrace.detector.tracker import byte_range
+from pytest_streamrace.detector.tracker import byte_range, plain_storage
 
 
 def side_stream():
@@ -166,3 +166,47 @@ def test_the_stacks_kept_per_op_hold_no_locals():
         assert dead() is None
         (add,) = [op for op in d.hb.timeline if op.site.op == "aten::add_"]
         assert add.site.frames[0][2] == "local_work"
+
+
+def test_fake_tensors_have_no_storage_to_read_and_are_not_asked_for_one():
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        fake = torch.empty(4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch warns when a fake storage's data pointer is read
+        assert plain_storage(fake) is None
+    assert plain_storage(torch.empty(4)) is not None
+
+
+# PyTorch's LocalTensor test classes (test_tp_style.py's ...WithLocalTensor): DTensor's sharding propagation makes fake
+# tensors inside the ops the detector sees
+LOCAL_TENSOR_TP = """
+import torch, torch.nn as nn, torch.distributed as dist
+from torch.distributed._local_tensor import LocalTensorMode
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+
+def test_colwise_on_local_tensors():
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        with LocalTensorMode(frozenset(range(2))):
+            mod = parallelize_module(nn.Linear(16, 16), mesh, ColwiseParallel())
+            mod(torch.rand(8, 16)).sum().backward()
+    finally:
+        dist.destroy_process_group()
+"""
+
+
+def test_tensor_parallel_on_local_tensors_runs_clean_and_quiet(pytester):
+    pytester.makepyfile(test_local_tp=LOCAL_TENSOR_TP)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    out = result.stdout.str()
+    assert "1 test checked, 0 races found" in out
+    assert "FakeTensor" not in out and "streamrace note" not in out, out

@@ -48,20 +48,33 @@ def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
     return start, start + (last + 1) * size
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+_TRACED: tuple = ()
+
+
+def _traced(cls) -> bool:
+    """Whether a tensor class is tracing's own (fake and functional tensors): no real bytes behind it."""
+    global _TRACED
+    if not _TRACED:
+        from torch._subclasses.fake_tensor import FakeTensor
+        from torch._subclasses.functional_tensor import FunctionalTensor
+
+        _TRACED = (FakeTensor, FunctionalTensor)
+    return issubclass(cls, _TRACED)
+
+
 def plain_storage(t: torch.Tensor):
     """(data pointer, storage) of the plain storage that holds a tensor's bytes; None where there is none to read —
     subclass wrappers (DTensor, functional and fake tensors), sparse and nested tensors, storages already gone. The one
     guard for every place the tracker touches storages."""
+    if t.__class__ not in _PLAIN and _traced(t.__class__):
+        return None  # asking a fake storage for its data pointer warns (DTensor's sharding propagation makes them)
     try:
         storage = t.untyped_storage()
         key = storage.data_ptr()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
     return (key, storage) if key else None
-
-
-_TRACED: tuple = ()
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _subclasses(types) -> bool:
@@ -72,13 +85,7 @@ def _subclasses(types) -> bool:
 def _traced_tensors(types) -> bool:
     """Whether an op's subclass arguments are tracing's own (fake and functional tensors while compiling): their
     dispatch needs their mode, not ours, and runs no kernel on real memory."""
-    global _TRACED
-    if not _TRACED:
-        from torch._subclasses.fake_tensor import FakeTensor
-        from torch._subclasses.functional_tensor import FunctionalTensor
-
-        _TRACED = (FakeTensor, FunctionalTensor)
-    return all(issubclass(t, _TRACED) for t in types if t not in _PLAIN)
+    return all(_traced(t) for t in types if t not in _PLAIN)
 
 
 _HANDLED = "handled"  # plan of ops a namespace handler models (collectives)
