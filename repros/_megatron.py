@@ -21,6 +21,8 @@ import inspect
 import re
 import sys
 
+from pytest_streamrace.repro.evidence import in_frames
+
 PGB_FILE = "param_and_grad_buffer.py"
 DDP_FILE = "distributed_data_parallel.py"
 WAITS = ("default", "current")
@@ -95,16 +97,12 @@ def stream_waits(which: str):
 # which races are this bug's
 
 
-def _in(access: dict, function: str, file: str) -> bool:
-    return any(f["function"] == function and f["file"].endswith(file) for f in access["frames"])
-
-
 def collective_reads_hook_write(race: dict) -> bool:
     """#3670: the later access is start_grad_sync's collective (on the communication stream), the earlier one a
     write made from DDP's gradient hook (main_grad accumulation or the bucket's scaling) on the hook's stream."""
     later, earlier = race["later"], race["earlier"]
     collective = later["op"].startswith(("reduce_scatter", "all_reduce"))
-    return collective and _in(later, "start_grad_sync", PGB_FILE) and _in(earlier, "hook", DDP_FILE)
+    return collective and in_frames(later, "start_grad_sync", PGB_FILE) and in_frames(earlier, "hook", DDP_FILE)
 
 
 # the run

@@ -19,22 +19,20 @@ from __future__ import annotations
 
 import contextlib
 
+from pytest_streamrace.repro.evidence import in_frames
+
 FILL = "reduce_independent_p_g_buckets_and_remove_grads"  # copies a gradient into the IPG bucket
 ZERO_FILE = "stage_1_and_2.py"
 
 
-def _in(access: dict, function: str) -> bool:
-    return any(f["function"] == function and f["file"].endswith(ZERO_FILE) for f in access["frames"])
-
-
 def reduction_reads_unfinished_copy(race: dict) -> bool:
     """#8061: the earlier access is a bucket copy on a producer stream, the later one the reduction's."""
-    return _in(race["earlier"], FILL) and not _in(race["later"], FILL)
+    return in_frames(race["earlier"], FILL, ZERO_FILE) and not in_frames(race["later"], FILL, ZERO_FILE)
 
 
 def copy_into_buffer_under_reduction(race: dict) -> bool:
     """Bucket reuse: the later access is a bucket copy into a buffer an earlier reduction still uses."""
-    return _in(race["later"], FILL) and not _in(race["earlier"], FILL)
+    return in_frames(race["later"], FILL, ZERO_FILE) and not in_frames(race["earlier"], FILL, ZERO_FILE)
 
 
 def has_producer_fix() -> bool:

@@ -4,34 +4,33 @@ from __future__ import annotations
 
 import contextlib
 
+from pytest_streamrace.repro.evidence import in_frames
 from pytest_streamrace.repro.spec import Framework, Repro, Variant
 
 from . import _zero
 
-COPY = ("stage3.py", "_reassign_or_swap_out_partitioned_parameters")  # the step writes the partitions
-GATHER = ("partition_parameters.py", "_all_gather_dtype")  # the next fetch reads them
-SLEEP_CYCLES = 100_000_000  # ~50 ms on an H100/H200: the copy then lands after the prefetch's read
-
-
-def _in(access: dict, where: tuple[str, str]) -> bool:
-    return any(f["function"] == where[1] and f["file"].endswith(where[0]) for f in access["frames"])
+COPY = ("_reassign_or_swap_out_partitioned_parameters", "stage3.py")  # the step writes the partitions
+GATHER = ("_all_gather_dtype", "partition_parameters.py")  # the next fetch reads them
+DELAY_MS = 50.0  # before the step's copy: it then lands after the next prefetch's read
 
 
 def gather_reads_partition_under_copy(race: dict) -> bool:
-    return _in(race["earlier"], COPY) and _in(race["later"], GATHER)
+    return in_frames(race["earlier"], *COPY) and in_frames(race["later"], *GATHER)
 
 
 @contextlib.contextmanager
 def _patched(gather_waits: bool, delay: bool):
-    """The fix (every all-gather first waits for the stream that issues it) and, on GPUs, the forcing: a sleep on the
+    """The fix (every all-gather first waits for the stream that issues it) and, on GPUs, the forcing: a delay on the
     step's stream just before its copy into the partitions, so that the copy is still queued when the prefetch runs."""
-    import torch
     from deepspeed.accelerator import get_accelerator
     from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator as Coordinator
     from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3 as Stage3
 
+    from pytest_streamrace.forcing import streams
+    from pytest_streamrace.forcing.delays import Delays, one_slow
+
     gather_name = "_PartitionedParameterCoordinator__all_gather_params"
-    gather, copy = getattr(Coordinator, gather_name), Stage3._reassign_or_swap_out_partitioned_parameters
+    gather = getattr(Coordinator, gather_name)
 
     def gather_after_issuer(self, params, forward):
         stream = self._PartitionedParameterCoordinator__allgather_stream
@@ -39,19 +38,16 @@ def _patched(gather_waits: bool, delay: bool):
             stream.wait_stream(get_accelerator().current_stream())
         return gather(self, params, forward)
 
-    def copy_late(self, sub_group_id):
-        torch.cuda._sleep(SLEEP_CYCLES)
-        return copy(self, sub_group_id)
-
+    delays = Delays(one_slow(streams.DEFAULT, ms=DELAY_MS))
     if gather_waits:
         setattr(Coordinator, gather_name, gather_after_issuer)
     if delay:
-        Stage3._reassign_or_swap_out_partitioned_parameters = copy_late
+        delays.around(Stage3, COPY[0])
     try:
         yield
     finally:
         setattr(Coordinator, gather_name, gather)
-        Stage3._reassign_or_swap_out_partitioned_parameters = copy
+        delays.restore()
 
 
 def _train(ctx, overlap: bool, fix: bool, forced: bool) -> dict:

@@ -51,6 +51,12 @@ def wrong(numeric: dict | None) -> bool:
                 or numeric.get("retained"))
 
 
+def in_frames(access: dict, function: str, file: str) -> bool:
+    """Whether a reported access (a race's "earlier" or "later") ran inside `function` of a file ending in `file`:
+    what a repro's ``relevant`` tests to tell its bug's races from others."""
+    return any(f["function"] == function and f["file"].endswith(file) for f in access["frames"])
+
+
 def per_run(evidence: list[dict], i: int) -> list[dict]:
     """Run i of every rank's evidence ({rank, runs: [{races, numeric}]}) as judge() takes it."""
     return [{"rank": ev["rank"], **ev["runs"][i]} for ev in evidence if i < len(ev["runs"])]
