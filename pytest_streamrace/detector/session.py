@@ -4,8 +4,8 @@ Ops reach the tracker through a TorchDispatchMode (virtual backend), or, on the 
 (``capture``), which costs a launch-bound step a fraction of what entering Python per op does.
 
 ``with Detector(backend="virtual") as d: ...`` installs everything, and removes every patch and mode on exit so
-torch is exactly as before. Everything installed is a *patch* (an object with install/uninstall), kept in one list
-and undone in reverse order: collectives and framework adapters add their own with `install`.
+torch is exactly as before. Everything installed is a *patch* (``patching.Patch``: install/uninstall), kept in one
+list and undone in reverse order: collectives and framework adapters add their own with `install`.
 """
 
 from __future__ import annotations
@@ -15,26 +15,6 @@ from typing import Hashable
 from . import active as _handle
 
 BACKENDS = ("virtual", "cuda")
-
-
-class AttrPatch:
-    """setattr(obj, name, value) while installed; the original attribute (or its absence) comes back after."""
-
-    _MISSING = object()
-
-    def __init__(self, obj, name: str, value):
-        self.obj, self.name, self.value = obj, name, value
-        self._original = self._MISSING
-
-    def install(self) -> None:
-        self._original = vars(self.obj).get(self.name, self._MISSING)
-        setattr(self.obj, self.name, self.value)
-
-    def uninstall(self) -> None:
-        if self._original is self._MISSING:
-            delattr(self.obj, self.name)
-        else:
-            setattr(self.obj, self.name, self._original)
 
 
 class _Mode:
@@ -118,10 +98,10 @@ class Detector:
 
             self.tracker = AccessTracker(self.hb, self._current, "cpu", track_frees=True)
             self.streams = VirtualStreams(self.hb, self.tracker)
-            patches = self.streams.patches(AttrPatch)
+            patches = self.streams.patches()
             self.tracker.current_stream = self.streams.current  # per op: no detour through the session
             autograd = VirtualAutograd(self.streams, self.hb, self.tracker)
-            patches += autograd.patches(AttrPatch)
+            patches += autograd.patches()
             on_outputs = autograd.adopt_outputs
         else:
             from .cuda import CudaStreams
@@ -130,22 +110,22 @@ class Detector:
             self.tracker.engine_records_streams = True
             self.streams = CudaStreams(self.hb, self.tracker)
             self.tracker.current_stream = self.streams.current
-            patches = self.streams.patches(AttrPatch)
+            patches = self.streams.patches()
             on_outputs = None  # the engine binds compiled code's autograd nodes itself
         from .compiled import CompiledCode
 
         _handle.register(self.streams)
         compiled = CompiledCode(self.tracker, self._current, on_outputs)
         _handle.register(compiled)
-        patches += compiled.patches(AttrPatch, self.backend)
+        patches += compiled.patches(self.backend)
         from . import collectives
 
         if collectives.available():
-            patches += collectives.Collectives(self.hb, self.tracker, self._current).patches(AttrPatch)
+            patches += collectives.Collectives(self.hb, self.tracker, self._current).patches()
         from .futures import Futures
 
         patches += Futures(self.hb, self.tracker, self._current,
-                           inline_callbacks=self.backend == "virtual").patches(AttrPatch)
+                           inline_callbacks=self.backend == "virtual").patches()
         for patch in patches:
             self.install(patch)
         # last in, first out: our own setup is not traced

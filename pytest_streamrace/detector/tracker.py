@@ -24,6 +24,7 @@ from torch._C import DisableTorchFunction as _DisableTorchFunction
 from torch._C import _current_autograd_node
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..patching import skip_in_dynamo
 from .frames import Captured, stack
 from .hb import HappensBefore, Race, Site
 
@@ -487,3 +488,6 @@ class AccessTracker(TorchDispatchMode):
             allocs.append((key, storage.nbytes(), (t.shape, t.dtype, None)))
         if writes_output:
             self._accesses([(t, True)], stream, accesses)
+
+
+skip_in_dynamo(AccessTracker.__torch_dispatch__, AccessTracker._dead)  # called from C++ inside compiled regions

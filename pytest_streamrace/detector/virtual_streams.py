@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ..when_imported import WhenImported
+from ..patching import AttrPatch, WhenImported
 from . import active
 from .frames import created_at
 
@@ -245,15 +245,15 @@ class VirtualStreams:
     def set_current(self, stream: Stream) -> None:
         self._tls.stream = stream
 
-    def patches(self, attr_patch) -> list:
-        """What must be replaced in torch while the model is active (attr_patch(obj, name, value) objects)."""
+    def patches(self) -> list:
+        """What must be replaced in torch while the model is active (AttrPatch objects)."""
         import torch.cuda.streams
 
         replacements = {"Stream": Stream, "Event": Event, "stream": stream,
                         "current_stream": current_stream, "default_stream": default_stream,
                         "set_stream": set_stream, "synchronize": synchronize, "_sleep": _sleep}
-        out = [attr_patch(torch.cuda, name, value) for name, value in replacements.items()]
-        out += [attr_patch(torch.cuda.streams, "Stream", Stream), attr_patch(torch.cuda.streams, "Event", Event),
-                attr_patch(torch.Tensor, "record_stream", record_stream),
+        out = [AttrPatch(torch.cuda, name, value) for name, value in replacements.items()]
+        out += [AttrPatch(torch.cuda.streams, "Stream", Stream), AttrPatch(torch.cuda.streams, "Event", Event),
+                AttrPatch(torch.Tensor, "record_stream", record_stream),
                 WhenImported("torch._dynamo", _opaque_to_dynamo)]
         return out
