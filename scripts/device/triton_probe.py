@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from pytest_streamrace.detector import compiled
+from pytest_streamrace.detector.models import compiled
 from pytest_streamrace.detector.session import Detector
 
 

@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from ..patching import AttrPatch, WhenImported
-from . import active
-from .frames import created_at
+from ...patching import AttrPatch, WhenImported
+from .. import active
+from ..frames import created_at
 
 
 def _session_model() -> "VirtualStreams | None":

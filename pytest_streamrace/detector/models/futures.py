@@ -20,7 +20,7 @@ import functools
 import weakref
 from typing import Callable, Hashable
 
-from ..patching import AttrPatch
+from ...patching import AttrPatch
 
 
 class _Completion:
