@@ -1,4 +1,4 @@
-"""Ops captured in C++, for the cuda backend: what the dispatch mode hands the tracker, without entering Python per op.
+"""Ops captured in C++, for the cuda model: what the dispatch mode hands the tracker, without entering Python per op.
 
 A TorchDispatchMode costs a launch-bound training step 1.6-1.7x before it does anything (measured on H200 hosts,
 docs/gpu-validation.md). This extension registers a global RecordFunction callback instead and records, per op that

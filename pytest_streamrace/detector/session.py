@@ -53,8 +53,8 @@ def active() -> "Detector | None":
 class Detector:
     """Detects unsynchronized cross-stream accesses while active (a context manager; one per process at a time).
 
-    backend "virtual": torch.cuda's stream API works on CPU tensors with CUDA's ordering modelled; "cuda": real
-    streams and events are observed. trace=True keeps the op timeline (hb.timeline) for Chrome traces.
+    backend (the stream model) "virtual": torch.cuda's stream API works on CPU tensors with CUDA's ordering modelled;
+    "cuda": real streams and events are observed. trace=True keeps the op timeline (`timeline`) for Chrome traces.
     """
 
     def __init__(self, backend: str = "virtual", trace: bool = False):
@@ -247,8 +247,10 @@ class Detector:
         self._require_active()
         self.hb.add_stream(self.stream_key(stream), label)
 
-    def is_virtual(self, stream) -> bool:
-        """Whether `stream` is a virtual stream (the virtual stream model's torch.cuda.Stream), not a real one."""
+    @staticmethod
+    def is_virtual(stream) -> bool:
+        """Whether `stream` is a virtual stream (the virtual stream model's torch.cuda.Stream), not a real one; asked
+        of the class, it needs no active session (a stream outlives its session)."""
         from .models.virtual_streams import Stream
 
         return isinstance(stream, Stream)
@@ -266,15 +268,15 @@ class Detector:
 
 
 def streamrace_device():
-    """The torch.device tests should allocate on: cpu under the virtual backend, cuda under the cuda backend (and,
+    """The torch.device tests should allocate on: cpu under the virtual stream model, cuda under the cuda one (and,
     with no detector active, cuda when a GPU is present)."""
     import torch
 
     detector = _handle.session()
     if detector is not None:
-        backend = detector.backend
+        model = detector.backend
     else:
-        backend = "cuda" if torch.cuda.is_available() else "virtual"
-    if backend == "cuda":
+        model = "cuda" if torch.cuda.is_available() else "virtual"
+    if model == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
