@@ -27,7 +27,9 @@ def require_streams(what: str) -> None:
 
 
 def _is_virtual(stream) -> bool:
-    return type(stream).__module__.endswith("virtual_streams")
+    from ..detector.session import Detector
+
+    return Detector.is_virtual(stream)
 
 
 def set_label(stream, label: str) -> None:
@@ -46,7 +48,7 @@ def new_stream(label: str):
 
     detector = session.active()
     if detector is not None:
-        detector.hb.add_stream(detector.stream_key(stream), f"{label} (streamrace forcing)")
+        detector.name_stream(stream, f"{label} (streamrace forcing)")
     return stream
 
 
