@@ -33,7 +33,6 @@ ENV = subprocess_child.ENV
 PTH_NAME = "pytest-streamrace-subprocess.pth"
 PTH = ("import os; exec('try:\\n from pytest_streamrace.subprocess_child import start; start()\\nexcept Exception: "
        f"pass') if os.environ.get({ENV!r}, '0') not in ('', '0') else None\n")
-AFTER = "streamrace_after"  # user_properties key: [race dicts with "test"] of tests that finished earlier
 
 
 def install_pth() -> str | None:
@@ -181,16 +180,16 @@ def child_trace(pid, events: list) -> list:
 
 def format_children(races: list[dict]) -> str:
     """The failure text for races in processes a test started: the marker's rendering, "stream race on rank N"."""
-    from .detector.report import format_races, from_dict
+    from .races.record import format_records
 
     pids = sorted({r.get("pid") for r in races if r.get("pid") is not None})
-    text = format_races([(r.get("rank"), from_dict(r)) for r in races])
+    text = format_records(races)
     return f"{text}\n  (in {'processes' if len(pids) > 1 else 'a process'} the test started: pid " \
            f"{', '.join(map(str, pids))})"
 
 
 def format_after(races: list[dict]) -> str:
-    from .detector.report import format_races, from_dict
+    from .races.record import format_records
 
     lines = []
     by_test: dict[str, list] = {}
@@ -198,6 +197,6 @@ def format_after(races: list[dict]) -> str:
         by_test.setdefault(race.get("test", "?"), []).append(race)
     for test, found in by_test.items():
         lines.append(f"from processes started by {test}, judged after that test had finished:")
-        lines.append(format_races([(r.get("rank"), from_dict(r)) for r in found]))
+        lines.append(format_records(found))
         lines.append("")
     return "\n".join(lines).rstrip()

@@ -6,6 +6,8 @@ from __future__ import annotations
 import os
 import sys
 
+from ..races.record import location
+
 Frame = tuple  # (filename, lineno, function)
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -40,16 +42,4 @@ def detector_alloc_frames(storage) -> tuple[Frame, ...]:
 
 
 def short(frame: Frame) -> str:
-    filename, lineno, function = frame
-    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
-        if marker in filename:
-            filename = filename.rsplit(marker, 1)[1]
-            break
-    else:
-        try:
-            filename = os.path.relpath(filename)
-        except ValueError:
-            pass
-        if filename.startswith(".." + os.sep + ".."):
-            filename = os.path.basename(filename)
-    return f"{filename}:{lineno} in {function}"
+    return f"{location((frame,))} in {frame[2]}"

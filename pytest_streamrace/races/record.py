@@ -1,7 +1,11 @@
-"""Race reports: text a person can act on for a failing test, and JSON for tools and for shipping races between
-processes (ranks send ``to_dict`` output to the parent, which rebuilds them with ``from_dict`` and renders them).
+"""The race record (schema v1): the one shape a race has outside the detector, and everything about it.
 
-Races rebuilt from JSON carry their streams' names as stream keys, so rendering needs no name table there.
+A detector ``hb.Race`` becomes a record (``from_race``) in the process that saw it; records are plain JSON data, so
+they travel in ``user_properties`` from xdist workers, rank processes, torchrun ranks and followed children to the
+process that writes the session's files. Here live the record's type, its identity (``key``), the location helpers,
+every ``user_properties`` key the package uses, the ``--streamrace-json`` document writer, and the text renderer
+everyone calls. Records rebuilt into races (``to_race``) carry their streams' names as stream keys, so rendering
+needs no name table there. Torch-free: the detector does not import this package; this package reads the detector.
 """
 
 from __future__ import annotations
@@ -9,30 +13,80 @@ from __future__ import annotations
 import json
 import os
 import textwrap
-from typing import Callable, Iterable, Sequence
+from typing import Callable, Iterable, Sequence, TypedDict
 
-from .hb import FREE, RAW, WAR, WAW, Access, Op, Race, Site, TensorInfo
+from ..detector.hb import FREE, RAW, WAR, WAW, Access, Op, Race, Site, TensorInfo, identity
 
 SCHEMA_VERSION = 1
 FRAMES_SHOWN = 3  # user frames per access in the text report
 WIDTH = 116
 
+# user_properties keys: how each part's findings ride on a test's reports (and reach junit XML)
+RACES = "streamrace_races"  # [records] (with rank); the teardown report carries every phase's
+TRACE = "streamrace_trace"  # [chrome trace events] of this test's ops
+AFTER = "streamrace_after"  # [records with "test"] of children that outlived their test
+HINTS = "streamrace_hints"  # [hint dicts], on the teardown report
+SCHEDULE = "streamrace_schedule"  # the forcing delay schedule a report ran under
+COMPILE = "streamrace_compile"  # the forcing compile mode's summary
+EVIDENCE = "streamrace_repro"  # one rank's repro evidence dict
+
 Ranked = tuple[int | None, Race]  # (rank or None outside distributed runs, race)
 StreamName = Callable[[object], str]
 
 
-# JSON
+class FrameRecord(TypedDict):
+    file: str
+    line: int
+    function: str
 
 
-def _frames_to_json(site: Site) -> list[dict]:
+class TensorRecord(TypedDict):
+    name: str | None
+    shape: list[int]
+    dtype: str
+
+
+class AccessRecord(TypedDict):
+    op: str
+    stream: str
+    rw: str  # "read" | "write" | "free"
+    start: int
+    end: int
+    seq: int
+    tensor: TensorRecord
+    frames: list[FrameRecord]
+
+
+class _Required(TypedDict):
+    kind: str
+    rank: int | None
+    count: int
+    tensor: TensorRecord
+    alloc: dict | None  # {"op", "frames"}
+    earlier: AccessRecord
+    later: AccessRecord
+
+
+class Record(_Required, total=False):
+    status: str  # set by ``policy.Policy.classify``: new | suppressed | baseline | expected
+    suppressed_by: dict  # {"rule": "path:line", "text": rule}
+    test: str  # the nodeid, in the JSON document and on records of followed children
+    pid: int  # a followed child's
+    after_test: bool  # judged after its test had finished (JSON document)
+
+
+# a detector race <-> a record
+
+
+def _frames_to_json(site: Site) -> list[FrameRecord]:
     return [{"file": f, "line": n, "function": fn} for f, n, fn in site.frames]
 
 
-def _tensor_to_json(t: TensorInfo) -> dict:
+def _tensor_to_json(t: TensorInfo) -> TensorRecord:
     return {"name": t.name, "shape": list(t.shape), "dtype": t.dtype}
 
 
-def _access_to_json(access: Access, stream_name: StreamName, free: bool) -> dict:
+def _access_to_json(access: Access, stream_name: StreamName, free: bool) -> AccessRecord:
     return {
         "op": access.op.site.op,
         "stream": stream_name(access.op.stream),
@@ -45,8 +99,8 @@ def _access_to_json(access: Access, stream_name: StreamName, free: bool) -> dict
     }
 
 
-def to_dict(race: Race, stream_name: StreamName = str, rank: int | None = None) -> dict:
-    """One race as plain JSON data (stream keys replaced by their names)."""
+def from_race(race: Race, stream_name: StreamName = str, rank: int | None = None) -> Record:
+    """One detector race as a record (stream keys replaced by their names)."""
     alloc = race.alloc_site
     return {
         "kind": race.kind,
@@ -73,8 +127,8 @@ def _access_from_json(a: dict) -> Access:
                   _tensor_from_json(a["tensor"]))
 
 
-def from_dict(data: dict) -> Race:
-    """The race ``to_dict`` described (its rank is ``data["rank"]``). Malformed data raises ValueError."""
+def to_race(data: dict) -> Race:
+    """The race ``from_race`` described (its rank is ``data["rank"]``). Malformed data raises ValueError."""
     try:
         alloc = data.get("alloc")
         return Race(
@@ -88,25 +142,53 @@ def from_dict(data: dict) -> Race:
         raise ValueError(f"not a streamrace race record: {type(exc).__name__}: {exc}") from None
 
 
-def json_document(ranked: Iterable[Ranked], stream_name: StreamName = str) -> dict:
+def key(record: dict) -> tuple:
+    """Records are the same report when kind and both user locations are (``hb.identity``): merges ranks."""
+    def site(side):
+        access = record.get(side) or {}
+        frames = access.get("frames") or []
+        return Site(str(access.get("op")), tuple((f["file"], f["line"], f.get("function", "")) for f in frames[:1]))
+
+    return identity(record.get("kind"), site("earlier"), site("later"))
+
+
+# the --streamrace-json document
+
+
+def document(records: Iterable[dict]) -> dict:
     """The ``--streamrace-json`` document: one entry per race and rank."""
-    return {"version": SCHEMA_VERSION, "races": [to_dict(race, stream_name, rank) for rank, race in ranked]}
+    return {"version": SCHEMA_VERSION, "races": list(records)}
 
 
-def load_document(doc: dict) -> list[Ranked]:
-    """Races of a ``json_document``; a document of another version or shape raises ValueError."""
-    if not isinstance(doc, dict) or doc.get("version") != SCHEMA_VERSION or not isinstance(doc.get("races"), list):
-        raise ValueError(f"not a streamrace JSON document of version {SCHEMA_VERSION}")
-    return [(entry.get("rank") if isinstance(entry, dict) else None, from_dict(entry)) for entry in doc["races"]]
-
-
-def write_json(path: str | os.PathLike, ranked: Iterable[Ranked], stream_name: StreamName = str) -> None:
+def write_document(path: str | os.PathLike, records: Iterable[dict]) -> None:
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(json_document(ranked, stream_name), f, indent=1)
+        json.dump(document(records), f, indent=1)
         f.write("\n")
 
 
-# text
+def load_document(doc: dict) -> list[Ranked]:
+    """Races of a ``document``; a document of another version or shape raises ValueError."""
+    if not isinstance(doc, dict) or doc.get("version") != SCHEMA_VERSION or not isinstance(doc.get("races"), list):
+        raise ValueError(f"not a streamrace JSON document of version {SCHEMA_VERSION}")
+    return [(entry.get("rank") if isinstance(entry, dict) else None, to_race(entry)) for entry in doc["races"]]
+
+
+# records on a test's reports
+
+
+def races_in(reports) -> list[dict]:
+    """The records a test's reports carry (the teardown report has every phase's)."""
+    return [race for r in reports if r.when == "teardown" for k, v in r.user_properties if k == RACES for race in v]
+
+
+def add_races(reports, races: list[dict]) -> None:
+    """Give the test's teardown report more records (another torchrun rank's, to rank 0)."""
+    for r in reports:
+        if r.when == "teardown" and races:
+            r.user_properties.append((RACES, races))
+
+
+# locations
 
 
 def short_path(path: str) -> str:
@@ -115,17 +197,44 @@ def short_path(path: str) -> str:
         cwd = os.getcwd() + os.sep
         if path.startswith(cwd):
             return path[len(cwd):]
-        _, sep, rest = path.rpartition("site-packages" + os.sep)
-        if sep:
-            return rest
+        for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
+            _, sep, rest = path.rpartition(marker)
+            if sep:
+                return rest
     return path
 
 
-def _location(site: Site) -> str:
-    if not site.frames:
+def location(frames: Sequence) -> str:
+    """``short/path.py:line`` of the innermost frame (a record's dicts or ``(file, line, function)`` tuples)."""
+    if not frames:
         return "<unknown>"
-    filename, lineno, _ = site.frames[0]
-    return f"{short_path(filename)}:{lineno}"
+    first = frames[0]
+    filename, lineno = (first["file"], first["line"]) if isinstance(first, dict) else first[:2]
+    return f"{short_path(str(filename))}:{lineno}"
+
+
+def user_frame(frames: list[dict], root: str) -> tuple[str, int] | None:
+    """(path relative to root, line) of the innermost frame in the repository's own code, else the innermost."""
+    root = os.path.abspath(root) + os.sep
+    for f in frames:
+        path = str(f.get("file", ""))
+        if path.startswith(root) and "site-packages" not in path and "dist-packages" not in path:
+            return path[len(root):].replace(os.sep, "/"), int(f.get("line", 0))
+    if frames:
+        path = str(frames[0].get("file", ""))
+        return (path[len(root):] if path.startswith(root) else path).replace(os.sep, "/"), int(frames[0]["line"])
+    return None
+
+
+def short(record: dict, at: bool = True) -> str:
+    """One line: kind, tensor, the later access's location."""
+    name = (record.get("tensor") or {}).get("name")
+    frames = (record.get("later") or {}).get("frames") or []
+    where = f" at {location(frames)}" if frames and at else ""
+    return f"{record.get('kind')} on {'tensor ' + repr(name) if name else 'a tensor'}{where}"
+
+
+# text: the one renderer
 
 
 def describe_tensor(t: TensorInfo) -> str:
@@ -156,7 +265,7 @@ def _hint(race: Race, earlier: str, later: str) -> str:
 def format_race(race: Race, stream_name: StreamName = str, ranks: Sequence[int] = ()) -> str:
     """One race: kind, tensor, allocation site, both accesses with a few frames each, a hint, the count."""
     tensor = race.later.tensor
-    alloc = f" (allocated at {_location(race.alloc_site)})" if race.alloc_site and race.alloc_site.frames else ""
+    alloc = f" (allocated at {location(race.alloc_site.frames)})" if race.alloc_site and race.alloc_site.frames else ""
     on_ranks = ""
     if ranks:
         on_ranks = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks)}"
@@ -171,7 +280,7 @@ def format_race(race: Race, stream_name: StreamName = str, ranks: Sequence[int] 
     stream_w = max(len(r[3]) for r in rows)
     for label, rw, op, stream, access in rows:
         frames = access.op.site.frames
-        at = f"at {_location(access.op.site)}" + (f" ({frames[0][2]})" if frames else "")
+        at = f"at {location(frames)}" + (f" ({frames[0][2]})" if frames else "")
         view = ""
         if access.tensor != tensor:
             view = f"  [{describe_tensor(access.tensor)}]"
@@ -210,3 +319,8 @@ def format_races(ranked: Iterable[Ranked], stream_name: StreamName = str) -> str
     n = len(merged)
     head = f"{n} stream race{'s' if n > 1 else ''} (unordered cross-stream accesses; deduplicated by location pair)"
     return "\n\n".join([head] + [format_race(race, stream_name, ranks) for ranks, race in merged])
+
+
+def format_records(records: Iterable[dict]) -> str:
+    """``format_races`` for records (other processes' races: a rank's, a followed child's)."""
+    return format_races([(r.get("rank"), to_race(r)) for r in records])
