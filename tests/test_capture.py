@@ -134,12 +134,11 @@ def test_the_collectives_model_judges_captured_ops(extension, tmp_path):
     import torch.distributed as dist
 
     from pytest_streamrace.detector.collectives import Collectives
-    from pytest_streamrace.detector.session import AttrPatch
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         with capturing(extension) as (hb, tracker):
-            patches = Collectives(hb, tracker, lambda: 0).patches(AttrPatch)
+            patches = Collectives(hb, tracker, lambda: 0).patches()
             for patch in patches:
                 patch.install()
             try:

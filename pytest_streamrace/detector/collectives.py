@@ -28,6 +28,8 @@ from typing import Callable, Hashable
 
 import torch
 
+from ..patching import AttrPatch
+
 READ, WRITE = "r", "w"
 
 # user-facing names of the c10d ops (what the report's op column shows)
@@ -206,12 +208,8 @@ class Collectives:
 
         def wait(work, *args, **kwargs):
             # Ops a backend runs inside wait() (gloo copying results out) are the collective's, not the caller's.
-            tracker = collectives.tracker
-            previous, tracker.enabled = tracker.enabled, False
-            try:
+            with collectives.tracker.paused():
                 result = original(work, *args, **kwargs)
-            finally:
-                tracker.enabled = previous
             collectives.waited(work)
             return result
 
@@ -236,13 +234,13 @@ class Collectives:
 
     # patch protocol
 
-    def patches(self, attr_patch) -> list:
+    def patches(self) -> list:
         from torch._C._distributed_c10d import Backend, ProcessGroup, Work
 
         methods = [name for name in ("wait", "synchronize", "block_current_stream") if hasattr(Work, name)]
-        out = [self] + [attr_patch(Work, name, self._wrap(getattr(Work, name))) for name in methods]
+        out = [self] + [AttrPatch(Work, name, self._wrap(getattr(Work, name))) for name in methods]
         for cls in (ProcessGroup, Backend):
-            out += [attr_patch(cls, name, self._issuing(getattr(cls, name))) for name in _PY_ENTRIES
+            out += [AttrPatch(cls, name, self._issuing(getattr(cls, name))) for name in _PY_ENTRIES
                     if hasattr(cls, name)]
         return out
 

@@ -29,10 +29,10 @@ import sys
 
 import torch
 
-from ..when_imported import WhenImported
+from ..patching import AttrPatch, WhenImported, dynamo_skipped
+from . import active
 
 READ, WRITE = 1, 2
-_active: "CompiledCode | None" = None
 _roles_by_file: dict[str, dict[str, tuple[int, ...]]] = {}  # generated module file -> kernel name -> arg roles
 
 _CPP_KERNEL = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(\s*\[[^\]]*\]\s*,\s*r?'''(.*?)'''", re.S | re.M)
@@ -94,23 +94,26 @@ class _CppKernel:
         self.name, self.fn, self.roles = name, fn, roles
 
     def __call__(self, *args):
-        model = _active
+        model = _model()
         if model is not None:
             model.launch(self.name, args, self.roles)
         return self.fn(*args)
 
 
-def _skip_in_dynamo(*functions) -> None:
-    """Frames dynamo never tries to compile: the detector's entry points called from C++ (a dispatch handler, autograd
-    hooks, weakref callbacks) run inside compiled regions too."""
+def _skip_in_dynamo() -> None:
+    """Frames dynamo never tries to compile: the entry points the stream models registered with
+    ``patching.skip_in_dynamo`` (called from C++, they run inside compiled regions too)."""
     try:
         from torch._dynamo.eval_frame import skip_code
     except ImportError:
         return
-    for fn in functions:
-        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-        if code is not None:
-            skip_code(code)
+    for code in dynamo_skipped():
+        skip_code(code)
+
+
+def _model() -> "CompiledCode | None":
+    """The active session's model of compiled code (generated code and compiled graphs outlive sessions)."""
+    return active.model(CompiledCode)
 
 
 class CompiledCode:
@@ -125,8 +128,7 @@ class CompiledCode:
         self._wrapped: list[tuple[dict, str, object]] = []  # (module globals, name, original)
         self._modules_seen = 0
         self._seen_ids: set[int] = set()
-        self._attr_patch = None
-        self._lazy: list = []  # (module name, make_patches(attr_patch, module)) applied when it is imported
+        self._lazy: list = []  # (module name, make_patches(module)) applied when it is imported
         self._hooks: list = []
         self._applied: list = []
 
@@ -180,10 +182,9 @@ class CompiledCode:
 
     # patch protocol
 
-    def patches(self, attr_patch, backend: str) -> list:
+    def patches(self, backend: str) -> list:
         """This patch. What it patches in dynamo and Inductor is patched when that module is imported (now, if it
         is): importing dynamo costs seconds, and most tests never compile."""
-        self._attr_patch = attr_patch
         self._lazy = [("torch._dynamo.output_graph", _dynamo_patches), ("torch._inductor.codecache", _codecache_patches)]
         if backend == "cuda":
             self._lazy += [("torch._inductor.runtime.triton_heuristics", _triton_patches),
@@ -191,13 +192,11 @@ class CompiledCode:
         return [self]
 
     def _apply(self, make_patches, module) -> None:
-        for patch in make_patches(self._attr_patch, module):
+        for patch in make_patches(module):
             patch.install()
             self._applied.append(patch)
 
     def install(self) -> None:
-        global _active
-        _active = self
         for name, make_patches in self._lazy:
             hook = WhenImported(name, lambda module, make=make_patches: self._apply(make, module))
             self._hooks.append(hook)
@@ -205,8 +204,6 @@ class CompiledCode:
         self.discover()
 
     def uninstall(self) -> None:
-        global _active
-        _active = None
         while self._hooks:
             self._hooks.pop().uninstall()
         while self._applied:
@@ -217,19 +214,16 @@ class CompiledCode:
                 namespace[name] = original
 
 
-def _dynamo_patches(attr_patch, output_graph) -> list:
+def _dynamo_patches(output_graph) -> list:
     """Every graph a backend compiled is wrapped in the run-time shim (``_runtime``); the detector's entry points
     become frames dynamo skips."""
-    from . import tracker, virtual_autograd
-
-    _skip_in_dynamo(tracker.AccessTracker.__torch_dispatch__, tracker.AccessTracker._dead,
-                    virtual_autograd._NewNodes.__torch_function__)
+    _skip_in_dynamo()
     graph_class = output_graph.OutputGraph
     original = graph_class.call_user_compiler
 
     def call_user_compiler(graph, gm, example_inputs):
         return _runtime(original(graph, gm, example_inputs))
-    return [attr_patch(graph_class, "call_user_compiler", call_user_compiler)]
+    return [AttrPatch(graph_class, "call_user_compiler", call_user_compiler)]
 
 
 def _runtime(compiled_fn):
@@ -237,12 +231,12 @@ def _runtime(compiled_fn):
     the active session after. Passes straight through when no session is active (compiled code outlives sessions)."""
 
     def run(*args, **kwargs):
-        model = _active
+        model = _model()
         if model is None:
             return compiled_fn(*args, **kwargs)
         model.discover()
         out = compiled_fn(*args, **kwargs)
-        if model.on_outputs is not None and _active is model:
+        if model.on_outputs is not None and _model() is model:
             try:
                 model.on_outputs(out)
             except Exception as exc:
@@ -293,7 +287,7 @@ def _capturing() -> bool:
         return False
 
 
-def _codecache_patches(attr_patch, codecache) -> list:
+def _codecache_patches(codecache) -> list:
     """Generated modules are wrapped as they load (a backward compiled lazily loads its module mid-backward)."""
     cache = getattr(codecache, "PyCodeCache", None)
     load = getattr(cache, "load_by_key_path", None)
@@ -302,14 +296,14 @@ def _codecache_patches(attr_patch, codecache) -> list:
 
     def load_by_key_path(cls, *args, **kwargs):
         module = load(*args, **kwargs)
-        model = _active
+        model = _model()
         if model is not None:
             model.discover()
         return module
-    return [attr_patch(cache, "load_by_key_path", classmethod(load_by_key_path))]
+    return [AttrPatch(cache, "load_by_key_path", classmethod(load_by_key_path))]
 
 
-def _triton_patches(attr_patch, triton_heuristics) -> list:
+def _triton_patches(triton_heuristics) -> list:
     """Triton launches through Inductor's CachingAutotuner (its kernels and user kernels alike)."""
     autotuner = getattr(triton_heuristics, "CachingAutotuner", None)
     run = getattr(autotuner, "run", None)
@@ -317,7 +311,7 @@ def _triton_patches(attr_patch, triton_heuristics) -> list:
         return []
 
     def launch(self, *args, stream, **kwargs):
-        model = _active
+        model = _model()
         if model is None or _capturing():
             return run(self, *args, stream=stream, **kwargs)
         # Recorded once run() returns: on its first call run() autotunes first (benchmark launches on copies of the
@@ -328,20 +322,20 @@ def _triton_patches(attr_patch, triton_heuristics) -> list:
             name = getattr(getattr(self, "fn", None), "__name__", None) or "triton kernel"
             model.launch(name, args, roles, stream if isinstance(stream, int) else None)
         return out
-    return [attr_patch(autotuner, "run", launch)]
+    return [AttrPatch(autotuner, "run", launch)]
 
 
-def _cudagraph_patches(attr_patch, cudagraph_trees) -> list:
+def _cudagraph_patches(cudagraph_trees) -> list:
     """CUDA-graph replays of cudagraph trees (mode="reduce-overhead")."""
     node = getattr(cudagraph_trees, "CUDAGraphNode", None)
     out = []
     for method in ("run", "run_first_inputs"):
         original = getattr(node, method, None)
         if original is not None:
-            out.append(attr_patch(node, method, _replay(original)))
+            out.append(AttrPatch(node, method, _replay(original)))
     record = getattr(node, "_record", None)
     if record is not None:
-        out.append(attr_patch(node, "_record", _untracked(record)))
+        out.append(AttrPatch(node, "_record", _untracked(record)))
     return out
 
 
@@ -349,15 +343,11 @@ def _untracked(original):
     """Recording a CUDA graph launches nothing: ops captured meanwhile (on the capture stream) are not accesses."""
 
     def record(self, *args, **kwargs):
-        model = _active
+        model = _model()
         if model is None:
             return original(self, *args, **kwargs)
-        tracker = model.tracker
-        previous, tracker.enabled = tracker.enabled, False
-        try:
+        with model.tracker.paused():
             return original(self, *args, **kwargs)
-        finally:
-            tracker.enabled = previous
     return record
 
 
@@ -365,7 +355,7 @@ def _replay(original):
     """A cudagraph-tree node run: the replay reads the graph's inputs and writes its outputs on the current stream."""
 
     def run(self, new_inputs):
-        model = _active
+        model = _model()
         inputs = [t for t in list(new_inputs) + list(getattr(self, "reconstructed_inputs", None) or [])
                   if isinstance(t, torch.Tensor)] if model is not None else []
         outputs = original(self, new_inputs)

@@ -4,39 +4,17 @@ Ops reach the tracker through a TorchDispatchMode (virtual backend), or, on the 
 (``capture``), which costs a launch-bound step a fraction of what entering Python per op does.
 
 ``with Detector(backend="virtual") as d: ...`` installs everything, and removes every patch and mode on exit so
-torch is exactly as before. Everything installed is a *patch* (an object with install/uninstall), kept in one list
-and undone in reverse order: collectives and framework adapters add their own with `install`.
+torch is exactly as before. Everything installed is a *patch* (``patching.Patch``: install/uninstall), kept in one
+list and undone in reverse order: collectives and framework adapters add their own with `install`.
 """
 
 from __future__ import annotations
 
-import threading
 from typing import Hashable
 
+from . import active as _handle
+
 BACKENDS = ("virtual", "cuda")
-
-_active: "Detector | None" = None
-_active_lock = threading.Lock()
-
-
-class AttrPatch:
-    """setattr(obj, name, value) while installed; the original attribute (or its absence) comes back after."""
-
-    _MISSING = object()
-
-    def __init__(self, obj, name: str, value):
-        self.obj, self.name, self.value = obj, name, value
-        self._original = self._MISSING
-
-    def install(self) -> None:
-        self._original = vars(self.obj).get(self.name, self._MISSING)
-        setattr(self.obj, self.name, self.value)
-
-    def uninstall(self) -> None:
-        if self._original is self._MISSING:
-            delattr(self.obj, self.name)
-        else:
-            setattr(self.obj, self.name, self._original)
 
 
 class _Mode:
@@ -67,7 +45,7 @@ class _Capture:
 
 def active() -> "Detector | None":
     """The detector active in this process, if any."""
-    return _active
+    return _handle.session()
 
 
 class Detector:
@@ -92,22 +70,16 @@ class Detector:
     # lifecycle
 
     def __enter__(self) -> "Detector":
-        global _active
-        with _active_lock:
-            if _active is not None:
-                raise RuntimeError("streamrace: another Detector is already active in this process; "
-                                   "exit it before entering a new one")
-            _active = self
+        _handle.enter(self)
         try:
             self._install_backend()
         except BaseException:
             self._uninstall_all()
-            _active = None
+            _handle.leave(self)
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        global _active
         try:
             if self.tracker is not None:
                 self.tracker.drain()
@@ -115,7 +87,7 @@ class Detector:
             self._uninstall_all()
             if self.tracker is not None:
                 self.tracker.detach()
-            _active = None
+            _handle.leave(self)
 
     def _install_backend(self) -> None:
         from .tracker import AccessTracker
@@ -126,10 +98,10 @@ class Detector:
 
             self.tracker = AccessTracker(self.hb, self._current, "cpu", track_frees=True)
             self.streams = VirtualStreams(self.hb, self.tracker)
-            patches = self.streams.patches(AttrPatch)
+            patches = self.streams.patches()
             self.tracker.current_stream = self.streams.current  # per op: no detour through the session
             autograd = VirtualAutograd(self.streams, self.hb, self.tracker)
-            patches += autograd.patches(AttrPatch)
+            patches += autograd.patches()
             on_outputs = autograd.adopt_outputs
         else:
             from .cuda import CudaStreams
@@ -138,19 +110,22 @@ class Detector:
             self.tracker.engine_records_streams = True
             self.streams = CudaStreams(self.hb, self.tracker)
             self.tracker.current_stream = self.streams.current
-            patches = self.streams.patches(AttrPatch)
+            patches = self.streams.patches()
             on_outputs = None  # the engine binds compiled code's autograd nodes itself
         from .compiled import CompiledCode
 
-        patches += CompiledCode(self.tracker, self._current, on_outputs).patches(AttrPatch, self.backend)
+        _handle.register(self.streams)
+        compiled = CompiledCode(self.tracker, self._current, on_outputs)
+        _handle.register(compiled)
+        patches += compiled.patches(self.backend)
         from . import collectives
 
         if collectives.available():
-            patches += collectives.Collectives(self.hb, self.tracker, self._current).patches(AttrPatch)
+            patches += collectives.Collectives(self.hb, self.tracker, self._current).patches()
         from .futures import Futures
 
         patches += Futures(self.hb, self.tracker, self._current,
-                           inline_callbacks=self.backend == "virtual").patches(AttrPatch)
+                           inline_callbacks=self.backend == "virtual").patches()
         for patch in patches:
             self.install(patch)
         # last in, first out: our own setup is not traced
@@ -186,6 +161,30 @@ class Detector:
             raise errors[0]
 
     # what tests and reports read
+
+    def stream_name(self, key: Hashable) -> str:
+        """The human name of a stream by its hb key ("default stream", "stream created at test_x.py:12")."""
+        return self.hb.stream_name(key)
+
+    @property
+    def timeline(self):
+        """Every launch (and free) in order, for Chrome traces; empty unless trace=True."""
+        return self.hb.timeline
+
+    @property
+    def notes(self) -> list[str]:
+        """What this session could not model and skipped, once each."""
+        return list(self.tracker.notes) if self.tracker is not None else []
+
+    def forget_races(self) -> None:
+        """Report races seen so far again when they recur (a pool worker starting work for another test)."""
+        self.hb.forget_races()
+
+    def allocation_frames(self, storage) -> tuple:
+        """The user frames of the allocation this session saw for `storage` (an untyped storage); () when it did not
+        see it (it sees allocations made while it runs, on its device)."""
+        site = self.hb.alloc_site(storage.data_ptr())
+        return tuple(site.frames) if site is not None else ()
 
     @property
     def races(self):
@@ -239,21 +238,27 @@ class Detector:
 
     def paused(self):
         """A context in which ops are not tracked (work the caller models itself through `run`)."""
-        import contextlib
+        return self._require_active().paused()
 
+    def name_stream(self, stream, label: str) -> None:
+        """Name a torch.cuda.Stream in this session's reports (forcing names its side streams after their labels)."""
+        self._require_active()
+        self.hb.add_stream(self.stream_key(stream), label)
+
+    def is_virtual(self, stream) -> bool:
+        """Whether `stream` is a virtual stream (the virtual backend's torch.cuda.Stream), not a real one."""
+        from .virtual_streams import Stream
+
+        return isinstance(stream, Stream)
+
+    def subscribe(self, on_race=None, on_note=None) -> None:
+        """Be told of races as they are found (`on_race(races)`) and of each new note (`on_note(text)`), from now on;
+        a child process passes both on to its parent."""
         tracker = self._require_active()
-
-        @contextlib.contextmanager
-        def pause():
-            previous, tracker.enabled = tracker.enabled, False
-            try:
-                yield
-            finally:
-                tracker.enabled = previous
-        return pause()
+        tracker.on_race, tracker.on_note = on_race, on_note
 
     def _require_active(self):
-        if _active is not self or self.tracker is None:
+        if _handle.session() is not self or self.tracker is None:
             raise RuntimeError("streamrace: this Detector is not active (use it inside `with Detector(...)`)")
         return self.tracker
 
@@ -263,7 +268,7 @@ def streamrace_device():
     with no detector active, cuda when a GPU is present)."""
     import torch
 
-    detector = _active
+    detector = _handle.session()
     if detector is not None:
         backend = detector.backend
     else:

@@ -11,6 +11,7 @@ slices of one buffer do not.
 from __future__ import annotations
 
 import collections
+import contextlib
 import operator
 import re
 import threading
@@ -23,6 +24,7 @@ from torch._C import DisableTorchFunction as _DisableTorchFunction
 from torch._C import _current_autograd_node
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..patching import skip_in_dynamo
 from .frames import Captured, stack
 from .hb import HappensBefore, Race, Site
 
@@ -205,6 +207,15 @@ class AccessTracker(TorchDispatchMode):
         self._enabled = value
         if self._capture is not None:
             self._capture.set_recording(value)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Ops are not tracked inside (work modelled by hand, or launching nothing), as they were after."""
+        previous, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = previous
 
     # the C++ capture
 
@@ -477,3 +488,6 @@ class AccessTracker(TorchDispatchMode):
             allocs.append((key, storage.nbytes(), (t.shape, t.dtype, None)))
         if writes_output:
             self._accesses([(t, True)], stream, accesses)
+
+
+skip_in_dynamo(AccessTracker.__torch_dispatch__, AccessTracker._dead)  # called from C++ inside compiled regions

@@ -58,8 +58,7 @@ def detector_notes(item: pytest.Item) -> list[tuple[int | None, str]]:
     """(rank, note) for what the test's detector, and those of the processes it started, could not model and
     skipped (once each)."""
     detector = item.stash.get(_detector_key, None)
-    tracker = getattr(detector, "tracker", None)
-    own = [(process_rank(), note) for note in tracker.notes] if tracker is not None else []
+    own = [(process_rank(), note) for note in detector.notes] if detector is not None else []
     return own + list(item.stash.get(_child_notes_key, ()))
 
 
@@ -209,7 +208,7 @@ class RaceChecks:
         if fresh or children:
             from .record import from_race
 
-            records = [from_race(r, detector.hb.stream_name, rank) for r in fresh]
+            records = [from_race(r, detector.stream_name, rank) for r in fresh]
             for race, data in zip(fresh, records):
                 status = self.policy.classify(item.nodeid, data, race_expected)
                 statuses.append(status)
@@ -226,7 +225,7 @@ class RaceChecks:
         if when == "teardown" and self.trace_path:
             from .trace import trace_events
 
-            events = trace_events(detector.hb.timeline, races, detector.hb.stream_name, rank, statuses)
+            events = trace_events(detector.timeline, races, detector.stream_name, rank, statuses)
             props.append((TRACE, events))
         quiet = len(fresh) - len(failing) + len(children) - len(failing_children)
         if race_expected or not (failing or failing_children):
@@ -239,7 +238,7 @@ class RaceChecks:
         that fail it; `quiet`: how many others it had (suppressed, in the baseline, report-only)."""
         from . import record
 
-        text = record.format_races([(rank, r) for r in fresh], detector.hb.stream_name) if fresh else ""
+        text = record.format_races([(rank, r) for r in fresh], detector.stream_name) if fresh else ""
         if children:
             from ..subprocesses import format_children
 
