@@ -50,10 +50,12 @@ def pytest_configure(config: pytest.Config) -> None:
     launcher.install(config)
     if options.get(config, "streamrace"):
         from . import subprocess_child
+        from .subprocesses import Children
 
         subprocess_child.stand_down()  # started by a test under --streamrace: this session checks for itself
         backend = config.stash[_backend_key] = races.resolve_backend(config)
-        config.pluginmanager.register(races.RaceChecks(config, backend), "streamrace-checks")
+        children = Children(backend, bool(options.get(config, "streamrace_trace")))  # the processes tests start
+        config.pluginmanager.register(races.RaceChecks(config, backend, children), "streamrace-checks")
         from .races import hints
 
         config.pluginmanager.register(hints.StreamHints(config), "streamrace-hints")

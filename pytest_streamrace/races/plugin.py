@@ -72,7 +72,9 @@ def process_rank() -> int | None:
 class RaceChecks:
     """Runs each test under a Detector; judges its races; collects them for the session's files."""
 
-    def __init__(self, config: pytest.Config, backend: str):
+    def __init__(self, config: pytest.Config, backend: str, children):
+        """`children`: the collector of the races of processes each test starts (``subprocesses.Children``, issue
+        12), handed in by the entry point so this package does not depend on the part that follows children."""
         self.config = config
         self.backend = backend
         self.role = roles.of(config)
@@ -81,9 +83,7 @@ class RaceChecks:
         self.races: list[tuple[str, dict]] = []  # (nodeid, record)
         self.traces: list[tuple[str, list]] = []  # (nodeid, events)
         self.policy = self.tally = None  # at session start (`--help` configures, and starts no session)
-        from ..subprocesses import Children  # the processes each test starts (issue 12)
-
-        self.children = Children(backend, bool(self.trace_path))
+        self.children = children
         self.after: list[dict] = []  # children's races judged after their test had finished
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
@@ -219,7 +219,7 @@ class RaceChecks:
                     failing_children.append(data)
             props.append((RACES, records + children))
         if self.trace_path:
-            from ..subprocesses import child_trace
+            from .trace import child_trace
 
             props += [(TRACE, child_trace(pid, events)) for pid, events in child_traces]
         if when == "teardown" and self.trace_path:
@@ -240,9 +240,7 @@ class RaceChecks:
 
         text = record.format_races([(rank, r) for r in fresh], detector.stream_name) if fresh else ""
         if children:
-            from ..subprocesses import format_children
-
-            text = "\n\n".join(t for t in (text, format_children(children)) if t)
+            text = "\n\n".join(t for t in (text, record.format_children(children)) if t)
         if quiet:
             text += (f"\n\n(and {quiet} more race{'s' if quiet > 1 else ''} that fail nothing: suppressed, in the "
                      "baseline — see the streamrace summary)")
@@ -300,7 +298,7 @@ class RaceChecks:
         for line in self.tally.summary():
             terminalreporter.line(line)
         if self.after:
-            from ..subprocesses import format_after
+            from .record import format_after
 
             terminalreporter.write_sep("=", "streamrace: races in processes after their test had finished")
             terminalreporter.write_line(format_after(self.after))

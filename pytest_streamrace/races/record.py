@@ -324,3 +324,23 @@ def format_races(ranked: Iterable[Ranked], stream_name: StreamName = str) -> str
 def format_records(records: Iterable[dict]) -> str:
     """``format_races`` for records (other processes' races: a rank's, a followed child's)."""
     return format_races([(r.get("rank"), to_race(r)) for r in records])
+
+
+def format_children(records: list[dict]) -> str:
+    """The failure text for races in processes a test started: the marker's rendering, "stream race on rank N"."""
+    pids = sorted({r.get("pid") for r in records if r.get("pid") is not None})
+    return f"{format_records(records)}\n  (in {'processes' if len(pids) > 1 else 'a process'} the test started: " \
+           f"pid {', '.join(map(str, pids))})"
+
+
+def format_after(records: list[dict]) -> str:
+    """Races of processes judged after the test that started them had finished, grouped by that test."""
+    lines = []
+    by_test: dict[str, list] = {}
+    for race in records:
+        by_test.setdefault(race.get("test", "?"), []).append(race)
+    for test, found in by_test.items():
+        lines.append(f"from processes started by {test}, judged after that test had finished:")
+        lines.append(format_records(found))
+        lines.append("")
+    return "\n".join(lines).rstrip()

@@ -63,6 +63,17 @@ def trace_events(timeline: Sequence[Op], races: Iterable[Race], stream_name: Cal
     return events
 
 
+def child_trace(pid, events: list) -> list:
+    """A followed child's trace events, its process named after it (one more process of the session's trace)."""
+    renamed = []
+    for event in events:
+        if event.get("name") == "process_name":
+            name = event["args"]["name"]
+            event = dict(event, args={"name": f"child pid {pid}" + (f", {name}" if name.startswith("rank") else "")})
+        renamed.append(event)
+    return renamed
+
+
 def chrome_trace(event_lists: Iterable[Sequence[dict]]) -> dict:
     """One trace from several processes' events, flow ids renumbered so they stay unique."""
     merged: list[dict] = []
