@@ -59,7 +59,8 @@ def decide(config: pytest.Config, environ) -> Role:
         return Role(RANK_CHILD, followed=followed)
     if hasattr(config, "workerinput"):
         return Role(XDIST_WORKER, followed=followed)
-    if getattr(config.option, "dist", "no") != "no":
+    option = config.option  # read before xdist's own pytest_cmdline_main turns -n N into --dist load
+    if getattr(option, "numprocesses", None) or getattr(option, "tx", None) or getattr(option, "dist", "no") != "no":
         return Role(XDIST_CONTROLLER, followed=followed)
     return Role(SESSION, followed=followed)
 
