@@ -86,6 +86,8 @@ def test_xfail_and_skip_handle_races_as_failures(pytester):
         "SKIPPED [[]1[]] test_twins.py:*: skipped after clean work",
     ])
     result.assert_outcomes(failed=3, xfailed=4, xpassed=1, skipped=3)
+    # tests that ran to their end are checked, xfail ones included (not skipped ones); every race is counted
+    result.stdout.fnmatch_lines(["streamrace: 8 tests checked, 5 races found: 0 suppressed, 0 in baseline, 5 new"])
     out = result.stdout.str()
     assert "[XPASS(strict)] known race" in out  # the clean twin of a strict xfail fails as pytest's own would
     # xfail(raises=ValueError) does not expect a race: the test fails with the race's text, not a traceback
@@ -144,3 +146,22 @@ def test_a_race_in_teardown_under_xfail_is_handled_as_a_teardown_exception_is(py
         "ERROR test_teardown.py::test_race_not_expected - 1 stream race*",
     ])
     result.assert_outcomes(passed=1, xpassed=3, xfailed=2, errors=1)
+
+
+def test_strict_xfail_on_a_distributed_item(pytester):
+    pytester.makepyfile(test_ranks=TWINS.split("@pytest.mark.xfail")[0] + """
+@pytest.mark.xfail(strict=True, reason="known race")
+@pytest.mark.distributed(world_size=2)
+def test_racy_ranks(rank, streamrace_device):
+    racy(streamrace_device)
+
+@pytest.mark.xfail(strict=True, reason="known race")
+@pytest.mark.distributed(world_size=2)
+def test_clean_ranks(rank, streamrace_device):
+    clean(streamrace_device)
+""")
+    result = pytester.runpytest_subprocess("--streamrace", "-p", "no:randomly", "-rA")
+    result.stdout.fnmatch_lines_random(["XFAIL test_ranks.py::test_racy_ranks - known race",
+                                        "FAILED test_ranks.py::test_clean_ranks*"])
+    result.assert_outcomes(failed=1, xfailed=1)
+    assert "[XPASS(strict)] known race" in result.stdout.str()

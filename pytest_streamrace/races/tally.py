@@ -33,8 +33,8 @@ class Tally:
     def add(self, report: pytest.TestReport, races: list[dict]) -> int:
         """One report's races (any phase; the teardown report closes the test). Returns how many distinct races
         this report adds for its test."""
-        if report.skipped and report.when != "teardown":
-            self.skipped.add(report.nodeid)
+        if report.skipped and report.when != "teardown" and not hasattr(report, "wasxfail"):
+            self.skipped.add(report.nodeid)  # never ran (an xfail ran, and was checked)
         if report.when == "teardown" and report.nodeid not in self.skipped:
             self.checked.append(report.nodeid)
         before = len(self.races)
