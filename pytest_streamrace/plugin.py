@@ -1,9 +1,9 @@
 """The pytest entry point (``pytest11``): options, markers, the header line, and which parts to switch on.
 
 Kept import-light on purpose — pytest loads it in every session, and nothing here imports torch. The work lives
-in ``launcher`` (running a test in N rank processes, torchrun sessions), ``detector`` with ``races``
-(stream race detection and its pytest side), ``forcing`` (fixtures that make races happen) and ``lifetime`` (buffers that outlive their
-phase); this module only wires them to pytest.
+in ``launcher`` (running a test in N rank processes, torchrun sessions), ``detector`` with ``races`` (stream race
+detection and its pytest side), ``forcing`` (fixtures that make races happen) and ``lifetime`` (buffers that outlive
+their phase); ``roles`` says which process this is. This module only wires them to pytest.
 """
 
 from __future__ import annotations
