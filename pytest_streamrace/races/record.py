@@ -142,7 +142,7 @@ def to_race(data: dict) -> Race:
         raise ValueError(f"not a streamrace race record: {type(exc).__name__}: {exc}") from None
 
 
-def key(record: dict) -> tuple:
+def key(record: Record) -> tuple:
     """Records are the same report when kind and both user locations are (``hb.identity``): merges ranks."""
     def site(side):
         access = record.get(side) or {}
@@ -155,12 +155,12 @@ def key(record: dict) -> tuple:
 # the --streamrace-json document
 
 
-def document(records: Iterable[dict]) -> dict:
+def document(records: Iterable[Record]) -> dict:
     """The ``--streamrace-json`` document: one entry per race and rank."""
     return {"version": SCHEMA_VERSION, "races": list(records)}
 
 
-def write_document(path: str | os.PathLike, records: Iterable[dict]) -> None:
+def write_document(path: str | os.PathLike, records: Iterable[Record]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(document(records), f, indent=1)
         f.write("\n")
@@ -226,7 +226,7 @@ def user_frame(frames: list[dict], root: str) -> tuple[str, int] | None:
     return None
 
 
-def short(record: dict, at: bool = True) -> str:
+def short(record: Record, at: bool = True) -> str:
     """One line: kind, tensor, the later access's location."""
     name = (record.get("tensor") or {}).get("name")
     frames = (record.get("later") or {}).get("frames") or []
@@ -321,7 +321,7 @@ def format_races(ranked: Iterable[Ranked], stream_name: StreamName = str) -> str
     return "\n\n".join([head] + [format_race(race, stream_name, ranks) for ranks, race in merged])
 
 
-def format_records(records: Iterable[dict]) -> str:
+def format_records(records: Iterable[Record]) -> str:
     """``format_races`` for records (other processes' races: a rank's, a followed child's)."""
     return format_races([(r.get("rank"), to_race(r)) for r in records])
 
