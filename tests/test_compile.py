@@ -5,7 +5,7 @@ scripts/device/compile.sh."""
 
 import json
 
-from pytest_streamrace.detector.compiled import READ, WRITE, cpp_roles
+from pytest_streamrace.detector.models.compiled import READ, WRITE, cpp_roles
 
 CASES = """
 import pytest, torch
@@ -185,7 +185,7 @@ def test_triton_launches_and_cuda_graph_replays_are_accesses_on_their_stream():
 
     import torch
 
-    from pytest_streamrace.detector import compiled
+    from pytest_streamrace.detector.models import compiled
     from pytest_streamrace.detector.session import Detector
 
     class CachingAutotuner:

@@ -2,7 +2,7 @@
 
 No kernel runs asynchronously on CPU, so a missing wait never corrupts anything here; what matters is that every
 ordering the program *would* make on a GPU — stream waits, events, synchronizes, record_stream — reaches hb, and
-that every op is attributed to the stream that would run it. While a Detector with the virtual backend is active,
+that every op is attributed to the stream that would run it. While a Detector with the virtual model is active,
 ``torch.cuda.Stream``, ``Event``, ``stream()``, ``current_stream`` & co. are these classes and functions; the
 originals come back when it exits. ``torch.cuda.is_available()`` stays False: code that branches on it for
 devices keeps allocating on CPU.
@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from ..patching import AttrPatch, WhenImported
-from . import active
-from .frames import created_at
+from ...patching import AttrPatch, WhenImported
+from .. import active
+from ..frames import created_at
 
 
 def _session_model() -> "VirtualStreams | None":

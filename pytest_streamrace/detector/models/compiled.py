@@ -23,14 +23,13 @@ the autograd nodes compiled code created to the stream current at the call).
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 
 import torch
 
-from ..patching import AttrPatch, WhenImported, dynamo_skipped
-from . import active
+from ...patching import AttrPatch, WhenImported, dynamo_skipped
+from .. import active
 
 READ, WRITE = 1, 2
 _roles_by_file: dict[str, dict[str, tuple[int, ...]]] = {}  # generated module file -> kernel name -> arg roles
@@ -182,11 +181,11 @@ class CompiledCode:
 
     # patch protocol
 
-    def patches(self, backend: str) -> list:
+    def patches(self, stream_model: str) -> list:
         """This patch. What it patches in dynamo and Inductor is patched when that module is imported (now, if it
         is): importing dynamo costs seconds, and most tests never compile."""
         self._lazy = [("torch._dynamo.output_graph", _dynamo_patches), ("torch._inductor.codecache", _codecache_patches)]
-        if backend == "cuda":
+        if stream_model == "cuda":
             self._lazy += [("torch._inductor.runtime.triton_heuristics", _triton_patches),
                            ("torch._inductor.cudagraph_trees", _cudagraph_patches)]
         return [self]
@@ -249,7 +248,7 @@ def _runtime(compiled_fn):
     return run
 
 
-# cuda backend: Triton launches and CUDA-graph replays
+# cuda stream model: Triton launches and CUDA-graph replays
 
 def _triton_roles(autotuner) -> tuple[int, ...] | None:
     """Per positional argument of a Triton kernel launched through Inductor's CachingAutotuner, its role: Inductor's
@@ -367,19 +366,3 @@ def _replay(original):
                 model.tracker.note(f"a CUDA-graph replay is not checked: {type(exc).__name__}: {exc}")
         return outputs
     return run
-
-
-def inductor_cache_dir() -> str:
-    """Where Inductor writes generated code (its frames are machinery, not the user's), without importing Inductor:
-    TORCHINDUCTOR_CACHE_DIR, else its default, <tmp>/torchinductor_<user>."""
-    configured = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if configured:
-        return os.path.abspath(configured)
-    import getpass
-    import tempfile
-
-    try:
-        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
-    except Exception:
-        user = "unknown"
-    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")

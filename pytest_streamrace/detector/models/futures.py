@@ -10,7 +10,7 @@ after the hook's future when the hook returns, the same rule as for collectives 
 Each future maps to the hb event of its completion (the Work's, or a token recorded when its callback finished);
 futures nothing is known about complete at once, as waiting on a never-recorded CUDA event does.
 
-On the virtual backend a callback runs inline, after its future completed: gloo would otherwise run it on its own
+In the virtual model a callback runs inline, after its future completed: gloo would otherwise run it on its own
 thread, where no op is tracked, at whatever moment the collective happens to finish.
 """
 
@@ -20,7 +20,7 @@ import functools
 import weakref
 from typing import Callable, Hashable
 
-from ..patching import AttrPatch
+from ...patching import AttrPatch
 
 
 class _Completion:

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from ..patching import AttrPatch
-from .frames import created_at, stack
-from .hb import Site
+from ...patching import AttrPatch
+from ..frames import created_at, stack
+from ..hb import Site
 
 
 class CudaStreams:
-    """The cuda backend: a patch (install/uninstall) registering the trace callbacks, and the current-stream key."""
+    """The cuda model: a patch (install/uninstall) registering the trace callbacks, and the current-stream key."""
 
     def __init__(self, hb, tracker):
         if not torch.cuda.is_available():

@@ -33,7 +33,7 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
-from ..patching import AttrPatch, skip_in_dynamo
+from ...patching import AttrPatch, skip_in_dynamo
 
 _TAG = "streamrace.stream"
 MISMATCH = ("The AccumulateGrad node's stream does not match the stream of the node that produced the incoming "
