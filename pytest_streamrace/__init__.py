@@ -4,3 +4,8 @@ Importing this package must stay cheap: pytest loads the plugin in every session
 """
 
 __version__ = "0.1.0.dev0"
+
+
+class StreamRaceError(Exception):
+    """A test's stream races, raised in the phase that had them so pytest's outcome handling applies: under
+    ``xfail`` a race is the expected failure, and ``xfail(raises=StreamRaceError)`` expects exactly that."""

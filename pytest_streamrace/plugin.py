@@ -1,21 +1,22 @@
 """The pytest entry point (``pytest11``): options, markers, the header line, and which parts to switch on.
 
 Kept import-light on purpose — pytest loads it in every session, and nothing here imports torch. The work lives
-in ``launcher`` (running a test in N rank processes, torchrun sessions), ``detector`` with ``checks`` and ``hints``
-(stream race detection), ``forcing`` (fixtures that make races happen) and ``lifetime`` (buffers that outlive their
-phase); this module only wires them to pytest.
+in ``launcher`` (running a test in N rank processes, torchrun sessions), ``detector`` with ``races`` (stream race
+detection and its pytest side), ``forcing`` (fixtures that make races happen) and ``lifetime`` (buffers that outlive
+their phase); ``roles`` says which process this is. This module only wires them to pytest.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from . import checks, hardware, options
+from . import hardware, options, roles
+from .races import plugin as races
 
 MARKERS = (
     "distributed(world_size=N, backend=None, timeout=None): run the test as one item in N rank processes with "
     "torch.distributed initialized (backend auto: nccl with >= N GPUs, else gloo)",
-    checks.MARKER,
+    races.MARKER,
 )
 _backend_key = pytest.StashKey[str]()
 
@@ -25,13 +26,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_cmdline_main(config: pytest.Config) -> int | None:
-    if hardware.torchrun_env() is not None:
+    role = roles.of(config)
+    if role.kind == roles.TORCHRUN_RANK:
         from .launcher import torchrun
 
         torchrun.leave_files_to_rank_0(config)  # before junitxml configures itself
-    from . import levers
+    from .races import policy
 
-    return levers.validate(config)  # bad suppressions / baseline: one line, exit 2, before anything runs
+    # bad suppressions / baseline: one line, exit 2, before anything runs
+    return policy.validate(config, says_why=role.speaks_for_torchrun)
 
 
 @pytest.hookimpl(trylast=True)
@@ -47,11 +50,13 @@ def pytest_configure(config: pytest.Config) -> None:
     launcher.install(config)
     if options.get(config, "streamrace"):
         from . import subprocess_child
+        from .subprocesses import Children
 
         subprocess_child.stand_down()  # started by a test under --streamrace: this session checks for itself
-        backend = config.stash[_backend_key] = checks.resolve_backend(config)
-        config.pluginmanager.register(checks.RaceChecks(config, backend), "streamrace-checks")
-        from . import hints
+        backend = config.stash[_backend_key] = races.resolve_backend(config)
+        children = Children(backend, bool(options.get(config, "streamrace_trace")))  # the processes tests start
+        config.pluginmanager.register(races.RaceChecks(config, backend, children), "streamrace-checks")
+        from .races import hints
 
         config.pluginmanager.register(hints.StreamHints(config), "streamrace-hints")
 
@@ -59,8 +64,9 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_report_header(config: pytest.Config) -> list[str]:
     gpus = hardware.visible_gpus()
     machine = f"cuda with {len(gpus)} GPU{'s' if len(gpus) != 1 else ''}" if gpus else "CPU-only"
-    run = hardware.torchrun_env()
-    session = f"torchrun session, rank {run.rank} of {run.world_size}" if run else "not under torchrun"
+    role = roles.of(config)
+    session = (f"torchrun session, rank {role.rank} of {role.world_size}" if role.kind == roles.TORCHRUN_RANK
+               else "not under torchrun")
     backend = config.stash.get(_backend_key, None)
     state = f"on ({backend} backend)" if backend else "off (--streamrace to enable)"
     return [f"streamrace: {machine}; {session}; race checks {state}"]

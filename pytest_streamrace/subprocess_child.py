@@ -223,7 +223,7 @@ def _after_fork() -> None:
 
 def _on_race(races) -> None:
     try:
-        from .detector.report import to_dict
+        from .races.record import from_race
 
         detector = _state.detector
         rank = _rank()
@@ -233,7 +233,7 @@ def _on_race(races) -> None:
                 continue  # a pool worker's earlier task for the same test reported it already
             _state.reported.add((test, race.key()))
             _write({"kind": "race", "test": test, "rank": rank, "pid": os.getpid(),
-                    "race": to_dict(race, detector.hb.stream_name, rank)})
+                    "race": from_race(race, detector.hb.stream_name, rank)})
     except Exception:
         pass
 
@@ -316,7 +316,7 @@ def _finish() -> None:
         return
     _state.trace_written = True
     try:
-        from .detector.trace import trace_events
+        from .races.trace import trace_events
 
         rank = _rank()
         events = trace_events(detector.hb.timeline, detector.hb.races, detector.hb.stream_name, rank)

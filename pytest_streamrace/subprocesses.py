@@ -33,7 +33,6 @@ ENV = subprocess_child.ENV
 PTH_NAME = "pytest-streamrace-subprocess.pth"
 PTH = ("import os; exec('try:\\n from pytest_streamrace.subprocess_child import start; start()\\nexcept Exception: "
        f"pass') if os.environ.get({ENV!r}, '0') not in ('', '0') else None\n")
-AFTER = "streamrace_after"  # user_properties key: [race dicts with "test"] of tests that finished earlier
 
 
 def install_pth() -> str | None:
@@ -166,38 +165,3 @@ class Children:
                 if isinstance(record, dict):
                     records.append(record)
         return records
-
-
-def child_trace(pid, events: list) -> list:
-    """A child's trace events, its process named after it (one more process of the session's trace)."""
-    renamed = []
-    for event in events:
-        if event.get("name") == "process_name":
-            name = event["args"]["name"]
-            event = dict(event, args={"name": f"child pid {pid}" + (f", {name}" if name.startswith("rank") else "")})
-        renamed.append(event)
-    return renamed
-
-
-def format_children(races: list[dict]) -> str:
-    """The failure text for races in processes a test started: the marker's rendering, "stream race on rank N"."""
-    from .detector.report import format_races, from_dict
-
-    pids = sorted({r.get("pid") for r in races if r.get("pid") is not None})
-    text = format_races([(r.get("rank"), from_dict(r)) for r in races])
-    return f"{text}\n  (in {'processes' if len(pids) > 1 else 'a process'} the test started: pid " \
-           f"{', '.join(map(str, pids))})"
-
-
-def format_after(races: list[dict]) -> str:
-    from .detector.report import format_races, from_dict
-
-    lines = []
-    by_test: dict[str, list] = {}
-    for race in races:
-        by_test.setdefault(race.get("test", "?"), []).append(race)
-    for test, found in by_test.items():
-        lines.append(f"from processes started by {test}, judged after that test had finished:")
-        lines.append(format_races([(r.get("rank"), from_dict(r)) for r in found]))
-        lines.append("")
-    return "\n".join(lines).rstrip()

@@ -16,7 +16,8 @@ import pytest
 
 from pytest_streamrace import hardware
 from pytest_streamrace.repro import registry
-from pytest_streamrace.repro.evidence import EVIDENCE, RankContext, judge, per_run
+from pytest_streamrace.races.record import EVIDENCE, from_race
+from pytest_streamrace.repro.evidence import RankContext, judge, per_run
 
 _SETTINGS = json.loads(os.environ.get("STREAMRACE_REPRO") or "{}")  # from the repro CLI
 
@@ -38,7 +39,7 @@ def test_repro(repro, variant, rank, world_size, request):
     import torch
     import torch.distributed as dist
 
-    from pytest_streamrace.detector import report, session
+    from pytest_streamrace.detector import session
 
     detector = session.active()
     own = None
@@ -58,7 +59,7 @@ def test_repro(repro, variant, rank, world_size, request):
             seen = {race.key(): race.count for race in detector.races}
             numeric = repro.run(ctx)
             # races of this run: new ones, and known ones seen again (dedup counts them)
-            races = [report.to_dict(r, detector.stream_name, rank) for r in detector.races
+            races = [from_race(r, detector.stream_name, rank) for r in detector.races
                      if r.count > seen.get(r.key(), 0)]
             runs.append({"races": races, "numeric": numeric})
     finally:

@@ -425,32 +425,32 @@ def _race(kind="read-after-write", tensor="ipg bucket", earlier=(("/venv/site-pa
     ("kind:free", False),
 ])
 def test_rule_terms(rule, matches):
-    from pytest_streamrace import suppress
+    from pytest_streamrace.races import policy
 
-    (parsed,) = suppress.parse(rule, "s.supp")
+    (parsed,) = policy.parse_rules(rule, "s.supp")
     assert parsed.matches(_race()) is matches
 
 
 def test_first_matching_rule_wins_and_comments_are_ignored():
-    from pytest_streamrace import suppress
+    from pytest_streamrace.races import policy
 
-    rules = suppress.parse("# header\n\nkind:raw  # all of them\ntensor:ipg*\n", "s.supp")
+    rules = policy.parse_rules("# header\n\nkind:raw  # all of them\ntensor:ipg*\n", "s.supp")
     assert [(r.where, r.text) for r in rules] == [("s.supp:3", "kind:raw"), ("s.supp:4", "tensor:ipg*")]
-    assert suppress.match(rules, _race()).where == "s.supp:3"
-    assert suppress.match(rules, _race(kind="write-after-read")).where == "s.supp:4"
-    assert suppress.match(rules, _race(kind="write-after-read", tensor=None)) is None
+    assert policy.matching_rule(rules, _race()).where == "s.supp:3"
+    assert policy.matching_rule(rules, _race(kind="write-after-read")).where == "s.supp:4"
+    assert policy.matching_rule(rules, _race(kind="write-after-read", tensor=None)) is None
 
 
 def test_baseline_signature_ignores_lines_and_ranks_and_round_trips(tmp_path):
-    from pytest_streamrace import baseline
+    from pytest_streamrace.races import policy
 
     moved = _race(earlier=(("/x/stage3.py", 99, "reduce"),), later=(("/repo/tests/test_x.py", 50, "step"),))
-    assert baseline.signature("t::a", _race()) == baseline.signature("t::a", dict(moved, rank=1)) == \
+    assert policy.signature("t::a", _race()) == policy.signature("t::a", dict(moved, rank=1)) == \
         ("t::a", "read-after-write", "reduce", "aten::add_", "step", "aten::mul")
-    assert baseline.signature("t::b", _race()) != baseline.signature("t::a", _race())
-    sigs = {baseline.signature(t, _race()) for t in ("t::b", "t::a")}
+    assert policy.signature("t::b", _race()) != policy.signature("t::a", _race())
+    sigs = {policy.signature(t, _race()) for t in ("t::b", "t::a")}
     path = tmp_path / "sub" / "b.json"
-    baseline.write(str(path), sigs)
-    assert baseline.load(str(path), str(tmp_path)) == sigs
+    policy.write_baseline(str(path), sigs)
+    assert policy.load_baseline(str(path), str(tmp_path)) == sigs
     lines = path.read_text().splitlines()
     assert lines[1] < lines[2] and len(lines) == 4  # sorted, one a line

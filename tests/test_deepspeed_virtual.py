@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from pytest_streamrace.detector.hb import RAW, WAR, WAW
-from pytest_streamrace.detector.report import format_races
+from pytest_streamrace.races.record import format_races
 from pytest_streamrace.detector.session import Detector
 
 

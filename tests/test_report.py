@@ -5,7 +5,8 @@ import os
 
 import pytest
 
-from pytest_streamrace.detector import report, trace
+from pytest_streamrace.races import record as report
+from pytest_streamrace.races import trace
 from pytest_streamrace.detector.hb import FREE, RAW, WAR, WAW, HappensBefore, Site, TensorInfo
 
 BUCKET = TensorInfo((1024,), "torch.float32", "ipg bucket")
@@ -145,7 +146,7 @@ def test_short_path():
 
 def test_json_schema():
     hb = bucket_run()
-    doc = json.loads(json.dumps(report.json_document([(1, r) for r in hb.races], hb.stream_name)))
+    doc = json.loads(json.dumps(report.document([report.from_race(r, hb.stream_name, 1) for r in hb.races])))
     assert doc["version"] == report.SCHEMA_VERSION
     war = next(r for r in doc["races"] if r["kind"] == WAR)
     assert war["rank"] == 1 and war["count"] == 3
@@ -162,23 +163,23 @@ def test_json_schema():
 @pytest.mark.parametrize("kind", [RAW, WAR, WAW, FREE])
 def test_to_dict_from_dict_round_trip_renders_the_same(kind):
     race, names = race_of(kind)
-    data = json.loads(json.dumps(report.to_dict(race, names, rank=3)))
-    rebuilt = report.from_dict(data)
-    assert report.to_dict(rebuilt, rank=3) == data
+    data = json.loads(json.dumps(report.from_race(race, names, rank=3)))
+    rebuilt = report.to_race(data)
+    assert report.from_race(rebuilt, rank=3) == data
     assert report.format_race(rebuilt) == report.format_race(race, names)
     assert rebuilt.key() == race.key()
 
 
 def test_free_is_marked_in_json():
     race, names = race_of(FREE)
-    data = report.to_dict(race, names)
+    data = report.from_race(race, names)
     assert data["later"]["rw"] == "free" and data["later"]["op"] == "free" and data["rank"] is None
 
 
 def test_write_and_load_json(tmp_path):
     hb = bucket_run()
     path = tmp_path / "races.json"
-    report.write_json(path, [(0, r) for r in hb.races], hb.stream_name)
+    report.write_document(path, [report.from_race(r, hb.stream_name, 0) for r in hb.races])
     loaded = report.load_document(json.loads(path.read_text()))
     assert [(rank, r.kind, r.count) for rank, r in loaded] == [(0, r.kind, r.count) for r in hb.races]
     assert report.format_races(loaded) == report.format_races([(0, r) for r in hb.races], hb.stream_name)
@@ -192,7 +193,7 @@ def test_load_document_rejects_other_shapes(doc):
 
 def test_from_dict_rejects_malformed_records_with_one_line():
     with pytest.raises(ValueError, match=r"^not a streamrace race record: KeyError: 'earlier'$"):
-        report.from_dict({"kind": RAW})
+        report.to_race({"kind": RAW})
 
 
 # Chrome trace

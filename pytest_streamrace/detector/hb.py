@@ -109,8 +109,12 @@ class Race:
     count: int = 1
 
     def key(self) -> tuple[str, str, str]:
-        """What makes two races the same report: the kind and both user locations."""
-        return (self.kind, where(self.earlier.op.site), where(self.later.op.site))
+        return identity(self.kind, self.earlier.op.site, self.later.op.site)
+
+
+def identity(kind: str, earlier: Site, later: Site) -> tuple[str, str, str]:
+    """What makes two races the same report: the kind and both user locations (also a race record's key)."""
+    return (kind, where(earlier), where(later))
 
 
 def where(site: Site) -> str:

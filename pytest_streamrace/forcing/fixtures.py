@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 
 from .. import hardware, options
+from ..races.record import COMPILE, SCHEDULE  # user_properties keys (SCHEDULE is also the parameter's name)
 
 COMPILE_MARKER = ("streamrace_compile(modes=('eager', 'compile', 'compiled_autograd'), backend='aot_eager'): the "
                   "compile modes (and torch.compile backend) the compile_mode fixture runs a test under")
-SCHEDULE = "streamrace_schedule"  # user_properties key: the delay schedule a report ran under
 
 _delays_key = pytest.StashKey()
 _call_passed_key = pytest.StashKey[bool]()
@@ -109,7 +109,7 @@ def compile_mode(request: pytest.FixtureRequest):
     name, backend = getattr(request, "param", ("eager", "aot_eager"))
     mode = CompileMode(name, backend)
     yield mode
-    request.node.user_properties.append(("streamrace_compile", mode.summary()))
+    request.node.user_properties.append((COMPILE, mode.summary()))
     request.node.add_report_section("teardown", "streamrace compile mode", mode.summary())
     mode.close()
     if request.node.stash.get(_call_passed_key, False):

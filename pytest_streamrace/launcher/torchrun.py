@@ -61,7 +61,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from .. import checks, hardware, options
+from .. import hardware, options
+from ..races import record
 from . import marker
 
 GRACE = 5.0
@@ -345,10 +346,10 @@ class TorchrunRank:
         finally:
             watchdog.finished.set()
         self._post(key, {"nodeid": item.nodeid, "phases": {r.when: summarize(r) for r in reports},
-                         "races": checks.races_in(reports)})
+                         "races": record.races_in(reports)})
         posts, missing, stacks = self._gather(key, start + timeout + GRACE, stack_prefix=f"{key}/stack")
         # every rank's races (judged by that rank) on this rank's teardown report: rank 0 counts and writes them
-        checks.add_races(reports, [race for r in sorted(posts) if r != self.rank and posts[r]["nodeid"] == item.nodeid
+        record.add_races(reports, [race for r in sorted(posts) if r != self.rank and posts[r]["nodeid"] == item.nodeid
                                    for race in posts[r].get("races", ())])
         for report in self._collective(item, reports, posts, missing, stacks, timeout):
             ihook.pytest_runtest_logreport(report=report)

@@ -13,6 +13,7 @@ from collections import Counter
 
 from .. import hardware
 from ..options import positive_int
+from ..races.record import location
 from .registry import ReproError, discover, get
 
 
@@ -57,12 +58,10 @@ def _print_outcome(outcome, label: str) -> None:
     print(f"{outcome.repro}/{outcome.variant}{label}: {outcome.verdict} ({mark}) — {outcome.reason}  [{outcome.seconds:.1f} s]")
     for race in outcome.races[:4]:
         later, earlier = race["later"], race["earlier"]
-        where = lambda a: (f"{a['frames'][0]['file'].rsplit('site-packages/', 1)[-1]}:{a['frames'][0]['line']}"
-                           if a["frames"] else "<unknown>")
         print(f"    {race['kind']} on {race['tensor']['name'] or 'tensor'} {race['tensor']['dtype']}"
               f"{race['tensor']['shape']} (rank {race['rank']}):")
-        print(f"      {earlier['rw']:5} {earlier['op']:22} on {earlier['stream']:38} at {where(earlier)}")
-        print(f"      {later['rw']:5} {later['op']:22} on {later['stream']:38} at {where(later)}")
+        print(f"      {earlier['rw']:5} {earlier['op']:22} on {earlier['stream']:38} at {location(earlier['frames'])}")
+        print(f"      {later['rw']:5} {later['op']:22} on {later['stream']:38} at {location(later['frames'])}")
     if len(outcome.races) > 4:
         print(f"    ... {len(outcome.races) - 4} more (--json PATH for all)")
     for n in outcome.numeric:

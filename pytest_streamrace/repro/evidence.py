@@ -12,8 +12,6 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
-EVIDENCE = "streamrace_repro"  # user_properties key of one rank's evidence dict
-
 
 @dataclass
 class RankContext:

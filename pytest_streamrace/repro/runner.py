@@ -15,8 +15,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .evidence import EVIDENCE, judge, per_run
-
+from ..races.record import EVIDENCE
+from .evidence import judge, per_run
 
 
 def _test_module() -> Path:

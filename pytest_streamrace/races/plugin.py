@@ -2,25 +2,24 @@
 
 The detector is active from the test's setup to the end of its teardown, so fixtures may create streams too (on
 CPU-only machines the virtual torch.cuda API is there for them). Races are judged with the call phase; ones that only
-appear in teardown fail the teardown. Each report carries its races as JSON in ``user_properties``, which is how they
-travel from xdist workers and rank processes to the process that writes ``--streamrace-json`` and
-``--streamrace-trace``. Which races fail a test is the adoption levers' call (``levers``: suppressions, a baseline,
-report-only), made here in every process that runs tests; the process that writes the files also prints the tally.
+appear in teardown fail the teardown. A phase's failing races are raised as ``StreamRaceError`` from that phase, so
+pytest's own outcome handling applies: ``xfail`` (strict or not, ``raises=``) and ``skip`` treat a race as any other
+failure. Each report carries its races as records (``record``) in ``user_properties``, which is how they travel from
+xdist workers and rank processes to the process that writes ``--streamrace-json`` and ``--streamrace-trace``. Which
+races fail a test is the ``policy``'s call (suppressions, a baseline, report-only), made here in every process that
+runs tests; the process that writes the files (``roles``) also prints the tally.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 
 import pytest
 
-from . import hardware, options
+from .. import StreamRaceError, hardware, options, roles
+from .record import AFTER, RACES, TRACE
 
-RACES = "streamrace_races"  # user_properties key: [race dicts] (detector.report.to_dict, with rank)
-TRACE = "streamrace_trace"  # user_properties key: [chrome trace events] of this test's ops
-AFTER = "streamrace_after"  # user_properties key: [race dicts with "test"] of children that outlived their test
 EXPECT = ("race", "clean")
 MARKER = ("streamrace(expect='race'|'clean'): assert that the test's streams race (or not) when --streamrace "
           "is on; expect='race' turns a detected race into a pass and its absence into a failure")
@@ -29,7 +28,8 @@ _detector_key = pytest.StashKey()
 _judged_key = pytest.StashKey()
 _children_key = pytest.StashKey()  # races of the processes the test started, judged so far
 _child_notes_key = pytest.StashKey()  # [(rank, note)]: what the detectors of those processes could not model
-_statuses_key = pytest.StashKey[list]()  # levers status of each race judged so far, in detector order
+_statuses_key = pytest.StashKey[list]()  # policy status of each race judged so far, in detector order
+_pending_key = pytest.StashKey[tuple]()  # (user_properties, section text) of the phase judged in its own hook
 
 
 def resolve_backend(config: pytest.Config) -> str:
@@ -58,8 +58,7 @@ def detector_notes(item: pytest.Item) -> list[tuple[int | None, str]]:
     """(rank, note) for what the test's detector, and those of the processes it started, could not model and
     skipped (once each)."""
     detector = item.stash.get(_detector_key, None)
-    tracker = getattr(detector, "tracker", None)
-    own = [(process_rank(), note) for note in tracker.notes] if tracker is not None else []
+    own = [(process_rank(), note) for note in detector.notes] if detector is not None else []
     return own + list(item.stash.get(_child_notes_key, ()))
 
 
@@ -73,17 +72,18 @@ def process_rank() -> int | None:
 class RaceChecks:
     """Runs each test under a Detector; judges its races; collects them for the session's files."""
 
-    def __init__(self, config: pytest.Config, backend: str):
+    def __init__(self, config: pytest.Config, backend: str, children):
+        """`children`: the collector of the races of processes each test starts (``subprocesses.Children``, issue
+        12), handed in by the entry point so this package does not depend on the part that follows children."""
         self.config = config
         self.backend = backend
+        self.role = roles.of(config)
         self.json_path = options.get(config, "streamrace_json")
         self.trace_path = options.get(config, "streamrace_trace")
-        self.races: list[tuple[str, dict]] = []  # (nodeid, race dict)
+        self.races: list[tuple[str, dict]] = []  # (nodeid, record)
         self.traces: list[tuple[str, list]] = []  # (nodeid, events)
-        self.levers = self.tally = None  # at session start (`--help` configures, and starts no session)
-        from .subprocesses import Children  # the processes each test starts (issue 12)
-
-        self.children = Children(backend, bool(self.trace_path))
+        self.policy = self.tally = None  # at session start (`--help` configures, and starts no session)
+        self.children = children
         self.after: list[dict] = []  # children's races judged after their test had finished
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
@@ -94,15 +94,15 @@ class RaceChecks:
     # running
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
-        from . import levers
+        from . import policy, tally
 
         try:
-            self.levers = levers.load(self.config)  # checked at the command line already (exit 2 there)
-        except levers.BadInput as exc:
+            self.policy = policy.load(self.config)  # checked at the command line already (exit 2 there)
+        except policy.BadInput as exc:
             raise pytest.UsageError(f"streamrace: {exc}") from None
-        self.tally = levers.Tally(self.levers)
+        self.tally = tally.Tally(self.policy)
         if self.backend == "cuda":  # build (or load) the op capture once, before any test's clock starts
-            from .detector import capture
+            from ..detector import capture
 
             capture.load()
 
@@ -110,7 +110,7 @@ class RaceChecks:
     def pytest_runtest_setup(self, item: pytest.Item):
         expected(item)  # a bad marker is a usage error before anything runs
         self.children.begin(item.nodeid)
-        from .detector.session import Detector
+        from ..detector.session import Detector
 
         detector = Detector(backend=self.backend, trace=bool(self.trace_path))
         detector.__enter__()
@@ -120,14 +120,48 @@ class RaceChecks:
         return (yield)
 
     @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_call(self, item: pytest.Item):
+        try:
+            result = yield
+        except BaseException:
+            self._judge_in_phase(item, "call", failed=True)  # the test's own failure (or skip) stands
+            raise
+        self._judge_in_phase(item, "call", failed=False)
+        return result
+
+    @pytest.hookimpl(wrapper=True)
     def pytest_runtest_teardown(self, item: pytest.Item, nextitem):
         try:
-            return (yield)
-        finally:
-            detector = item.stash.get(_detector_key, None)
-            if detector is not None:
-                # races are read in makereport of teardown, which pytest calls after this hook returns
-                detector.__exit__(None, None, None)
+            result = yield
+        except BaseException:
+            self._exit_detector(item)
+            self._judge_in_phase(item, "teardown", failed=True)
+            raise
+        self._exit_detector(item)
+        self._judge_in_phase(item, "teardown", failed=False)
+        return result
+
+    @staticmethod
+    def _exit_detector(item: pytest.Item) -> None:
+        detector = item.stash.get(_detector_key, None)
+        if detector is not None:
+            detector.__exit__(None, None, None)
+
+    def _judge_in_phase(self, item: pytest.Item, when: str, failed: bool) -> None:
+        """Judge the phase's races before its report exists: raised as a StreamRaceError when the phase itself
+        passed, kept as a report section when it failed on its own."""
+        if item.stash.get(_detector_key, None) is None:
+            return
+        props, text = self._judge(item, when)
+        item.stash[_pending_key] = (props, text if failed else None)
+        if failed:
+            return
+        if text is not None:
+            raise StreamRaceError(text)
+        if when == "call" and expected(item) == "race" and not (item.stash[_judged_key] or
+                                                                item.stash.get(_children_key, 0)):
+            raise StreamRaceError("streamrace: expected a stream race (marker streamrace(expect='race')), "
+                                  "but none was detected")
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call):
@@ -135,6 +169,29 @@ class RaceChecks:
         detector = item.stash.get(_detector_key, None)
         if detector is None or (report.when == "setup" and report.passed):
             return report
+        if report.when == "setup":  # setup failed or skipped: no call phase will judge what it saw
+            props, text = self._judge(item, "setup")
+        else:
+            props, text = item.stash.get(_pending_key, ([], None))
+            item.stash[_pending_key] = ([], None)
+        # Recorded on the item, so the teardown report — the one collected, here and in a launching parent —
+        # carries every phase's; the teardown report itself is already built, so it gets its own directly.
+        (report.user_properties if report.when == "teardown" else item.user_properties).extend(props)
+        if report.when == "teardown":
+            self.children.end()
+            after, self.children.after[:] = list(self.children.after), []
+            if after:  # shipped on a report, so an xdist controller or launching parent sees them too
+                report.user_properties.append((AFTER, after))
+        if call.excinfo is not None and isinstance(call.excinfo.value, StreamRaceError) and report.failed:
+            report.longrepr = str(call.excinfo.value)  # the races' text, not a traceback through this plugin
+        elif text is not None and report.failed:
+            report.sections.append(("stream races", text))
+        return report
+
+    def _judge(self, item: pytest.Item, when: str) -> tuple[list, str | None]:
+        """The phase's fresh races and those of the processes the test started, classified by the policy: the
+        user_properties to record, and the failure text of those that fail the test (None: none do)."""
+        detector = item.stash[_detector_key]
         races = detector.races
         judged = item.stash[_judged_key]
         fresh = races[judged:]
@@ -143,75 +200,51 @@ class RaceChecks:
         children, child_traces = self.children.collect(item.nodeid)
         item.stash[_children_key] = item.stash.get(_children_key, 0) + len(children)
         item.stash[_child_notes_key] = list(self.children.notes)
-        # Recorded on the item, so the teardown report — the one collected, here and in a launching parent —
-        # carries every phase's; the teardown report itself is already built, so it gets its own directly.
-        record = report.user_properties if report.when == "teardown" else item.user_properties
         statuses = item.stash[_statuses_key]
+        props: list = []
         failing = []
         failing_children = []
+        race_expected = expected(item) == "race"
         if fresh or children:
-            from .detector.report import to_dict
+            from .record import from_race
 
-            dicts = [to_dict(r, detector.hb.stream_name, rank) for r in fresh]
-            for race, data in zip(fresh, dicts):
-                status = self.levers.classify(item.nodeid, data, expected(item) == "race")
+            records = [from_race(r, detector.stream_name, rank) for r in fresh]
+            for race, data in zip(fresh, records):
+                status = self.policy.classify(item.nodeid, data, race_expected)
                 statuses.append(status)
-                if self.levers.fails(status):
+                if self.policy.fails(status):
                     failing.append(race)
             for data in children:  # races in processes the test started (issue 12)
-                if self.levers.fails(self.levers.classify(item.nodeid, data, expected(item) == "race")):
+                if self.policy.fails(self.policy.classify(item.nodeid, data, race_expected)):
                     failing_children.append(data)
-            record.append((RACES, dicts + children))
+            props.append((RACES, records + children))
         if self.trace_path:
-            from .subprocesses import child_trace
+            from .trace import child_trace
 
-            record += [(TRACE, child_trace(pid, events)) for pid, events in child_traces]
-        if report.when == "teardown" and self.trace_path:
-            from .detector.trace import trace_events
+            props += [(TRACE, child_trace(pid, events)) for pid, events in child_traces]
+        if when == "teardown" and self.trace_path:
+            from .trace import trace_events
 
-            events = trace_events(detector.hb.timeline, races, detector.hb.stream_name, rank, statuses)
-            record.append((TRACE, events))
-        if report.when == "teardown":
-            self.children.end()
-            after, self.children.after[:] = list(self.children.after), []
-            if after:  # shipped on a report, so an xdist controller or launching parent sees them too
-                report.user_properties.append((AFTER, after))
+            events = trace_events(detector.timeline, races, detector.stream_name, rank, statuses)
+            props.append((TRACE, events))
         quiet = len(fresh) - len(failing) + len(children) - len(failing_children)
-        self._judge(item, report, failing, rank, quiet, failing_children)
-        return report
+        if race_expected or not (failing or failing_children):
+            return props, None
+        return props, self._failure_text(detector, failing, rank, quiet, failing_children)
 
     @staticmethod
-    def _judge(item: pytest.Item, report: pytest.TestReport, fresh: list, rank: int | None, quiet: int = 0,
-               children: list[dict] = ()) -> None:
-        """`fresh`: this phase's races that fail the test; `children`: those of processes the test started (race
-        dicts) that fail it; `quiet`: how many others it had (suppressed, in the baseline, report-only)."""
-        expect = expected(item)
-        if report.skipped:
-            return
-        if expect == "race":
-            if report.when == "call" and report.passed and not (item.stash[_judged_key] or
-                                                                item.stash.get(_children_key, 0)):
-                report.outcome = "failed"
-                report.longrepr = ("streamrace: expected a stream race (marker streamrace(expect='race')), "
-                                   "but none was detected")
-            return
-        if not fresh and not children:
-            return
-        from .detector.report import format_races
+    def _failure_text(detector, fresh: list, rank: int | None, quiet: int, children: list[dict]) -> str:
+        """`fresh`: this phase's races that fail the test; `children`: records of processes the test started
+        that fail it; `quiet`: how many others it had (suppressed, in the baseline, report-only)."""
+        from . import record
 
-        text = format_races([(rank, r) for r in fresh], item.stash[_detector_key].hb.stream_name) if fresh else ""
+        text = record.format_races([(rank, r) for r in fresh], detector.stream_name) if fresh else ""
         if children:
-            from .subprocesses import format_children
-
-            text = "\n\n".join(t for t in (text, format_children(children)) if t)
+            text = "\n\n".join(t for t in (text, record.format_children(children)) if t)
         if quiet:
             text += (f"\n\n(and {quiet} more race{'s' if quiet > 1 else ''} that fail nothing: suppressed, in the "
                      "baseline — see the streamrace summary)")
-        if report.failed:
-            report.sections.append(("stream races", text))
-        else:
-            report.outcome = "failed"
-            report.longrepr = text
+        return text
 
     # collecting, where the session's files are written
 
@@ -230,7 +263,7 @@ class RaceChecks:
                 self.after.extend(value)
         self.races.extend((report.nodeid, race) for race in races)
         found = self.tally.add(report, races)
-        if writes_session_files(self.config):
+        if self.role.writes_session_files:
             # The end of the records' journey: junit XML (which writes every user property) gets their count.
             report.user_properties[:] = [(k, v) for k, v in report.user_properties if k != RACES]
             report.user_properties.append((RACES, found))
@@ -240,26 +273,23 @@ class RaceChecks:
         self.children.collect(None)  # what children wrote after the last test: all "after their test"
         self.after += self.children.after
         self.children.close()
-        if not writes_session_files(self.config):
+        if not self.role.writes_session_files:
             return  # the xdist controller / the launching parent / torchrun rank 0 writes them
         if self.json_path:
-            from .detector.report import SCHEMA_VERSION
+            from .record import write_document
 
-            doc = {"version": SCHEMA_VERSION, "races": [{"test": nodeid, **race} for nodeid, race in self.races]}
-            doc["races"] += [dict(race, after_test=True) for race in self.after]
-            with open(self.json_path, "w", encoding="utf-8") as f:
-                json.dump(doc, f, indent=1)
-                f.write("\n")
+            write_document(self.json_path, [{"test": nodeid, **race} for nodeid, race in self.races] +
+                           [dict(race, after_test=True) for race in self.after])
         if self.trace_path:
-            from .detector.trace import write_trace
+            from .trace import write_trace
 
             write_trace(self.trace_path, _one_process_per_test(self.traces + self.children.after_traces))
-        if self.levers.update:
+        if self.policy.update:
             self.tally.write_baseline()
 
     @pytest.hookimpl(trylast=True)
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        if self.tally is None or not writes_session_files(self.config):
+        if self.tally is None or not self.role.writes_session_files:
             return
         if os.environ.get("GITHUB_ACTIONS") == "true":
             for line in self.tally.annotations():
@@ -268,31 +298,10 @@ class RaceChecks:
         for line in self.tally.summary():
             terminalreporter.line(line)
         if self.after:
-            from .subprocesses import format_after
+            from .record import format_after
 
             terminalreporter.write_sep("=", "streamrace: races in processes after their test had finished")
             terminalreporter.write_line(format_after(self.after))
-
-
-def races_in(reports) -> list[dict]:
-    """The race dicts a test's reports carry (the teardown report has every phase's)."""
-    return [race for r in reports if r.when == "teardown" for k, v in r.user_properties if k == RACES for race in v]
-
-
-def add_races(reports, races: list[dict]) -> None:
-    """Give the test's teardown report more races (another torchrun rank's, to rank 0)."""
-    for r in reports:
-        if r.when == "teardown" and races:
-            r.user_properties.append((RACES, races))
-
-
-def writes_session_files(config: pytest.Config) -> bool:
-    from .launcher import child
-
-    if hasattr(config, "workerinput") or child.spec_from_env() is not None:
-        return False
-    run = hardware.torchrun_env()
-    return run is None or run.rank == 0
 
 
 def _one_process_per_test(traces: list[tuple[str, list]]) -> list[list[dict]]:

@@ -12,8 +12,8 @@ import json
 import os
 from typing import Callable, Iterable, Sequence
 
-from .hb import Op, Race
-from .report import short_path
+from ..detector.hb import Op, Race
+from .record import short_path
 
 TICK = 10  # µs between consecutive launches
 DUR = 8  # µs per slice, < TICK so slices on a track never touch
@@ -26,7 +26,7 @@ def _ts(op: Op) -> int:
 def trace_events(timeline: Sequence[Op], races: Iterable[Race], stream_name: Callable[[object], str] = str,
                  rank: int | None = None, statuses: Sequence[str] = ()) -> list[dict]:
     """Chrome trace events of one process: its ops (``HappensBefore(trace=True).timeline``) and its races.
-    `statuses`: each race's status (``levers``); races not "new" are marked with theirs."""
+    `statuses`: each race's status (``policy``); races not "new" are marked with theirs."""
     pid = rank if rank is not None else 0
     events = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0,
                "args": {"name": f"rank {rank}" if rank is not None else "pytest"}}]
@@ -61,6 +61,17 @@ def trace_events(timeline: Sequence[Op], races: Iterable[Race], stream_name: Cal
         events.append({**common, "ph": "s", "tid": first["tid"], "ts": first["ts"] + DUR // 2})
         events.append({**common, "ph": "f", "bp": "e", "tid": second["tid"], "ts": second["ts"] + DUR // 2})
     return events
+
+
+def child_trace(pid, events: list) -> list:
+    """A followed child's trace events, its process named after it (one more process of the session's trace)."""
+    renamed = []
+    for event in events:
+        if event.get("name") == "process_name":
+            name = event["args"]["name"]
+            event = dict(event, args={"name": f"child pid {pid}" + (f", {name}" if name.startswith("rank") else "")})
+        renamed.append(event)
+    return renamed
 
 
 def chrome_trace(event_lists: Iterable[Sequence[dict]]) -> dict:

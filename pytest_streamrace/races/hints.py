@@ -21,9 +21,10 @@ import warnings
 
 import pytest
 
-from .checks import detector_notes, process_rank, writes_session_files
+from .. import roles
+from .plugin import detector_notes, process_rank
+from .record import HINTS
 
-HINTS = "streamrace_hints"  # user_properties key: [hint dicts], on the teardown report
 SECTION = "streamrace hints"
 _PATTERN = r"The AccumulateGrad node's stream does not match"
 NOT_MODELLED = "not-modelled"  # something the detector skipped (an op it could not model): said, never raised
@@ -143,7 +144,7 @@ class StreamHints:
 
     @pytest.hookimpl
     def pytest_terminal_summary(self, terminalreporter) -> None:
-        if not self.seen or not writes_session_files(self.config):
+        if not self.seen or not roles.of(self.config).writes_session_files:
             return
         terminalreporter.section(SECTION)
         for nodeid, line in merged(self.seen):
