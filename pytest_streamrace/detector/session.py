@@ -131,6 +131,7 @@ class Detector:
             autograd = VirtualAutograd(self.streams, self.hb, self.tracker)
             patches += autograd.patches(AttrPatch)
             on_outputs = autograd.adopt_outputs
+            function_mode = lambda: autograd.mode  # noqa: E731 (exists once autograd's patches are installed)
         else:
             from .cuda import CudaStreams
 
@@ -140,6 +141,7 @@ class Detector:
             self.tracker.current_stream = self.streams.current
             patches = self.streams.patches(AttrPatch)
             on_outputs = None  # the engine binds compiled code's autograd nodes itself
+            function_mode = None
         from .compiled import CompiledCode
 
         patches += CompiledCode(self.tracker, self._current, on_outputs).patches(AttrPatch, self.backend)
@@ -151,6 +153,9 @@ class Detector:
 
         patches += Futures(self.hb, self.tracker, self._current,
                            inline_callbacks=self.backend == "virtual").patches(AttrPatch)
+        from .threads import Threads
+
+        patches += Threads(self.tracker, function_mode).patches(AttrPatch)
         for patch in patches:
             self.install(patch)
         # last in, first out: our own setup is not traced
