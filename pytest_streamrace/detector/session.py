@@ -149,6 +149,9 @@ class Detector:
 
         if collectives.available():
             patches += collectives.Collectives(self.hb, self.tracker, self._current).patches(AttrPatch)
+            from .threaded_pg import ThreadedGroup
+
+            patches += ThreadedGroup(self.hb, self.tracker, self._current).patches(AttrPatch)
         from .futures import Futures
 
         patches += Futures(self.hb, self.tracker, self._current,
