@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest, torch
 
+EARLY_POOL = ThreadPoolExecutor(max_workers=1)
+EARLY_POOL.submit(lambda: None).result()  # its worker starts at import, before any test's session
 
 def stage(x, done=None):
     side = torch.cuda.Stream()
@@ -45,6 +47,12 @@ def test_pool_result_without_stream_wait(streamrace_device):
     with ThreadPoolExecutor(max_workers=2) as pool:
         pool.submit(stage, x).result()
     x.sum()                                         # READ-AFTER-RESULT
+
+
+def test_pool_started_before_the_test(streamrace_device):
+    x = torch.ones(64, device=streamrace_device)
+    EARLY_POOL.submit(stage, x).result()
+    x.sum()                                         # READ-AFTER-EARLY-POOL
 
 
 def test_pool_result_then_event_waited(streamrace_device):
@@ -131,8 +139,9 @@ def _failed(result) -> set[str]:
 def test_work_on_other_threads_is_checked(pytester):
     pytester.makepyfile(test_user_threads=USER_THREADS, test_ranks=RANKS)
     result = pytester.runpytest_subprocess("--streamrace", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=4, failed=4)
+    result.assert_outcomes(passed=4, failed=5)
     assert _failed(result) == {"test_thread_joined_without_stream_wait", "test_pool_result_without_stream_wait",
+                               "test_pool_started_before_the_test",
                                "test_reduced_without_waiting_for_the_side_stream",
                                "test_read_before_the_async_collective_is_waited"}
     threads, ranks = "test_user_threads.py", "test_ranks.py"
@@ -149,6 +158,11 @@ def test_work_on_other_threads_is_checked(pytester):
         "stream race: read-after-write*",
         f"*earlier*write*aten::mul_*at {threads}:{staged} (stage)",
         f"*later*read*aten::sum*on default stream*at {threads}:{_line(pytester, threads, 'READ-AFTER-RESULT')}*",
+    ])
+    result.stdout.fnmatch_lines([
+        "*_ test_pool_started_before_the_test _*",
+        "stream race: read-after-write*",
+        f"*later*read*aten::sum*at {threads}:{_line(pytester, threads, 'READ-AFTER-EARLY-POOL')}*",
     ])
     result.stdout.fnmatch_lines([
         "*_ TestRanks.test_read_before_the_async_collective_is_waited _*",

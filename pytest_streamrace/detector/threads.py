@@ -2,8 +2,9 @@
 entered them unless each new thread enters them too.
 
 While a session is active, ``Thread._bootstrap_inner`` (where every Python thread, a pool's workers included, starts
-running Python) pushes two forwarding modes onto the new thread's mode stacks for the thread's whole life, and a
-thread-pool work item run on a worker started before the session pushes them around that item. The forwarding modes
+running Python) pushes forwarding modes onto the new thread's mode stacks for the thread's whole life — a dispatch
+mode for the tracker, a function mode for the virtual autograd model, only those the session uses — and a thread-pool
+work item run on a worker started before the session pushes them around that item. The forwarding modes
 hand each op to the session active *now* (none: the op just runs), so a thread that outlives its test neither reports
 into a finished session nor misses the next one. The cuda backend's C++ capture is a global callback and sees every
 thread already; only its fallback, the dispatch mode, needs pushing there.
@@ -26,6 +27,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _dispatch = None  # the active session's __torch_dispatch__, when a dispatch mode observes ops
+_capturing = bool  # whether the active session's C++ capture sees every thread already (then no dispatch mode)
 _function = None  # the active session's __torch_function__ (virtual autograd), when it has one
 _observed = threading.local()  # .depth > 0 while this thread has the forwarding modes pushed
 
@@ -33,7 +35,7 @@ _observed = threading.local()  # .depth > 0 while this thread has the forwarding
 class _ForwardDispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         target = _dispatch
-        if target is None:
+        if target is None or _capturing():  # no session, or one whose C++ capture sees this op already
             return func(*args, **(kwargs or {}))
         return target(func, types, args, kwargs)
 
@@ -50,30 +52,33 @@ _DISPATCH = _ForwardDispatch()
 _FUNCTION = _ForwardFunction()
 
 
-def _enter() -> bool:
-    """Push the forwarding modes on this thread unless they are there; whether this call pushed them."""
+def _enter() -> tuple:
+    """Push the forwarding modes this thread needs (none when already pushed, or with no session); the stacks pushed.
+    Only what the session uses: a function mode on a thread changes how dynamo traces there."""
     depth = getattr(_observed, "depth", 0)
     _observed.depth = depth + 1
-    if depth:
-        return False
+    if depth or (_dispatch is None and _function is None):
+        return ()
+    pushed = []
     try:
-        torch._C._push_on_torch_dispatch_stack(_DISPATCH)
-        torch._C._push_on_torch_function_stack(_FUNCTION)
+        if _dispatch is not None and not _capturing():
+            torch._C._push_on_torch_dispatch_stack(_DISPATCH)
+            pushed.append(torch._C._pop_torch_dispatch_stack)
+        if _function is not None:
+            torch._C._push_on_torch_function_stack(_FUNCTION)
+            pushed.append(torch._C._pop_torch_function_stack)
     except Exception:  # never in the user's thread: it runs unobserved
-        _observed.depth = 0
-        return False
-    return True
-
-
-def _leave(pushed: bool) -> None:
-    _observed.depth = max(getattr(_observed, "depth", 1) - 1, 0)
-    if not pushed:
-        return
-    try:
-        torch._C._pop_torch_function_stack()
-        torch._C._pop_torch_dispatch_stack()
-    except Exception:
         pass
+    return tuple(reversed(pushed))
+
+
+def _leave(pushed: tuple) -> None:
+    _observed.depth = max(getattr(_observed, "depth", 1) - 1, 0)
+    for pop in pushed:
+        try:
+            pop()
+        except Exception:
+            pass
 
 
 def _observing(original):
@@ -90,9 +95,9 @@ def _observing(original):
 
 
 class Threads:
-    """The patch: new threads (and pool work items) carry the session's modes. `dispatch` is the tracker (whose
-    __torch_dispatch__ records ops) unless the C++ capture sees every thread by itself; `function` the virtual
-    autograd model's function mode, if any (read at install: it exists only once that model is installed)."""
+    """The patch: new threads (and pool work items) carry the session's modes: the tracker's dispatch (unless the C++
+    capture sees every thread by itself) and `function()`, the virtual autograd model's function mode, if any (read
+    at install: it exists only once that model is installed)."""
 
     def __init__(self, tracker, function=None):
         self.tracker = tracker
@@ -107,17 +112,13 @@ class Threads:
         return out + [self]
 
     def install(self) -> None:
-        global _dispatch, _function
+        global _dispatch, _function, _capturing
         mode = self.function() if self.function is not None else None
         _function = mode.__torch_function__ if mode is not None else None
-        _dispatch = self._dispatch
-
-    def _dispatch(self, func, types, args, kwargs):
-        tracker = self.tracker
-        if tracker.capturing:  # the C++ capture sees this thread's ops already
-            return func(*args, **(kwargs or {}))
-        return tracker.__torch_dispatch__(func, types, args, kwargs)
+        _dispatch = self.tracker.__torch_dispatch__
+        _capturing = lambda: self.tracker.capturing  # noqa: E731 (the capture is installed after this patch)
 
     def uninstall(self) -> None:
-        global _dispatch, _function
+        global _dispatch, _function, _capturing
         _dispatch = _function = None
+        _capturing = bool
