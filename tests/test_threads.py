@@ -1,12 +1,14 @@
 """Races on Python threads other than the test's, through pytest as users run it (virtual backend): a user thread, a
 thread pool's worker and the ranks of a MultiThreadedTestCase, each with a racy and a clean twin. Joining a thread or
-waiting for a future orders the host, not the streams: only a stream wait or an event does."""
+waiting for a future orders the host, not the streams: only a stream wait or an event does. Threads that started
+before the test (a pool's worker, a module fixture's thread) are checked in the test their work runs in."""
 
 import re
 
 import pytest
 
 USER_THREADS = """
+import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -62,6 +64,33 @@ def test_pool_result_then_event_waited(streamrace_device):
         pool.submit(stage, x, done).result()
     torch.cuda.current_stream().wait_event(done)
     x.sum()
+
+
+JOBS = queue.Queue()
+
+
+@pytest.fixture(scope="module")
+def long_lived_worker():  # started during the first test that uses it; serves the module's later tests too
+    def serve():
+        for job in iter(JOBS.get, None):
+            job()
+    worker = threading.Thread(target=serve, daemon=True)
+    worker.start()
+    yield
+    JOBS.put(None)
+    worker.join()
+
+
+def test_long_lived_worker_starts(long_lived_worker):
+    pass
+
+
+def test_long_lived_worker_serves_a_later_test(long_lived_worker, streamrace_device):
+    x = torch.ones(64, device=streamrace_device)
+    done = threading.Event()
+    JOBS.put(lambda: (stage(x), done.set()))
+    done.wait()
+    x.sum()                                         # READ-AFTER-LONG-LIVED
 
 
 def test_each_thread_has_its_own_current_stream(streamrace_device):
@@ -139,9 +168,9 @@ def _failed(result) -> set[str]:
 def test_work_on_other_threads_is_checked(pytester):
     pytester.makepyfile(test_user_threads=USER_THREADS, test_ranks=RANKS)
     result = pytester.runpytest_subprocess("--streamrace", "-p", "no:cacheprovider")
-    result.assert_outcomes(passed=4, failed=5)
+    result.assert_outcomes(passed=5, failed=6)
     assert _failed(result) == {"test_thread_joined_without_stream_wait", "test_pool_result_without_stream_wait",
-                               "test_pool_started_before_the_test",
+                               "test_pool_started_before_the_test", "test_long_lived_worker_serves_a_later_test",
                                "test_reduced_without_waiting_for_the_side_stream",
                                "test_read_before_the_async_collective_is_waited"}
     threads, ranks = "test_user_threads.py", "test_ranks.py"
@@ -163,6 +192,11 @@ def test_work_on_other_threads_is_checked(pytester):
         "*_ test_pool_started_before_the_test _*",
         "stream race: read-after-write*",
         f"*later*read*aten::sum*at {threads}:{_line(pytester, threads, 'READ-AFTER-EARLY-POOL')}*",
+    ])
+    result.stdout.fnmatch_lines([
+        "*_ test_long_lived_worker_serves_a_later_test _*",
+        "stream race: read-after-write*",
+        f"*later*read*aten::sum*at {threads}:{_line(pytester, threads, 'READ-AFTER-LONG-LIVED')}*",
     ])
     result.stdout.fnmatch_lines([
         "*_ TestRanks.test_read_before_the_async_collective_is_waited _*",
