@@ -246,7 +246,7 @@ class Detector:
         return self._require_active().run(op, stream, reads, writes, frames)
 
     def paused(self):
-        """A context in which ops are not tracked (work the caller models itself through `run`)."""
+        """A context in which this thread's ops are not tracked (work the caller models itself through `run`)."""
         import contextlib
 
         tracker = self._require_active()

@@ -27,7 +27,13 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _dispatch = None  # the active session's __torch_dispatch__, when a dispatch mode observes ops
-_capturing = bool  # whether the active session's C++ capture sees every thread already (then no dispatch mode)
+
+
+def _never() -> bool:
+    return False
+
+
+_capturing = _never  # whether the active session's C++ capture sees every thread already (then no dispatch mode)
 _function = None  # the active session's __torch_function__ (virtual autograd), when it has one
 _observed = threading.local()  # .depth > 0 while this thread has the forwarding modes pushed
 
@@ -121,4 +127,4 @@ class Threads:
     def uninstall(self) -> None:
         global _dispatch, _function, _capturing
         _dispatch = _function = None
-        _capturing = bool
+        _capturing = _never
