@@ -107,6 +107,23 @@ def test_paused_tracker_captures_nothing(extension):
     assert [op.site.op for op in hb.timeline] == ["aten::ones", "aten::mul_"]
 
 
+def test_other_threads_are_captured_and_a_pause_stays_on_its_thread(extension):
+    """The capture is a global callback: a worker thread's ops arrive without any mode entered there. Pausing is per
+    thread, as the tracker's is: a thread modelling its work by hand (a threaded rank inside its collective) must not
+    silence the others."""
+    import threading
+
+    with capturing(extension) as (hb, tracker):
+        tracker.enabled = False
+        worker = threading.Thread(target=lambda: torch.ones(4).mul_(2))
+        worker.start()
+        worker.join()
+        torch.ones(4).add_(1)  # paused here, on this thread only
+        tracker.enabled = True
+        tracker.drain()
+    assert [op.site.op for op in hb.timeline] == ["aten::ones", "aten::mul_"]
+
+
 def test_c10d_ops_are_handed_to_python_on_the_issuing_thread(extension, tmp_path):
     import torch.distributed as dist
 

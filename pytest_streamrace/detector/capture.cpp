@@ -46,6 +46,7 @@ bool cuda = false;
 py::object* plan_fn = nullptr;
 py::object* handoff_fn = nullptr;
 thread_local int depth = 0;  // ops below autograd running on this thread
+thread_local bool paused = false;  // this thread's work is modelled by hand (set_recording): others still record
 
 std::shared_ptr<Stack> stack_here() {
   auto s = std::make_shared<Stack>();
@@ -145,7 +146,7 @@ bool copies_onto_itself(const at::RecordFunction& fn) {
 
 // A c10d op to the Python model, on the issuing thread: at "start" (before it runs; `out` is None) and at "end".
 void hand_over(const at::RecordFunction& fn, const std::vector<c10::IValue>& inputs, const char* phase) {
-  if (!on.load()) return;
+  if (paused || !on.load()) return;
   py::gil_scoped_acquire gil;
   py::tuple args(inputs.size());
   for (size_t i = 0; i < inputs.size(); ++i) args[i] = torch::jit::toPyObject(inputs[i]);
@@ -168,7 +169,7 @@ void hand_over(const at::RecordFunction& fn, const std::vector<c10::IValue>& inp
 }
 
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
-  if (depth > 0 || !on.load()) return nullptr;
+  if (depth > 0 || paused || !on.load()) return nullptr;
   const Plan* plan = plan_for(fn);
   if (plan == nullptr || !plan->below_autograd || on_subclass(fn)) return nullptr;
   if (plan->copy && copies_onto_itself(fn)) return nullptr;
@@ -250,7 +251,7 @@ void disable() {
   plan_fn = handoff_fn = nullptr;
 }
 
-void set_recording(bool value) { on.store(value); }
+void set_recording(bool value) { paused = !value; }
 
 void mark_free(int64_t ptr) {
   Record r;

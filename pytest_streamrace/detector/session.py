@@ -105,6 +105,7 @@ class Detector:
             autograd = VirtualAutograd(self.streams, self.hb, self.tracker)
             patches += autograd.patches()
             on_outputs = autograd.adopt_outputs
+            function_mode = lambda: autograd.mode  # noqa: E731 (exists once autograd's patches are installed)
         else:
             from .models.cuda import CudaStreams
 
@@ -114,6 +115,7 @@ class Detector:
             self.tracker.current_stream = self.streams.current
             patches = self.streams.patches()
             on_outputs = None  # the engine binds compiled code's autograd nodes itself
+            function_mode = None
         from .models.compiled import CompiledCode
 
         _handle.register(self.streams)
@@ -124,10 +126,16 @@ class Detector:
 
         if collectives.available():
             patches += collectives.Collectives(self.hb, self.tracker, self._current).patches()
+            from .models.threaded_pg import ThreadedGroup
+
+            patches += ThreadedGroup(self.hb, self.tracker, self._current).patches()
         from .models.futures import Futures
 
         patches += Futures(self.hb, self.tracker, self._current,
                            inline_callbacks=self.backend == "virtual").patches()
+        from .threads import Threads
+
+        patches += Threads(self.tracker, function_mode).patches()
         for patch in patches:
             self.install(patch)
         # last in, first out: our own setup is not traced
@@ -239,7 +247,7 @@ class Detector:
         return self._require_active().run(op, stream, reads, writes, frames)
 
     def paused(self):
-        """A context in which ops are not tracked (work the caller models itself through `run`)."""
+        """A context in which this thread's ops are not tracked (work the caller models itself through `run`)."""
         return self._require_active().paused()
 
     def name_stream(self, stream, label: str) -> None:

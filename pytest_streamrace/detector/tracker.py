@@ -185,7 +185,7 @@ class AccessTracker(TorchDispatchMode):
         self._ref_keys: dict[weakref.ref, Hashable] = {}
         self._frees: collections.deque = collections.deque()
         self._lock = threading.RLock()
-        self._enabled = True
+        self._paused = threading.local()  # per thread: one thread modelling work by hand pauses only itself
         self._capture = None  # the C++ capture (cuda stream model), when it replaces this dispatch mode
         self._plans: dict = {}  # op -> _plan(...)
         self.notes: list[str] = []  # what could not be modelled and was skipped, once each
@@ -199,12 +199,12 @@ class AccessTracker(TorchDispatchMode):
 
     @property
     def enabled(self) -> bool:
-        """Whether ops are tracked (paused while work is modelled by hand, e.g. inside Work.wait)."""
-        return self._enabled
+        """Whether ops on this thread are tracked (paused while work is modelled by hand, e.g. inside Work.wait)."""
+        return not getattr(self._paused, "on", False)
 
     @enabled.setter
     def enabled(self, value: bool) -> None:
-        self._enabled = value
+        self._paused.on = not value
         if self._capture is not None:
             self._capture.set_recording(value)
 

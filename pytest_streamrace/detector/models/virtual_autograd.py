@@ -205,6 +205,11 @@ class VirtualAutograd:
         return [AttrPatch(torch.autograd.graph, "_engine_run_backward", wrapped),
                 AttrPatch(torch.autograd, "_engine_run_backward", wrapped), self]
 
+    @property
+    def mode(self):
+        """The function mode binding new nodes to streams (None while uninstalled); other threads enter it too."""
+        return self._mode
+
     def install(self) -> None:
         self._mode = _NewNodes(self)
         self._mode.__enter__()
