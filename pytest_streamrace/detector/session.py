@@ -147,6 +147,9 @@ class Detector:
 
         if collectives.available():
             patches += collectives.Collectives(self.hb, self.tracker, self._current).patches(AttrPatch)
+            from .functional_collectives import FunctionalCollectives
+
+            patches += FunctionalCollectives(self.hb, self.tracker, self._current).patches(AttrPatch)
         from .futures import Futures
 
         patches += Futures(self.hb, self.tracker, self._current,

@@ -30,7 +30,8 @@ from .hb import HappensBefore, Race, Site
 _METADATA_INPUTS = re.compile(r"^aten::(new_.*|.*_like|empty.*)$")
 _NO_KERNEL = re.compile(r"^aten::(empty.*|new_empty.*)$")
 _SKIPPED_OPS = {"aten::record_stream"}  # not a kernel: the backend turns it into hb.record_stream
-_HANDLED_NAMESPACES = {"c10d"}  # modelled by a namespace handler (detector.collectives), never as plain ops
+# modelled by a namespace handler (detector.collectives, detector.functional_collectives), never as plain ops
+_HANDLED_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
 
 
 def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
