@@ -130,6 +130,9 @@ class Detector:
             self.tracker.current_stream = self.streams.current  # per op: no detour through the session
             autograd = VirtualAutograd(self.streams, self.hb, self.tracker)
             patches += autograd.patches(AttrPatch)
+            from .virtual_host_reads import HostReads
+
+            patches += HostReads(self.tracker).patches(AttrPatch)
             on_outputs = autograd.adopt_outputs
         else:
             from .cuda import CudaStreams

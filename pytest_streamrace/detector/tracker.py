@@ -23,6 +23,7 @@ from torch._C import DisableTorchFunction as _DisableTorchFunction
 from torch._C import _current_autograd_node
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from . import host_sync
 from .frames import Captured, stack
 from .hb import HappensBefore, Race, Site
 
@@ -193,8 +194,8 @@ class AccessTracker(TorchDispatchMode):
         # of the node that consumes it — in C++, where no hook sees it. The virtual model does this in its hooks.
         self.engine_records_streams = False
         # Ops after which the host has waited for the stream that ran them (reading a value back: .item(), nonzero's
-        # size). On a GPU the trace shows that wait as a stream synchronize; the virtual model names the ops here.
-        self.host_syncs: frozenset = frozenset()
+        # size, a copy to the host), one table for both backends (``host_sync``).
+        self.host_syncs: dict[str, host_sync.HostSync] = host_sync.OPS
 
     @property
     def enabled(self) -> bool:
@@ -285,6 +286,9 @@ class AccessTracker(TorchDispatchMode):
             _, races = self.hb.record(stream, Site(name, Captured(captured)), accesses, allocs)
             if races:
                 self._report(races)
+            sync = self.host_syncs.get(name)  # no arguments here: conditional syncs reach us as GPU trace syncs
+            if sync is not None and sync.rule is None:
+                self.host_synced(sync, stream)
 
     # storages
 
@@ -461,8 +465,13 @@ class AccessTracker(TorchDispatchMode):
         _, races = self.hb.record(stream, Site(name, stack()), accesses, allocs)
         if races:
             self._report(races)
-        if name in self.host_syncs:
-            self.hb.synchronize_stream(stream)
+        sync = self.host_syncs.get(name)
+        if sync is not None and sync.applies(args, kwargs, self.device_type):
+            self.host_synced(sync, stream)
+
+    def host_synced(self, sync: host_sync.HostSync, stream: Hashable) -> None:
+        """The host waited for `stream` inside a read-back (`sync`: the ``host_sync`` entry that names it)."""
+        self.hb.synchronize_stream(stream)
 
     def _fresh(self, t: torch.Tensor, stream, writes_output: bool, allocs: list, accesses: list) -> None:
         """A fresh output: its storage is allocated by this op (unless it was already known), and written by it
