@@ -24,6 +24,7 @@ from torch._C import _current_autograd_node
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import host_sync
+from .backward_sites import ForwardSites
 from .frames import Captured, stack
 from .hb import HappensBefore, Race, Site
 
@@ -196,6 +197,7 @@ class AccessTracker(TorchDispatchMode):
         # Ops after which the host has waited for the stream that ran them (reading a value back: .item(), nonzero's
         # size, a copy to the host), one table for both backends (``host_sync``).
         self.host_syncs: dict[str, host_sync.HostSync] = host_sync.OPS
+        self.forward_sites = ForwardSites()  # the sites of forward ops by autograd sequence number (capture)
 
     @property
     def enabled(self) -> bool:
@@ -264,7 +266,7 @@ class AccessTracker(TorchDispatchMode):
             if record[0] == "free":
                 self._freed(record[1], Site("free", Captured(record[2])))
                 continue
-            _, name, stream, in_node, spans, fresh, captured = record
+            _, name, stream, in_node, spans, fresh, captured, seq, node = record
             accesses: list[tuple] = []
             for key, start, end, write, shape, dtype in spans:
                 if key not in watched:
@@ -283,7 +285,13 @@ class AccessTracker(TorchDispatchMode):
                 if write:
                     last_writer[key] = stream
                     accesses.append((key, start, end, True, desc))
-            _, races = self.hb.record(stream, Site(name, Captured(captured)), accesses, allocs)
+            if in_node:  # the engine's threads have no frames of the program's: name the node's forward op
+                site = Site(name, self.forward_sites.backward(Captured(captured), seq, node))
+            else:
+                site = Site(name, Captured(captured))
+                if seq >= 0:
+                    self.forward_sites.forward(seq, site)
+            _, races = self.hb.record(stream, site, accesses, allocs)
             if races:
                 self._report(races)
             sync = self.host_syncs.get(name)  # no arguments here: conditional syncs reach us as GPU trace syncs
