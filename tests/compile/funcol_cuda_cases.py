@@ -1,6 +1,6 @@
 """Functional collectives in compiled graphs on CUDA + NCCL (cuda backend): Inductor emits
 ``_c10d_functional`` ops and their ``wait_tensor`` in its generated wrapper, and with
-``reorder_for_compute_comm_overlap`` moves the waits as late as it can. Run by scripts/device/funcol.sh on 2 GPUs:
+``reorder_for_compute_comm_overlap`` moves the waits as late as it can. Run by scripts/device/issue21.sh on 2 GPUs:
 
     python -m pytest tests/compile/funcol_cuda_cases.py --streamrace --streamrace-backend=cuda -rA
 
@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2 GPUs: scripts/device/funcol.sh")
+pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="2 GPUs: scripts/device/issue21.sh")
 
 N = 1 << 20
 
