@@ -80,6 +80,7 @@ META = "meta"  # stands in for the GPU: a device type other than the host's, wit
     ("aten::copy_", (torch.empty(2, device=META), torch.empty(2)), {}, False),
     ("aten::index", (torch.empty(4, device=META), [torch.ones(4, dtype=torch.bool, device=META)]), {}, True),
     ("aten::index", (torch.empty(4, device=META), [torch.arange(2, device=META)]), {}, False),
+    ("aten::index", (torch.empty(4, device=META), [torch.ones(4, dtype=torch.bool)]), {}, False),  # a host mask
     ("aten::index_put_", (torch.empty(4, device=META), [torch.ones(4, dtype=torch.bool, device=META)],
                           torch.tensor(1.0)), {}, False),  # a masked_fill
     ("aten::index_put_", (torch.empty(4, device=META), [torch.ones(4, dtype=torch.bool, device=META)],

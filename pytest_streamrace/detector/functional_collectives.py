@@ -135,8 +135,7 @@ class FunctionalCollectives:
         issued = self._pending.pop(key, None)
         if issued is None:
             return  # waited already, or issued where nothing saw it: torch's wait is a no-op then too
-        for other in [k for k, v in self._pending.items() if v is issued]:  # a coalesced op has one work
-            del self._pending[other]
+        # a coalesced op's other outputs keep their entries: waiting on one of them later waits (again) in torch too
         self.hb.wait_event(self.current_stream(), issued)
 
     def _comm_stream(self, group, peer) -> Hashable:

@@ -59,18 +59,20 @@ def _copy_to_host(args, kwargs, device) -> bool:
     return not _arg(args, kwargs, 2, "non_blocking", False) or not dst.is_pinned()
 
 
-def _bool_indices(indices) -> bool:
-    return any(str(getattr(i, "dtype", "")) in ("torch.bool", "torch.uint8") for i in (indices or ()))
+def _device_masks(indices, device: str) -> bool:
+    """Whether a boolean mask on the device is among the indices (a host mask's nonzero() waits for nothing)."""
+    return any(str(getattr(i, "dtype", "")) in ("torch.bool", "torch.uint8") and _device_type(i) == device
+               for i in (indices or ()))
 
 
 def _mask_index(args, kwargs, device) -> bool:
     """``t[mask]``: a boolean index becomes ``nonzero()`` inside the kernel."""
-    return _bool_indices(_arg(args, kwargs, 1, "indices"))
+    return _device_masks(_arg(args, kwargs, 1, "indices"), device)
 
 
 def _mask_assign(args, kwargs, device) -> bool:
     """``t[mask] = v``: as ``t[mask]``, except a one-element host value with accumulate=False (a masked_fill)."""
-    if not _bool_indices(_arg(args, kwargs, 1, "indices")):
+    if not _device_masks(_arg(args, kwargs, 1, "indices"), device):
         return False
     value, accumulate = _arg(args, kwargs, 2, "values"), _arg(args, kwargs, 3, "accumulate", False)
     masked_fill = not accumulate and getattr(value, "numel", lambda: 0)() == 1 and _device_type(value) != device

@@ -294,8 +294,9 @@ class AccessTracker(TorchDispatchMode):
             _, races = self.hb.record(stream, site, accesses, allocs)
             if races:
                 self._report(races)
-            sync = self.host_syncs.get(name)  # no arguments here: conditional syncs reach us as GPU trace syncs
-            if sync is not None and sync.rule is None:
+            # no arguments here: conditional syncs reach us as GPU trace syncs; a host tensor's (no spans) none
+            sync = self.host_syncs.get(name)
+            if sync is not None and sync.rule is None and spans:
                 self.host_synced(sync, stream)
 
     # storages
