@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 from torch._C import DisableTorchFunction as _DisableTorchFunction
 from torch._C import _current_autograd_node
+from torch._C._autograd import _get_sequence_nr
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import host_sync
@@ -197,7 +198,8 @@ class AccessTracker(TorchDispatchMode):
         # Ops after which the host has waited for the stream that ran them (reading a value back: .item(), nonzero's
         # size, a copy to the host), one table for both backends (``host_sync``).
         self.host_syncs: dict[str, host_sync.HostSync] = host_sync.OPS
-        self.forward_sites = ForwardSites()  # the sites of forward ops by autograd sequence number (capture)
+        self.forward_sites = ForwardSites()  # the sites of forward ops by the autograd number of their node
+        self._forward_seq = -1  # the autograd sequence number the last forward op saw (dispatch mode)
 
     @property
     def enabled(self) -> bool:
@@ -471,12 +473,26 @@ class AccessTracker(TorchDispatchMode):
         allocs: list[tuple] = []
         for t in fresh:
             self._fresh(t, stream, writes_output, allocs, accesses)
-        _, races = self.hb.record(stream, Site(name, stack()), accesses, allocs)
+        _, races = self.hb.record(stream, self._site(name), accesses, allocs)
         if races:
             self._report(races)
         sync = self.host_syncs.get(name)
         if sync is not None and sync.applies(args, kwargs, self.device_type):
             self.host_synced(sync, stream)
+
+    def _site(self, name: str) -> Site:
+        """The op's site; inside an autograd node, one that falls back on the forward op that created the node (a
+        node's autograd kernel numbers it just before its op reaches this mode: the first op to see a new number
+        created the node before it)."""
+        node = _current_autograd_node()
+        if node is not None:
+            return Site(name, self.forward_sites.backward(stack(), node._sequence_nr(), node.name()))
+        site = Site(name, stack())
+        seq = _get_sequence_nr()
+        if seq != self._forward_seq:
+            self._forward_seq = seq
+            self.forward_sites.forward(seq - 1, site)
+        return site
 
     def host_synced(self, sync: host_sync.HostSync, stream: Hashable) -> None:
         """The host waited for `stream` inside a read-back (`sync`: the ``host_sync`` entry that names it)."""
