@@ -3,8 +3,9 @@
 On a GPU the engine runs backward nodes on its own device threads, in C++, with no frame of the program's on the
 stack, so a race on a gradient would read ``aten::sum on ... at <unknown>``. Anomaly mode answers that by storing a
 stack per node as it is created, at a cost per op. Here nothing extra is taken: the forward op's site is captured
-anyway, and autograd numbers each node it creates with the sequence number that the forward op's record carries and
-the node keeps (what the profiler links forward and backward by). A backward access without frames of its own takes
+anyway, and autograd numbers each node with a sequence number the node keeps (what the profiler links forward and
+backward by). The C++ capture reads the number off the forward op's record; the dispatch mode, below autograd, sees the
+number move on at the op whose autograd kernel just created a node. A backward access without frames of its own takes
 the forward op's, named as the backward of that node.
 """
 
@@ -24,8 +25,8 @@ class ForwardSites:
         self._limit = limit
 
     def forward(self, seq: int, site: Site) -> None:
-        """A forward op recorded with sequence number `seq`. Ops that create no node carry the number the next node
-        will get, so the last op seen with a number is the one that created its node."""
+        """Node `seq` was created by the forward op at `site` (a later call for the same number replaces it: in the
+        capture, ops that create no node carry the number the next node will get, so the last one is the creator)."""
         sites = self._sites
         sites[seq] = site
         if len(sites) > self._limit:
