@@ -175,6 +175,8 @@ def _group(group_name):
     try:
         if isinstance(group_name, ProcessGroup):
             return group_name
-        return _resolve_process_group(str(group_name))
+        if isinstance(group_name, str):
+            return _resolve_process_group(group_name)
+        return ProcessGroup.unbox(group_name)  # the group itself, boxed (handed over by the C++ capture)
     except (RuntimeError, TypeError, ValueError):
         return None
