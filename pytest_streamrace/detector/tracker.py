@@ -199,7 +199,7 @@ class AccessTracker(TorchDispatchMode):
         # size, a copy to the host), one table for both backends (``host_sync``).
         self.host_syncs: dict[str, host_sync.HostSync] = host_sync.OPS
         self.forward_sites = ForwardSites()  # the sites of forward ops by the autograd number of their node
-        self._forward_seq = -1  # the autograd sequence number the last forward op saw (dispatch mode)
+        self._forward_seq = threading.local()  # .seq: the autograd number this thread's last forward op saw
 
     @property
     def enabled(self) -> bool:
@@ -488,10 +488,12 @@ class AccessTracker(TorchDispatchMode):
         if node is not None:
             return Site(name, self.forward_sites.backward(stack(), node._sequence_nr(), node.name()))
         site = Site(name, stack())
-        seq = _get_sequence_nr()
-        if seq != self._forward_seq:
-            self._forward_seq = seq
-            self.forward_sites.forward(seq - 1, site)
+        seq, seen = _get_sequence_nr(), self._forward_seq  # autograd numbers nodes per thread
+        last = getattr(seen, "seq", -1)
+        if seq != last:
+            if seq > 0 and last >= 0:  # not this thread's first op: its number may be older than the session
+                self.forward_sites.forward(seq - 1, site)
+            seen.seq = seq
         return site
 
     def host_synced(self, sync: host_sync.HostSync, stream: Hashable) -> None:
