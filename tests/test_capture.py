@@ -98,6 +98,28 @@ def test_captured_stacks_name_the_users_line(extension):
     assert add.site.frames[0] == (__file__, line("captured-line"), "test_captured_stacks_name_the_users_line")
 
 
+def test_backward_ops_without_frames_of_their_own_name_the_forward_op_that_made_their_node(extension):
+    """As on a GPU's engine threads: the backward runs where no line of the program is on the stack (a thread started
+    on ``Tensor.backward`` itself). Its accesses name the node, the forward op and the line that created it."""
+    import threading
+
+    with capturing(extension) as (hb, _):
+        w = torch.ones(4, requires_grad=True)
+        y = (w * 3).sum()  # forward-line
+        engine = threading.Thread(target=y.backward)
+        engine.start()
+        engine.join()
+        w.grad.add_(1)  # a forward op again: its own line
+    backward = [op for op in hb.timeline if op.site.op == "aten::mul"][1:]  # MulBackward0's grad * 3
+    assert backward and all(op.site.frames[0] == (__file__, line("forward-line"),
+                                                  "backward of MulBackward0, created by aten::mul in "
+                                                  "test_backward_ops_without_frames_of_their_own_name_the_forward_op_"
+                                                  "that_made_their_node") for op in backward)
+    (add,) = [op for op in hb.timeline if op.site.op == "aten::add_"]
+    assert add.site.frames[0][2] == "test_backward_ops_without_frames_of_their_own_name_the_forward_op_that_made_" \
+        "their_node"
+
+
 def test_paused_tracker_captures_nothing(extension):
     with capturing(extension) as (hb, tracker):
         tracker.enabled = False

@@ -113,6 +113,66 @@ def test_free_while_in_use_suggests_record_stream_or_wait():
     assert "make 'default stream' wait for 'stream created at test_x.py:12'" in hint
 
 
+def test_a_free_at_the_end_of_the_test_says_so(pytester):
+    """The test's last reference goes away as it returns (no line of the test is on the stack): the free is named
+    as the end of the test, not '<unknown>'. The fixture's teardown then allocates on the allocation stream."""
+    pytester.makepyfile(
+        """
+        import pytest, torch
+
+        @pytest.fixture
+        def side():
+            s = torch.cuda.Stream()
+            yield s
+            torch.zeros(64)  # reuse
+
+        def test_dropped_while_in_use(side):
+            x = torch.ones(64)
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                x.mul_(2)
+        """)
+    result = pytester.runpytest_subprocess("--streamrace", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines([
+        "*stream race: free-while-in-use on tensor float32[[]64[]]*",
+        "*earlier*write*aten::mul_*at test_a_free_at_the_end_of_the_test_says_so.py:*",
+        "*later*free*on default stream*at the end of the test (its last reference went away outside the test's "
+        "code)"])
+    assert "<unknown>" not in result.stdout.str()
+
+
+def test_a_backward_access_with_no_line_of_its_own_names_the_forward_op(pytester):
+    """The backward runs from a finalizer (no line of the test on the stack, as on a GPU's engine threads): its access
+    is named after the node and the forward op that created it, at the forward's line, not '<unknown>'."""
+    pytester.makepyfile(
+        """
+        import torch
+
+        def test_backward_in_teardown(request):
+            x = torch.ones(4)
+            w = torch.ones(4, requires_grad=True)
+            side = torch.cuda.Stream()
+            other = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            other.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                y = (w * x).sum()
+            with torch.cuda.stream(other):
+                x.data.add_(1)  # unordered with the backward, which reads x
+            request.addfinalizer(y.backward)
+        """)
+    result = pytester.runpytest_subprocess("--streamrace", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1, errors=1)  # the forward's read in the call, the backward's in the teardown
+    result.stdout.fnmatch_lines([
+        "*ERROR at teardown of test_backward_in_teardown*",
+        "stream race: read-after-write on tensor float32[[]4[]]*",
+        "  earlier  write  aten::add_  on stream created at *:7  at *:13 (test_backward_in_teardown)",
+        "  later    read   aten::mul   on stream created at *:6  at *:11 (backward of MulBackward0, created by aten::mul "
+        "in test_backward_in_teardown)"])
+    assert "<unknown>" not in result.stdout.str()
+
+
 def test_races_merged_across_ranks_grouped_and_labelled():
     hb0, hb1 = bucket_run(steps=2), bucket_run(steps=3)
     one_only = next(r for r in hb1.races if r.kind == RAW)

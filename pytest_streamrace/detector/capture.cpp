@@ -29,6 +29,8 @@ struct Span { int64_t storage, start, end; bool write; std::vector<int64_t> shap
 struct Record {
   bool free = false; const char* op = nullptr; int64_t stream = 0; bool in_node = false;
   std::vector<Span> accesses, fresh; std::shared_ptr<Stack> stack; int64_t freed = 0;
+  // the autograd sequence number: in forward, of the node the op may create; in backward, of the node running it
+  int64_t seq = -1; std::string node;
 };
 
 // What to do with an op, decided once (by the tracker's plan) per op overload.
@@ -188,7 +190,14 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
       const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
       r.stream = reinterpret_cast<int64_t>(impl->getStream(impl->getDevice()).native_handle());
     }
-    r.in_node = static_cast<bool>(torch::autograd::get_current_node());
+    auto node = torch::autograd::get_current_node();
+    r.in_node = node != nullptr;
+    if (node != nullptr) {
+      r.seq = static_cast<int64_t>(node->sequence_nr());
+      r.node = node->name();
+    } else {
+      r.seq = fn.seqNr();
+    }
     auto inputs = fn.inputs();
     for (const auto& [index, write] : plan->args)
       if (index < inputs.size()) add_value(r.accesses, inputs[index], write, false);
@@ -262,7 +271,7 @@ void mark_free(int64_t ptr) {
   records.push_back(std::move(r));
 }
 
-// ("free", ptr, stack) or ("op", name, stream, in_node, accesses, fresh, stack); a tensor is
+// ("free", ptr, stack) or ("op", name, stream, in_node, accesses, fresh, stack, seq, node name or None); a tensor is
 // (storage, start, end, write, shape, dtype[, nbytes]).
 py::list drain() {
   std::vector<Record> taken;
@@ -282,7 +291,8 @@ py::list drain() {
       accesses.append(py::make_tuple(t.storage, t.start, t.end, t.write, shape_of(t), t.dtype));
     for (const auto& t : r.fresh)
       fresh.append(py::make_tuple(t.storage, t.start, t.end, t.write, shape_of(t), t.dtype, t.nbytes));
-    out.append(py::make_tuple("op", r.op, r.stream, r.in_node, accesses, fresh, stack));
+    py::object node = r.node.empty() ? py::object(py::none()) : py::object(py::str(r.node));
+    out.append(py::make_tuple("op", r.op, r.stream, r.in_node, accesses, fresh, stack, r.seq, node));
   }
   return out;
 }

@@ -104,6 +104,9 @@ class Detector:
             self.tracker.current_stream = self.streams.current  # per op: no detour through the session
             autograd = VirtualAutograd(self.streams, self.hb, self.tracker)
             patches += autograd.patches()
+            from .models.virtual_host_reads import HostReads
+
+            patches += HostReads(self.tracker).patches()
             on_outputs = autograd.adopt_outputs
             function_mode = lambda: autograd.mode  # noqa: E731 (exists once autograd's patches are installed)
         else:
@@ -126,6 +129,9 @@ class Detector:
 
         if collectives.available():
             patches += collectives.Collectives(self.hb, self.tracker, self._current).patches()
+            from .models.functional_collectives import FunctionalCollectives
+
+            patches += FunctionalCollectives(self.hb, self.tracker, self._current).patches()
             from .models.threaded_pg import ThreadedGroup
 
             patches += ThreadedGroup(self.hb, self.tracker, self._current).patches()

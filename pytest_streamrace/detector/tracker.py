@@ -22,9 +22,12 @@ import torch
 from torch import Tensor
 from torch._C import DisableTorchFunction as _DisableTorchFunction
 from torch._C import _current_autograd_node
+from torch._C._autograd import _get_sequence_nr
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..patching import skip_in_dynamo
+from . import host_sync
+from .backward_sites import ForwardSites
 from .frames import Captured, stack
 from .hb import HappensBefore, Race, Site
 
@@ -32,7 +35,8 @@ from .hb import HappensBefore, Race, Site
 _METADATA_INPUTS = re.compile(r"^aten::(new_.*|.*_like|empty.*)$")
 _NO_KERNEL = re.compile(r"^aten::(empty.*|new_empty.*)$")
 _SKIPPED_OPS = {"aten::record_stream"}  # not a kernel: the stream model turns it into hb.record_stream
-_HANDLED_NAMESPACES = {"c10d"}  # modelled by a namespace handler (models.collectives), never as plain ops
+# modelled by a namespace handler (models.collectives, models.functional_collectives), never as plain ops
+_HANDLED_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
 
 
 def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
@@ -194,8 +198,10 @@ class AccessTracker(TorchDispatchMode):
         # of the node that consumes it — in C++, where no hook sees it. The virtual model does this in its hooks.
         self.engine_records_streams = False
         # Ops after which the host has waited for the stream that ran them (reading a value back: .item(), nonzero's
-        # size). On a GPU the trace shows that wait as a stream synchronize; the virtual model names the ops here.
-        self.host_syncs: frozenset = frozenset()
+        # size, a copy to the host), one table for both backends (``host_sync``).
+        self.host_syncs: dict[str, host_sync.HostSync] = host_sync.OPS
+        self.forward_sites = ForwardSites()  # the sites of forward ops by the autograd number of their node
+        self._forward_seq = threading.local()  # .seq: the autograd number this thread's last forward op saw
 
     @property
     def enabled(self) -> bool:
@@ -273,7 +279,7 @@ class AccessTracker(TorchDispatchMode):
             if record[0] == "free":
                 self._freed(record[1], Site("free", Captured(record[2])))
                 continue
-            _, name, stream, in_node, spans, fresh, captured = record
+            _, name, stream, in_node, spans, fresh, captured, seq, node = record
             accesses: list[tuple] = []
             for key, start, end, write, shape, dtype in spans:
                 if key not in watched:
@@ -292,9 +298,19 @@ class AccessTracker(TorchDispatchMode):
                 if write:
                     last_writer[key] = stream
                     accesses.append((key, start, end, True, desc))
-            _, races = self.hb.record(stream, Site(name, Captured(captured)), accesses, allocs)
+            if in_node:  # the engine's threads have no frames of the program's: name the node's forward op
+                site = Site(name, self.forward_sites.backward(Captured(captured), seq, node))
+            else:
+                site = Site(name, Captured(captured))
+                if seq >= 0:
+                    self.forward_sites.forward(seq, site)
+            _, races = self.hb.record(stream, site, accesses, allocs)
             if races:
                 self._report(races)
+            # no arguments here: conditional syncs reach us as GPU trace syncs; a host tensor's (no spans) none
+            sync = self.host_syncs.get(name)
+            if sync is not None and sync.rule is None and spans:
+                self.host_synced(sync, stream)
 
     # storages
 
@@ -468,11 +484,32 @@ class AccessTracker(TorchDispatchMode):
         allocs: list[tuple] = []
         for t in fresh:
             self._fresh(t, stream, writes_output, allocs, accesses)
-        _, races = self.hb.record(stream, Site(name, stack()), accesses, allocs)
+        _, races = self.hb.record(stream, self._site(name), accesses, allocs)
         if races:
             self._report(races)
-        if name in self.host_syncs:
-            self.hb.synchronize_stream(stream)
+        sync = self.host_syncs.get(name)
+        if sync is not None and sync.applies(args, kwargs, self.device_type):
+            self.host_synced(sync, stream)
+
+    def _site(self, name: str) -> Site:
+        """The op's site; inside an autograd node, one that falls back on the forward op that created the node (a
+        node's autograd kernel numbers it just before its op reaches this mode: the first op to see a new number
+        created the node before it)."""
+        node = _current_autograd_node()
+        if node is not None:
+            return Site(name, self.forward_sites.backward(stack(), node._sequence_nr(), node.name()))
+        site = Site(name, stack())
+        seq, seen = _get_sequence_nr(), self._forward_seq  # autograd numbers nodes per thread
+        last = getattr(seen, "seq", -1)
+        if seq != last:
+            if seq > 0 and last >= 0:  # not this thread's first op: its number may be older than the session
+                self.forward_sites.forward(seq - 1, site)
+            seen.seq = seq
+        return site
+
+    def host_synced(self, sync: host_sync.HostSync, stream: Hashable) -> None:
+        """The host waited for `stream` inside a read-back (`sync`: the ``host_sync`` entry that names it)."""
+        self.hb.synchronize_stream(stream)
 
     def _fresh(self, t: torch.Tensor, stream, writes_output: bool, allocs: list, accesses: list) -> None:
         """A fresh output: its storage is allocated by this op (unless it was already known), and written by it

@@ -281,6 +281,8 @@ def format_race(race: Race, stream_name: StreamName = str, ranks: Sequence[int] 
     for label, rw, op, stream, access in rows:
         frames = access.op.site.frames
         at = f"at {location(frames)}" + (f" ({frames[0][2]})" if frames else "")
+        if free and not frames:  # the last reference went away once the test's own code had returned
+            at = "at the end of the test (its last reference went away outside the test's code)"
         view = ""
         if access.tensor != tensor:
             view = f"  [{describe_tensor(access.tensor)}]"

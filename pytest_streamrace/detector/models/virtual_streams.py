@@ -218,20 +218,12 @@ def _opaque_to_dynamo(_dynamo=None) -> None:
                 setattr(owner, name, module[name])
 
 
-# Ops whose CUDA kernels hand a value back to the host, which waits for the stream that ran them: .item() /
-# bool() / .cpu() then .item() (the copy out synchronizes), and ops whose output size comes from the data. Work the
-# host issues after them is ordered after everything that stream had done (DeepSpeed ZeRO-3 relies on such a read).
-HOST_SYNCS = frozenset({"aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select", "aten::_unique2",
-                        "aten::unique_dim", "aten::unique_consecutive"})
-
-
 class VirtualStreams:
     """The per-session state (default stream, each thread's current stream) and the torch.cuda patches."""
 
     def __init__(self, hb, tracker):
         self.hb = hb
         self.tracker = tracker
-        tracker.host_syncs = HOST_SYNCS
         self._tls = threading.local()
         self.default = Stream.__new__(Stream)
         self.default.priority = 0

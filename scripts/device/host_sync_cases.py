@@ -1,0 +1,60 @@
+"""Host-synchronizing read-backs on a GPU (cuda backend), the twins of tests/test_host_sync.py plus what only a GPU
+has: pinned memory, and a non-blocking copy into pageable memory (synchronous in CUDA, but torch's GPU trace reports
+no synchronize for it, and the C++ capture hands no arguments to tell it apart — expected clean; a failure of
+``test_clean_non_blocking_copy_into_pageable_memory`` is that known gap). Run by scripts/device/issue21.sh:
+
+    python -m pytest scripts/device/host_sync_cases.py --streamrace --streamrace-backend=cuda -rA
+"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU cases")
+
+
+def produced_on_a_side_stream():
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)  # the side stream is still busy when the host moves on, unless it waits
+        x = torch.ones(1 << 20, device="cuda") * 2
+    return side, x
+
+
+@pytest.mark.parametrize("read_back", [
+    lambda x: x.cpu(), lambda x: x.tolist(), lambda x: x.numpy(force=True), lambda x: x.to("cpu"),
+    lambda x: x.sum().item(), lambda x: bool(x[0]), lambda x: x[x > 1], lambda x: x.nonzero(),
+    lambda x: torch.unique(x), lambda x: torch.equal(x, x), lambda x: torch.empty(x.shape).copy_(x),
+], ids=["cpu", "tolist", "numpy_force", "to_cpu", "item", "bool", "mask_index", "nonzero", "unique", "equal",
+        "copy_to_host"])
+def test_clean_read_back_on_the_producing_stream(read_back):
+    side, x = produced_on_a_side_stream()
+    with torch.cuda.stream(side):
+        read_back(x)
+    x.add_(1)
+
+
+def test_clean_non_blocking_copy_into_pageable_memory():
+    side, x = produced_on_a_side_stream()
+    with torch.cuda.stream(side):
+        torch.empty(x.shape).copy_(x, non_blocking=True)  # pageable: cudaMemcpyAsync returns once it is done
+    x.add_(1)
+
+
+def test_racy_non_blocking_copy_into_pinned_memory():
+    side, x = produced_on_a_side_stream()
+    with torch.cuda.stream(side):
+        torch.empty(x.shape, pin_memory=True).copy_(x, non_blocking=True)
+    x.add_(1)
+
+
+def test_racy_non_blocking_to_cpu():
+    side, x = produced_on_a_side_stream()
+    with torch.cuda.stream(side):
+        x.to("cpu", non_blocking=True)  # its output is pinned: no wait
+    x.add_(1)
+
+
+def test_racy_read_back_on_another_stream():
+    side, x = produced_on_a_side_stream()
+    x.tolist()
