@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from pytest_streamrace import subprocesses
+from pytest_streamrace.children import parent as subprocesses
 
 
 def nothing() -> None:

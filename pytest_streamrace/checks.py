@@ -81,7 +81,7 @@ class RaceChecks:
         self.races: list[tuple[str, dict]] = []  # (nodeid, race dict)
         self.traces: list[tuple[str, list]] = []  # (nodeid, events)
         self.levers = self.tally = None  # at session start (`--help` configures, and starts no session)
-        from .subprocesses import Children  # the processes each test starts (issue 12)
+        from .children.parent import Children  # the processes each test starts (issue 12)
 
         self.children = Children(backend, bool(self.trace_path))
         self.after: list[dict] = []  # children's races judged after their test had finished
@@ -163,7 +163,7 @@ class RaceChecks:
                     failing_children.append(data)
             record.append((RACES, dicts + children))
         if self.trace_path:
-            from .subprocesses import child_trace
+            from .children.parent import child_trace
 
             record += [(TRACE, child_trace(pid, events)) for pid, events in child_traces]
         if report.when == "teardown" and self.trace_path:
@@ -201,7 +201,7 @@ class RaceChecks:
 
         text = format_races([(rank, r) for r in fresh], item.stash[_detector_key].hb.stream_name) if fresh else ""
         if children:
-            from .subprocesses import format_children
+            from .children.parent import format_children
 
             text = "\n\n".join(t for t in (text, format_children(children)) if t)
         if quiet:
@@ -268,7 +268,7 @@ class RaceChecks:
         for line in self.tally.summary():
             terminalreporter.line(line)
         if self.after:
-            from .subprocesses import format_after
+            from .children.parent import format_after
 
             terminalreporter.write_sep("=", "streamrace: races in processes after their test had finished")
             terminalreporter.write_line(format_after(self.after))

@@ -46,9 +46,9 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(lifetime, "streamrace-lifetime")
     launcher.install(config)
     if options.get(config, "streamrace"):
-        from . import subprocess_child
+        from .children import child
 
-        subprocess_child.stand_down()  # started by a test under --streamrace: this session checks for itself
+        child.stand_down()  # started by a test under --streamrace: this session checks for itself
         backend = config.stash[_backend_key] = checks.resolve_backend(config)
         config.pluginmanager.register(checks.RaceChecks(config, backend), "streamrace-checks")
         from . import hints

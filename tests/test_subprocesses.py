@@ -107,7 +107,7 @@ def test_subprocess_clean(tmp_path):
 
 OPTED_OUT = '''
 import sys, torch
-assert "pytest_streamrace.subprocess_child" not in sys.modules
+assert "pytest_streamrace.children.child" not in sys.modules
 try:
     torch.cuda.Stream()
 except Exception:
@@ -337,7 +337,7 @@ import os, subprocess, sys
 PROBE = '''
 import os, sys, torch
 print("env", os.environ.get("STREAMRACE_SUBPROCESS"))
-print("hook", "pytest_streamrace.subprocess_child" in sys.modules)
+print("hook", "pytest_streamrace.children.child" in sys.modules)
 try:
     torch.cuda.Stream()
     print("streams", "yes")
@@ -359,11 +359,11 @@ def test_without_streamrace_a_child_is_untouched(pytester, tmpdir_marker):
 
 CUDA_CHILD = """
 import torch
-from pytest_streamrace import subprocess_child
+from pytest_streamrace.children import child
 from pytest_streamrace.detector import session
 assert not torch.cuda.is_initialized()
 assert session.active() is None, "the cuda backend started before the child initialized CUDA"
-assert [call for call, _ in torch.cuda._queued_calls if call is subprocess_child._start_quietly]
+assert [call for call, _ in torch.cuda._queued_calls if call is child._start_quietly]
 print("waits for CUDA")
 """
 
@@ -374,9 +374,9 @@ def test_cuda_backend_starts_in_a_child_only_when_it_initializes_cuda(tmp_path):
     import subprocess
     import sys
 
-    from pytest_streamrace import subprocesses
+    from pytest_streamrace.children import parent
 
-    assert subprocesses.install_pth() is None
+    assert parent.install_pth() is None
     env = {**os.environ, "STREAMRACE_SUBPROCESS": json.dumps({"dir": str(tmp_path), "backend": "cuda", "test": "t"})}
     out = subprocess.run([sys.executable, "-c", CUDA_CHILD], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr

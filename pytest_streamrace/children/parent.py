@@ -1,5 +1,5 @@
 """The parent side of following each test into the Python processes it starts (the child side is
-``subprocess_child``), modelled on coverage.py's subprocess measurement: a start-up hook gated by an environment
+``children.child``), modelled on coverage.py's subprocess measurement: a start-up hook gated by an environment
 variable, one data file per process, combined here.
 
 While a test runs (from the start of its setup to the end of its teardown) this process's environment carries
@@ -27,11 +27,11 @@ import shutil
 import sysconfig
 import tempfile
 
-from . import subprocess_child
+from . import child
 
-ENV = subprocess_child.ENV
+ENV = child.ENV
 PTH_NAME = "pytest-streamrace-subprocess.pth"
-PTH = ("import os; exec('try:\\n from pytest_streamrace.subprocess_child import start; start()\\nexcept Exception: "
+PTH = ("import os; exec('try:\\n from pytest_streamrace.children.child import start; start()\\nexcept Exception: "
        f"pass') if os.environ.get({ENV!r}, '0') not in ('', '0') else None\n")
 AFTER = "streamrace_after"  # user_properties key: [race dicts with "test"] of tests that finished earlier
 
@@ -98,21 +98,21 @@ class Children:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def _write_current(self, nodeid: str) -> None:
-        tmp = os.path.join(self.dir, subprocess_child.CURRENT + ".tmp")
+        tmp = os.path.join(self.dir, child.CURRENT + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(nodeid)
-        os.replace(tmp, os.path.join(self.dir, subprocess_child.CURRENT))
+        os.replace(tmp, os.path.join(self.dir, child.CURRENT))
 
     def _forked(self) -> None:
         """A child forked from this pytest process while a test runs: it reports the test's detector's races."""
         if not self.current or os.environ.get(ENV) is None:
             return
-        from .detector import session
+        from ..detector import session
 
         detector = session.active()
         if detector is not None:
             config = {"dir": self.dir, "backend": self.backend, "trace": self.trace}
-            subprocess_child.adopt(detector, config, self.current)
+            child.adopt(detector, config, self.current)
 
     # what the children said
 
@@ -181,7 +181,7 @@ def child_trace(pid, events: list) -> list:
 
 def format_children(races: list[dict]) -> str:
     """The failure text for races in processes a test started: the marker's rendering, "stream race on rank N"."""
-    from .detector.report import format_races, from_dict
+    from ..detector.report import format_races, from_dict
 
     pids = sorted({r.get("pid") for r in races if r.get("pid") is not None})
     text = format_races([(r.get("rank"), from_dict(r)) for r in races])
@@ -190,7 +190,7 @@ def format_children(races: list[dict]) -> str:
 
 
 def format_after(races: list[dict]) -> str:
-    from .detector.report import format_races, from_dict
+    from ..detector.report import format_races, from_dict
 
     lines = []
     by_test: dict[str, list] = {}

@@ -1,8 +1,8 @@
-"""The child side of following a test into the processes it starts (the parent side is ``subprocesses``).
+"""The child side of following a test into the processes it starts (the parent side is ``children.parent``).
 
 While ``pytest --streamrace`` runs a test, its environment carries ``STREAMRACE_SUBPROCESS`` (JSON: the session's data
 folder and backend). Every Python process started then runs ``start()`` from a one-line ``.pth`` start-up hook
-(``subprocesses.PTH``), which costs one environment lookup when the variable is absent. ``start()`` imports nothing
+(``children.parent``), which costs one environment lookup when the variable is absent. ``start()`` imports nothing
 heavy: it arms a ``sys.meta_path`` watcher that activates a Detector when ``torch`` finishes importing (a child that
 never imports torch pays for nothing else), and an ``os.register_at_fork`` handler for children forked from it
 (multiprocessing's fork and forkserver start methods do not re-run the ``.pth``). The parent pytest process arms the
@@ -15,7 +15,7 @@ the parent sets at each test's start) or was forked (from the live file ``<dir>/
 at each test's start: a forkserver's environment is that of the test that started the server); a multiprocessing pool worker works for
 whichever test is running when it hands a task's result back, so its races name the test current when judged. The
 cuda backend judges captured ops in batches: a child drains them before ``os._exit``, at interpreter exit, before a
-multiprocessing queue hands a result back and before ``destroy_process_group``.
+multiprocessing queue hands a result back and before ``destroy_process_group`` (``process_patches``).
 
 Opting out: ``STREAMRACE_SUBPROCESS=0`` (or removing the variable) in a child's environment. Nothing here may raise into
 the child: what fails is dropped (a broken child file only loses that child's races).
@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import os
 import sys
+
+from . import process_patches
 
 ENV = "STREAMRACE_SUBPROCESS"
 CURRENT = "current"  # the live test file in the data folder: the nodeid of the running test, or empty
@@ -38,7 +40,6 @@ class _State:
     fd: int | None = None
     detector = None
     owns_detector = False  # started here (not adopted from a forked parent pytest process)
-    exit_wrapped = False
     stood_down = False
     trace_written = False
     rank: int | None = None  # the last rank the process group gave (it is gone after destroy_process_group)
@@ -121,7 +122,7 @@ def _quietly(callback):
 
 
 def _watch() -> None:
-    from .when_imported import WhenImported
+    from ..when_imported import WhenImported
 
     for name, callback in (("torch", lambda module: _activate()), ("multiprocessing.queues", _patch_queues)):
         hook = WhenImported(name, _quietly(callback))
@@ -166,7 +167,7 @@ def _start_quietly() -> None:
 def _start_detector(config: dict) -> None:
     if _state.detector is not None or _state.stood_down:
         return
-    from .detector import session
+    from ..detector import session
 
     if session.active() is not None:
         return  # someone in this process runs a detector already
@@ -197,7 +198,7 @@ def _attach(detector) -> None:
     _state.trace_written = False
     detector.tracker.on_race = _on_race
     detector.tracker.on_note = _on_note
-    _wrap_exit()
+    process_patches.exit_runs_first(_finish)
     import atexit
 
     atexit.register(_finish)
@@ -223,7 +224,7 @@ def _after_fork() -> None:
 
 def _on_race(races) -> None:
     try:
-        from .detector.report import to_dict
+        from ..detector.report import to_dict
 
         detector = _state.detector
         rank = _rank()
@@ -316,7 +317,7 @@ def _finish() -> None:
         return
     _state.trace_written = True
     try:
-        from .detector.trace import trace_events
+        from ..detector.trace import trace_events
 
         rank = _rank()
         events = trace_events(detector.hb.timeline, detector.hb.races, detector.hb.stream_name, rank)
@@ -325,46 +326,18 @@ def _finish() -> None:
         pass
 
 
-def _wrap_exit() -> None:
-    if _state.exit_wrapped:
-        return
-    _state.exit_wrapped = True
-    original = os._exit
-
-    def _exit(status):
-        _finish()
-        original(status)
-
-    _exit.__wrapped__ = original
-    os._exit = _exit
-
-
 def _patch_queues(module) -> None:
     """Judge pending ops before a multiprocessing queue hands something back (a pool worker's task result)."""
-    simple = getattr(module, "SimpleQueue", None)
-    if simple is None or getattr(simple.put, "_streamrace", False):
-        return
-    original = simple.put
-
-    def put(self, obj):
-        _task_done()
-        return original(self, obj)
-
-    put._streamrace = True
-    simple.put = put
+    process_patches.queue_put_runs_first(module, _task_done)
 
 
 def _patch_distributed() -> None:
     """Judge pending ops while the process group still names this process's rank."""
     dist = sys.modules.get("torch.distributed")
-    destroy = getattr(dist, "destroy_process_group", None)
-    if destroy is None or getattr(destroy, "_streamrace", False):
-        return
+    if dist is not None:
+        process_patches.destroy_process_group_runs_first(dist, _before_destroy)
 
-    def destroy_process_group(*args, **kwargs):
-        _rank()
-        _drain()
-        return destroy(*args, **kwargs)
 
-    destroy_process_group._streamrace = True
-    dist.destroy_process_group = destroy_process_group
+def _before_destroy() -> None:
+    _rank()
+    _drain()
