@@ -9,9 +9,9 @@ it like its own ones, and their notes (what they could not model) join the test'
 already finished (a child that outlived it) go to the "after their test" section of the terminal summary and to
 ``--streamrace-json`` with ``"after_test": true``.
 
-The start-up hook is a ``.pth`` file written into this interpreter's site-packages at session start when missing
-(it is one line that checks the variable, so it costs nothing otherwise; it stays for later sessions). Where that
-folder is not writable, children started by exec are not followed and the header says so; forked children are.
+The start-up hook is a ``.pth`` file in this interpreter's site-packages for as long as the session runs
+(``startup_hook``; one line that checks the variable, so it costs nothing otherwise). Where that folder is not
+writable, children started by exec are not followed and the header says so; forked children are.
 
 Limits: a child started with another interpreter (a different venv), with an environment that drops the variable, or
 with ``python -S`` is not followed. Under xdist, races a worker's children judge after that worker's last test cannot
@@ -24,37 +24,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sysconfig
 import tempfile
 
 from . import child
+from .startup_hook import StartupHook
 
 ENV = child.ENV
-PTH_NAME = "pytest-streamrace-subprocess.pth"
-PTH = ("import os; exec('try:\\n from pytest_streamrace.children.child import start; start()\\nexcept Exception: "
-       f"pass') if os.environ.get({ENV!r}, '0') not in ('', '0') else None\n")
-AFTER = "streamrace_after"  # user_properties key: [race dicts with "test"] of tests that finished earlier
-
-
-def install_pth() -> str | None:
-    """Make sure the start-up hook is in this interpreter's site-packages; None, or why it could not be."""
-    folder = sysconfig.get_paths()["purelib"]
-    path = os.path.join(folder, PTH_NAME)
-    try:
-        with open(path, encoding="utf-8") as f:
-            if f.read() == PTH:
-                return None
-    except OSError:
-        pass
-    try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".streamrace-pth-")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(PTH)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)  # atomic: concurrent sessions write the same content
-    except OSError as exc:
-        return f"cannot write {path} ({exc.strerror or exc})"
-    return None
 
 
 class Children:
@@ -64,7 +39,8 @@ class Children:
         self.backend = backend
         self.trace = trace
         self.dir = tempfile.mkdtemp(prefix="streamrace-sub-")
-        self.problem = install_pth()
+        self.hook = StartupHook()
+        self.problem = self.hook.install()
         self.current = ""
         self._offsets: dict[str, int] = {}
         self._pending: dict[str, bytes] = {}
@@ -95,6 +71,7 @@ class Children:
 
     def close(self) -> None:
         os.environ.pop(ENV, None)
+        self.hook.remove()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def _write_current(self, nodeid: str) -> None:
