@@ -58,7 +58,7 @@ def test_repro(repro, variant, rank, world_size, request):
             seen = {race.key(): race.count for race in detector.races}
             numeric = repro.run(ctx)
             # races of this run: new ones, and known ones seen again (dedup counts them)
-            races = [report.to_dict(r, detector.hb.stream_name, rank) for r in detector.races
+            races = [report.to_dict(r, detector.stream_name, rank) for r in detector.races
                      if r.count > seen.get(r.key(), 0)]
             runs.append({"races": races, "numeric": numeric})
     finally:

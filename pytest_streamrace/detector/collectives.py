@@ -206,12 +206,8 @@ class Collectives:
 
         def wait(work, *args, **kwargs):
             # Ops a backend runs inside wait() (gloo copying results out) are the collective's, not the caller's.
-            tracker = collectives.tracker
-            previous, tracker.enabled = tracker.enabled, False
-            try:
+            with collectives.tracker.paused():
                 result = original(work, *args, **kwargs)
-            finally:
-                tracker.enabled = previous
             collectives.waited(work)
             return result
 

@@ -30,9 +30,9 @@ import sys
 import torch
 
 from ..when_imported import WhenImported
+from . import active
 
 READ, WRITE = 1, 2
-_active: "CompiledCode | None" = None
 _roles_by_file: dict[str, dict[str, tuple[int, ...]]] = {}  # generated module file -> kernel name -> arg roles
 
 _CPP_KERNEL = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(\s*\[[^\]]*\]\s*,\s*r?'''(.*?)'''", re.S | re.M)
@@ -94,7 +94,7 @@ class _CppKernel:
         self.name, self.fn, self.roles = name, fn, roles
 
     def __call__(self, *args):
-        model = _active
+        model = _model()
         if model is not None:
             model.launch(self.name, args, self.roles)
         return self.fn(*args)
@@ -111,6 +111,11 @@ def _skip_in_dynamo(*functions) -> None:
         code = getattr(getattr(fn, "__func__", fn), "__code__", None)
         if code is not None:
             skip_code(code)
+
+
+def _model() -> "CompiledCode | None":
+    """The active session's model of compiled code (generated code and compiled graphs outlive sessions)."""
+    return active.model(CompiledCode)
 
 
 class CompiledCode:
@@ -196,8 +201,6 @@ class CompiledCode:
             self._applied.append(patch)
 
     def install(self) -> None:
-        global _active
-        _active = self
         for name, make_patches in self._lazy:
             hook = WhenImported(name, lambda module, make=make_patches: self._apply(make, module))
             self._hooks.append(hook)
@@ -205,8 +208,6 @@ class CompiledCode:
         self.discover()
 
     def uninstall(self) -> None:
-        global _active
-        _active = None
         while self._hooks:
             self._hooks.pop().uninstall()
         while self._applied:
@@ -237,12 +238,12 @@ def _runtime(compiled_fn):
     the active session after. Passes straight through when no session is active (compiled code outlives sessions)."""
 
     def run(*args, **kwargs):
-        model = _active
+        model = _model()
         if model is None:
             return compiled_fn(*args, **kwargs)
         model.discover()
         out = compiled_fn(*args, **kwargs)
-        if model.on_outputs is not None and _active is model:
+        if model.on_outputs is not None and _model() is model:
             try:
                 model.on_outputs(out)
             except Exception as exc:
@@ -302,7 +303,7 @@ def _codecache_patches(attr_patch, codecache) -> list:
 
     def load_by_key_path(cls, *args, **kwargs):
         module = load(*args, **kwargs)
-        model = _active
+        model = _model()
         if model is not None:
             model.discover()
         return module
@@ -317,7 +318,7 @@ def _triton_patches(attr_patch, triton_heuristics) -> list:
         return []
 
     def launch(self, *args, stream, **kwargs):
-        model = _active
+        model = _model()
         if model is None or _capturing():
             return run(self, *args, stream=stream, **kwargs)
         # Recorded once run() returns: on its first call run() autotunes first (benchmark launches on copies of the
@@ -349,15 +350,11 @@ def _untracked(original):
     """Recording a CUDA graph launches nothing: ops captured meanwhile (on the capture stream) are not accesses."""
 
     def record(self, *args, **kwargs):
-        model = _active
+        model = _model()
         if model is None:
             return original(self, *args, **kwargs)
-        tracker = model.tracker
-        previous, tracker.enabled = tracker.enabled, False
-        try:
+        with model.tracker.paused():
             return original(self, *args, **kwargs)
-        finally:
-            tracker.enabled = previous
     return record
 
 
@@ -365,7 +362,7 @@ def _replay(original):
     """A cudagraph-tree node run: the replay reads the graph's inputs and writes its outputs on the current stream."""
 
     def run(self, new_inputs):
-        model = _active
+        model = _model()
         inputs = [t for t in list(new_inputs) + list(getattr(self, "reconstructed_inputs", None) or [])
                   if isinstance(t, torch.Tensor)] if model is not None else []
         outputs = original(self, new_inputs)

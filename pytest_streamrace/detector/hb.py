@@ -441,6 +441,12 @@ class HappensBefore:
         with self._lock:
             return list(self._timeline)
 
+    def alloc_site(self, storage: Hashable) -> Site | None:
+        """Where a live storage was allocated, when its allocation was seen."""
+        with self._lock:
+            known = self._storages.get(storage)
+            return known.alloc_site if known is not None else None
+
     def history_size(self, storage: Hashable | None = None) -> int:
         """Accesses remembered for one storage, or for all: what pruning keeps bounded."""
         with self._lock:

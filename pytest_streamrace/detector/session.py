@@ -10,13 +10,11 @@ and undone in reverse order: collectives and framework adapters add their own wi
 
 from __future__ import annotations
 
-import threading
 from typing import Hashable
 
-BACKENDS = ("virtual", "cuda")
+from . import active as _handle
 
-_active: "Detector | None" = None
-_active_lock = threading.Lock()
+BACKENDS = ("virtual", "cuda")
 
 
 class AttrPatch:
@@ -67,7 +65,7 @@ class _Capture:
 
 def active() -> "Detector | None":
     """The detector active in this process, if any."""
-    return _active
+    return _handle.session()
 
 
 class Detector:
@@ -92,22 +90,16 @@ class Detector:
     # lifecycle
 
     def __enter__(self) -> "Detector":
-        global _active
-        with _active_lock:
-            if _active is not None:
-                raise RuntimeError("streamrace: another Detector is already active in this process; "
-                                   "exit it before entering a new one")
-            _active = self
+        _handle.enter(self)
         try:
             self._install_backend()
         except BaseException:
             self._uninstall_all()
-            _active = None
+            _handle.leave(self)
             raise
         return self
 
     def __exit__(self, *exc) -> None:
-        global _active
         try:
             if self.tracker is not None:
                 self.tracker.drain()
@@ -115,7 +107,7 @@ class Detector:
             self._uninstall_all()
             if self.tracker is not None:
                 self.tracker.detach()
-            _active = None
+            _handle.leave(self)
 
     def _install_backend(self) -> None:
         from .tracker import AccessTracker
@@ -142,7 +134,10 @@ class Detector:
             on_outputs = None  # the engine binds compiled code's autograd nodes itself
         from .compiled import CompiledCode
 
-        patches += CompiledCode(self.tracker, self._current, on_outputs).patches(AttrPatch, self.backend)
+        _handle.register(self.streams)
+        compiled = CompiledCode(self.tracker, self._current, on_outputs)
+        _handle.register(compiled)
+        patches += compiled.patches(AttrPatch, self.backend)
         from . import collectives
 
         if collectives.available():
@@ -186,6 +181,30 @@ class Detector:
             raise errors[0]
 
     # what tests and reports read
+
+    def stream_name(self, key: Hashable) -> str:
+        """The human name of a stream by its hb key ("default stream", "stream created at test_x.py:12")."""
+        return self.hb.stream_name(key)
+
+    @property
+    def timeline(self):
+        """Every launch (and free) in order, for Chrome traces; empty unless trace=True."""
+        return self.hb.timeline
+
+    @property
+    def notes(self) -> list[str]:
+        """What this session could not model and skipped, once each."""
+        return list(self.tracker.notes) if self.tracker is not None else []
+
+    def forget_races(self) -> None:
+        """Report races seen so far again when they recur (a pool worker starting work for another test)."""
+        self.hb.forget_races()
+
+    def allocation_frames(self, storage) -> tuple:
+        """The user frames of the allocation this session saw for `storage` (an untyped storage); () when it did not
+        see it (it sees allocations made while it runs, on its device)."""
+        site = self.hb.alloc_site(storage.data_ptr())
+        return tuple(site.frames) if site is not None else ()
 
     @property
     def races(self):
@@ -239,21 +258,27 @@ class Detector:
 
     def paused(self):
         """A context in which ops are not tracked (work the caller models itself through `run`)."""
-        import contextlib
+        return self._require_active().paused()
 
+    def name_stream(self, stream, label: str) -> None:
+        """Name a torch.cuda.Stream in this session's reports (forcing names its side streams after their labels)."""
+        self._require_active()
+        self.hb.add_stream(self.stream_key(stream), label)
+
+    def is_virtual(self, stream) -> bool:
+        """Whether `stream` is a virtual stream (the virtual backend's torch.cuda.Stream), not a real one."""
+        from .virtual_streams import Stream
+
+        return isinstance(stream, Stream)
+
+    def subscribe(self, on_race=None, on_note=None) -> None:
+        """Be told of races as they are found (`on_race(races)`) and of each new note (`on_note(text)`), from now on;
+        a child process passes both on to its parent."""
         tracker = self._require_active()
-
-        @contextlib.contextmanager
-        def pause():
-            previous, tracker.enabled = tracker.enabled, False
-            try:
-                yield
-            finally:
-                tracker.enabled = previous
-        return pause()
+        tracker.on_race, tracker.on_note = on_race, on_note
 
     def _require_active(self):
-        if _active is not self or self.tracker is None:
+        if _handle.session() is not self or self.tracker is None:
             raise RuntimeError("streamrace: this Detector is not active (use it inside `with Detector(...)`)")
         return self.tracker
 
@@ -263,7 +288,7 @@ def streamrace_device():
     with no detector active, cuda when a GPU is present)."""
     import torch
 
-    detector = _active
+    detector = _handle.session()
     if detector is not None:
         backend = detector.backend
     else:

@@ -11,6 +11,7 @@ slices of one buffer do not.
 from __future__ import annotations
 
 import collections
+import contextlib
 import operator
 import re
 import threading
@@ -205,6 +206,15 @@ class AccessTracker(TorchDispatchMode):
         self._enabled = value
         if self._capture is not None:
             self._capture.set_recording(value)
+
+    @contextlib.contextmanager
+    def paused(self):
+        """Ops are not tracked inside (work modelled by hand, or launching nothing), as they were after."""
+        previous, self.enabled = self.enabled, False
+        try:
+            yield
+        finally:
+            self.enabled = previous
 
     # the C++ capture
 

@@ -16,17 +16,21 @@ import time
 import torch
 
 from ..when_imported import WhenImported
+from . import active
 from .frames import created_at
 
-_active: "VirtualStreams | None" = None
+
+def _session_model() -> "VirtualStreams | None":
+    return active.model(VirtualStreams)
 
 
 def _model() -> "VirtualStreams":
-    if _active is None:
+    model = _session_model()
+    if model is None:
         raise RuntimeError("streamrace: virtual CUDA streams are usable only while a streamrace Detector "
                            "(backend='virtual') is active")
-    _active.tracker.drain()
-    return _active
+    model.tracker.drain()
+    return model
 
 
 class Stream:
@@ -73,7 +77,8 @@ class Stream:
 
 
 def _active_default():
-    return _active.default if _active is not None else None
+    model = _session_model()
+    return model.default if model is not None else None
 
 
 def _check(stream) -> Stream:
@@ -136,8 +141,9 @@ class StreamContext:
         return self.stream
 
     def __exit__(self, *exc) -> None:
-        if self.stream is not None and _active is not None:
-            _active.set_current(self._previous)
+        model = _session_model() if self.stream is not None else None
+        if model is not None:
+            model.set_current(self._previous)
 
 
 def stream(stream: Stream | None) -> StreamContext:
@@ -206,7 +212,7 @@ def _opaque_to_dynamo(_dynamo=None) -> None:
     for name in _API:
         original = module[name]
         module[name] = disabled(original)
-        if _active is not None:  # dynamo arrived during a session: what it patched in becomes the opaque one
+        if _session_model() is not None:  # dynamo arrived during a session: what it patched in becomes the opaque one
             owner = torch.Tensor if name == "record_stream" else torch.cuda
             if getattr(owner, name, None) is original:
                 setattr(owner, name, module[name])
@@ -248,21 +254,6 @@ class VirtualStreams:
                         "set_stream": set_stream, "synchronize": synchronize, "_sleep": _sleep}
         out = [attr_patch(torch.cuda, name, value) for name, value in replacements.items()]
         out += [attr_patch(torch.cuda.streams, "Stream", Stream), attr_patch(torch.cuda.streams, "Event", Event),
-                attr_patch(torch.Tensor, "record_stream", record_stream), _Activation(self),
+                attr_patch(torch.Tensor, "record_stream", record_stream),
                 WhenImported("torch._dynamo", _opaque_to_dynamo)]
         return out
-
-
-class _Activation:
-    """Makes this model the one the patched API talks to."""
-
-    def __init__(self, model: VirtualStreams):
-        self.model = model
-
-    def install(self) -> None:
-        global _active
-        _active = self.model
-
-    def uninstall(self) -> None:
-        global _active
-        _active = None

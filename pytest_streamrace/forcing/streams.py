@@ -27,7 +27,10 @@ def require_streams(what: str) -> None:
 
 
 def _is_virtual(stream) -> bool:
-    return type(stream).__module__.endswith("virtual_streams")
+    from ..detector import session
+
+    detector = session.active()
+    return detector is not None and detector.is_virtual(stream)
 
 
 def set_label(stream, label: str) -> None:
@@ -46,7 +49,7 @@ def new_stream(label: str):
 
     detector = session.active()
     if detector is not None:
-        detector.hb.add_stream(detector.stream_key(stream), f"{label} (streamrace forcing)")
+        detector.name_stream(stream, f"{label} (streamrace forcing)")
     return stream
 
 

@@ -30,13 +30,7 @@ def detector_alloc_frames(storage) -> tuple[Frame, ...]:
     from ..detector import session
 
     detector = session.active()
-    hb = getattr(detector, "hb", None)
-    storages = getattr(hb, "_storages", None)  # storage key (data pointer) -> what hb knows about it
-    if not storages:
-        return ()
-    known = storages.get(storage.data_ptr())
-    site = getattr(known, "alloc_site", None)
-    return tuple(site.frames) if site is not None else ()
+    return detector.allocation_frames(storage) if detector is not None else ()
 
 
 def short(frame: Frame) -> str:

@@ -19,7 +19,7 @@ def main() -> int:
     cf = torch.compile(f)
     launches = []
     with Detector(backend="cuda", trace=True) as d:
-        model = compiled._active
+        model = compiled._model()
         original = model.launch
         model.launch = lambda name, args, roles, stream=None: (launches.append((name, roles, stream)),
                                                               original(name, args, roles, stream))
