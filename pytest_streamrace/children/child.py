@@ -196,8 +196,7 @@ def adopt(detector, config: dict, origin: str) -> None:
 def _attach(detector) -> None:
     _state.detector = detector
     _state.trace_written = False
-    detector.tracker.on_race = _on_race
-    detector.tracker.on_note = _on_note
+    detector.subscribe(on_race=_on_race, on_note=_on_note)
     process_patches.exit_runs_first(_finish)
     import atexit
 
@@ -234,7 +233,7 @@ def _on_race(races) -> None:
                 continue  # a pool worker's earlier task for the same test reported it already
             _state.reported.add((test, race.key()))
             _write({"kind": "race", "test": test, "rank": rank, "pid": os.getpid(),
-                    "race": to_dict(race, detector.hb.stream_name, rank)})
+                    "race": to_dict(race, detector.stream_name, rank)})
     except Exception:
         pass
 
@@ -285,7 +284,7 @@ def _drain() -> None:
     detector = _state.detector
     if detector is not None:
         try:
-            detector.tracker.drain()
+            detector.races  # reading them judges what is pending
         except Exception:
             pass
 
@@ -297,7 +296,7 @@ def _task_done() -> None:
     detector = _state.detector
     if detector is not None and _is_pool_worker():
         try:
-            detector.hb.forget_races()
+            detector.forget_races()
         except Exception:
             pass
 
@@ -320,7 +319,7 @@ def _finish() -> None:
         from ..detector.trace import trace_events
 
         rank = _rank()
-        events = trace_events(detector.hb.timeline, detector.hb.races, detector.hb.stream_name, rank)
+        events = trace_events(detector.timeline, detector.races, detector.stream_name, rank)
         _write({"kind": "trace", "test": _owner(), "rank": rank, "pid": os.getpid(), "events": events})
     except Exception:
         pass
