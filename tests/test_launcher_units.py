@@ -74,8 +74,10 @@ def test_cpu_machine_cannot_serve_nccl():
 
 
 def _phase(when, outcome="passed", longrepr=""):
-    return {"kind": "report", "when": when, "outcome": outcome, "longrepr": longrepr, "sections": [],
-            "user_properties": []}
+    """A rank's report record, as pytest serializes a report."""
+    return {"kind": "report", "$report_type": "TestReport", "nodeid": "test_x.py::test", "location": ["test_x.py", 0,
+            "test"], "keywords": {}, "when": when, "outcome": outcome, "longrepr": longrepr or None, "sections": [],
+            "user_properties": [], "duration": 0.0}
 
 
 def _run(rank, records, exit_status=None, tmp_path=None):
