@@ -34,7 +34,7 @@ class RankVerdict:
     longrepr: object = None  # a failure's structured longrepr, as the rank's pytest made it
 
 
-class RankFailures:
+class ItemFailure:
     """The item's failure: text lines, and each failing rank's own longrepr rendered as pytest renders it."""
 
     def __init__(self, blocks: list, reprcrash: ReprFileLocation):
@@ -129,7 +129,7 @@ def _timed_out(runs: list[RankRun]) -> bool:
     return any(r.stopped == "timeout" for r in runs)
 
 
-def _failure(item: pytest.Item, verdicts: list[RankVerdict], runs: list[RankRun], timeout: float) -> RankFailures:
+def _failure(item: pytest.Item, verdicts: list[RankVerdict], runs: list[RankRun], timeout: float) -> ItemFailure:
     lines = _failure_lines(verdicts, runs, timeout)
     blocks, text = [], []
     for line in lines:
@@ -143,8 +143,8 @@ def _failure(item: pytest.Item, verdicts: list[RankVerdict], runs: list[RankRun]
     first = next((v for v in verdicts if getattr(v.longrepr, "reprcrash", None) is not None), None)
     if first is not None:
         crash = first.longrepr.reprcrash
-        return RankFailures(blocks, ReprFileLocation(crash.path, crash.lineno, f"rank {first.rank}: {crash.message}"))
-    return RankFailures(blocks, ReprFileLocation(str(item.path), item.location[1] + 1, lines[0]))
+        return ItemFailure(blocks, ReprFileLocation(crash.path, crash.lineno, f"rank {first.rank}: {crash.message}"))
+    return ItemFailure(blocks, ReprFileLocation(str(item.path), item.location[1] + 1, lines[0]))
 
 
 def _failure_lines(verdicts: list[RankVerdict], runs: list[RankRun], timeout: float) -> list:
