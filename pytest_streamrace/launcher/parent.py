@@ -54,7 +54,7 @@ class ParentPlugin:
     def _run(self, item: pytest.Item, mark) -> list[pytest.TestReport]:
         try:
             request = marker.parse(mark)
-            where = placement.place(request.world_size, request.backend)
+            where = placement.place(request.world_size, request.pg_backend)
         except marker.MarkerError as exc:
             return report.setup_outcome(item, "failed", str(exc))
         except placement.Unservable as exc:

@@ -37,7 +37,7 @@ class RankContext:
 
 
 @dataclass
-class Verdict:
+class ReproVerdict:
     verdict: str  # reproduced | clean | inconclusive
     reason: str
     races: list = field(default_factory=list)  # the relevant ones, merged over ranks
@@ -62,7 +62,7 @@ def per_run(evidence: list[dict], i: int) -> list[dict]:
     return [{"rank": ev["rank"], **ev["runs"][i]} for ev in evidence if i < len(ev["runs"])]
 
 
-def judge(evidence: list[dict], relevant) -> Verdict:
+def judge(evidence: list[dict], relevant) -> ReproVerdict:
     """The verdict of one run over all ranks' evidence for it ({rank, races, numeric})."""
     races = [race for ev in evidence for race in ev.get("races", [])]
     mine = [race for race in races if relevant(race)]
@@ -74,8 +74,8 @@ def judge(evidence: list[dict], relevant) -> Verdict:
             parts.append(f"{len(mine)} race(s) of this bug's kind detected")
         if numbers_wrong:
             parts.append("results differ from the reference")
-        return Verdict("reproduced", " and ".join(parts), mine, numeric)
+        return ReproVerdict("reproduced", " and ".join(parts), mine, numeric)
     if races:
-        return Verdict("inconclusive", f"{len(races)} race(s) detected, none of this bug's kind", races, numeric)
+        return ReproVerdict("inconclusive", f"{len(races)} race(s) detected, none of this bug's kind", races, numeric)
     measured = " and results match the reference" if numeric else ""
-    return Verdict("clean", f"no race detected{measured}", [], numeric)
+    return ReproVerdict("clean", f"no race detected{measured}", [], numeric)

@@ -49,7 +49,7 @@ class TorchrunRank:
         self.config = config
         self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
         self.exchange: Exchange | None = None
-        self.backend = ""
+        self.pg_backend = ""  # the process group's
         self.created_group = False
         self.healthy = True
         self.counter = 0
@@ -84,7 +84,7 @@ class TorchrunRank:
             except Exception as exc:
                 raise pytest.UsageError(f"torchrun session: cannot initialize the process group: {exc}") from None
             self.created_group = True
-        self.backend = str(dist.get_backend())
+        self.pg_backend = str(dist.get_backend())
         if dist.get_world_size() != self.world_size:
             raise pytest.UsageError(f"torchrun session: the process group has {dist.get_world_size()} ranks, "
                                     f"torchrun started {self.world_size}")
@@ -161,10 +161,10 @@ class TorchrunRank:
                 item.add_marker(pytest.mark.skip(reason=f"distributed(world_size={request.world_size}) needs "
                                                         f"{request.world_size} ranks; this torchrun session has "
                                                         f"{self.world_size}"))
-            elif request.backend not in (None, self.backend):
-                item.add_marker(pytest.mark.skip(reason=f"distributed(backend={request.backend!r}) needs "
-                                                        f"{request.backend}; this torchrun session uses "
-                                                        f"{self.backend}"))
+            elif request.pg_backend not in (None, self.pg_backend):
+                item.add_marker(pytest.mark.skip(reason=f"distributed(backend={request.pg_backend!r}) needs "
+                                                        f"{request.pg_backend}; this torchrun session uses "
+                                                        f"{self.pg_backend}"))
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_setup(self, item: pytest.Item) -> None:
