@@ -20,7 +20,7 @@ import sys
 import tempfile
 import time
 
-from pytest_streamrace.children.child import ENV
+from pytest_streamrace.env import SUBPROCESS as ENV
 from pytest_streamrace.children.startup_hook import StartupHook
 
 

@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from . import hardware, options
+from . import env, options
 
 RACES = "streamrace_races"  # user_properties key: [race dicts] (detector.report.to_dict, with rank)
 TRACE = "streamrace_trace"  # user_properties key: [chrome trace events] of this test's ops
@@ -35,7 +35,7 @@ _statuses_key = pytest.StashKey[list]()  # levers status of each race judged so 
 def resolve_backend(config: pytest.Config) -> str:
     """The backend --streamrace uses here: auto picks cuda when a GPU is visible."""
     chosen = options.get(config, "streamrace_backend")
-    gpus = hardware.visible_gpus()
+    gpus = env.visible_gpus()
     if chosen == "auto":
         return "cuda" if gpus else "virtual"
     if chosen == "cuda" and not gpus:
@@ -291,7 +291,7 @@ def writes_session_files(config: pytest.Config) -> bool:
 
     if hasattr(config, "workerinput") or child.spec_from_env() is not None:
         return False
-    run = hardware.torchrun_env()
+    run = env.torchrun_env()
     return run is None or run.rank == 0
 
 

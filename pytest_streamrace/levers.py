@@ -84,9 +84,9 @@ def validate(config: pytest.Config) -> int | None:
     try:
         load(config)
     except BadInput as exc:
-        from . import hardware
+        from . import env
 
-        run = hardware.torchrun_env()
+        run = env.torchrun_env()
         if run is None or run.rank == 0:  # every torchrun rank stops; one says why
             import sys
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from . import checks, hardware, options
+from . import checks, env, options
 
 MARKERS = (
     "distributed(world_size=N, backend=None, timeout=None): run the test as one item in N rank processes with "
@@ -25,7 +25,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_cmdline_main(config: pytest.Config) -> int | None:
-    if hardware.torchrun_env() is not None:
+    if env.torchrun_env() is not None:
         from .launcher import torchrun
 
         torchrun.leave_files_to_rank_0(config)  # before junitxml configures itself
@@ -57,9 +57,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    gpus = hardware.visible_gpus()
+    gpus = env.visible_gpus()
     machine = f"cuda with {len(gpus)} GPU{'s' if len(gpus) != 1 else ''}" if gpus else "CPU-only"
-    run = hardware.torchrun_env()
+    run = env.torchrun_env()
     session = f"torchrun session, rank {run.rank} of {run.world_size}" if run else "not under torchrun"
     backend = config.stash.get(_backend_key, None)
     state = f"on ({backend} backend)" if backend else "off (--streamrace to enable)"

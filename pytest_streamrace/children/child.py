@@ -26,9 +26,9 @@ from __future__ import annotations
 import os
 import sys
 
+from .. import env
 from . import process_patches
 
-ENV = "STREAMRACE_SUBPROCESS"
 CURRENT = "current"  # the live test file in the data folder: the nodeid of the running test, or empty
 
 
@@ -50,7 +50,7 @@ _state = _State()
 
 
 def config_from_env(environ=os.environ) -> dict | None:
-    raw = environ.get(ENV, "")
+    raw = environ.get(env.SUBPROCESS, "")
     if raw in ("", "0"):
         return None
     import json
@@ -64,7 +64,7 @@ def config_from_env(environ=os.environ) -> dict | None:
 
 def _config() -> dict | None:
     if _state.parsed is None and _state.raw:
-        _state.parsed = config_from_env({ENV: _state.raw}) or {}
+        _state.parsed = config_from_env({env.SUBPROCESS: _state.raw}) or {}
         if not _state.origin:  # as when exec'd: the live file may have moved on already
             _state.origin = str(_state.parsed.get("test", ""))
     return _state.parsed or None
@@ -73,10 +73,10 @@ def _config() -> dict | None:
 def start() -> None:
     """The ``.pth`` hook: arm the torch watcher and the fork handler (never raises)."""
     try:
-        raw = os.environ.get(ENV, "")
+        raw = os.environ.get(env.SUBPROCESS, "")
         if not raw.startswith("{") or _state.raw:
             return
-        if os.environ.get("STREAMRACE_RANK_SPEC"):
+        if os.environ.get(env.RANK_SPEC):
             return  # a rank of our own distributed marker: its pytest session runs the checks itself
         _state.raw = raw
         _state.pid = os.getpid()
@@ -139,7 +139,7 @@ def _unwatch() -> None:
 
 
 def _activate() -> None:
-    if _state.detector is not None or _state.stood_down or os.environ.get("STREAMRACE_RANK_SPEC"):
+    if _state.detector is not None or _state.stood_down or os.environ.get(env.RANK_SPEC):
         return
     config = _config()
     if config is None:

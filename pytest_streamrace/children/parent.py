@@ -26,10 +26,10 @@ import os
 import shutil
 import tempfile
 
+from .. import env
 from . import child
 from .startup_hook import StartupHook
 
-ENV = child.ENV
 
 
 class Children:
@@ -57,7 +57,7 @@ class Children:
         self.current = nodeid
         self.notes = []
         self._write_current(nodeid)
-        os.environ[ENV] = json.dumps({"dir": self.dir, "backend": self.backend, "trace": self.trace,
+        os.environ[env.SUBPROCESS] = json.dumps({"dir": self.dir, "backend": self.backend, "trace": self.trace,
                                       "test": nodeid})
         if not self._forks_armed:
             self._forks_armed = True
@@ -67,10 +67,10 @@ class Children:
         self.finished.add(self.current)
         self.current = ""
         self._write_current("")
-        os.environ.pop(ENV, None)
+        os.environ.pop(env.SUBPROCESS, None)
 
     def close(self) -> None:
-        os.environ.pop(ENV, None)
+        os.environ.pop(env.SUBPROCESS, None)
         self.hook.remove()
         shutil.rmtree(self.dir, ignore_errors=True)
 
@@ -82,7 +82,7 @@ class Children:
 
     def _forked(self) -> None:
         """A child forked from this pytest process while a test runs: it reports the test's detector's races."""
-        if not self.current or os.environ.get(ENV) is None:
+        if not self.current or os.environ.get(env.SUBPROCESS) is None:
             return
         from ..detector import session
 

@@ -8,9 +8,9 @@ A child judges captured ops in batches, so it must drain its detector at the las
 - ``destroy_process_group_runs_first``: after ``torch.distributed.destroy_process_group`` the rank is gone, and the
   races must name it.
 
-They stay for the process's life (the process is a child of a test, and ends with it). Each replacement is marked
-(``MARK``, with ``__wrapped__`` naming the original), so patching twice — a forked child, a second import hook — is a
-no-op. Nothing here imports anything: the child's start-up hook may run it before torch.
+They stay for the process's life (the process is a child of a test, and ends with it). Each replacement is
+marked (``MARK``, with ``__wrapped__`` naming the original), so patching twice — a forked child, a second import
+hook — is a no-op. Nothing here imports anything: the child's start-up hook may run it before torch.
 """
 
 from __future__ import annotations

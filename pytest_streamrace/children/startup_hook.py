@@ -19,12 +19,12 @@ import sysconfig
 import tempfile
 import time
 
-from .child import ENV
+from .. import env
 
 PREFIX = "pytest-streamrace-"
 LEGACY = "pytest-streamrace-subprocess.pth"  # earlier versions wrote it once and left it forever
 LINE = ("import os; exec('try:\\n from pytest_streamrace.children.child import start; start()\\nexcept Exception: "
-        f"pass') if os.environ.get({ENV!r}, '0') not in ('', '0') else None\n")
+        f"pass') if os.environ.get({env.SUBPROCESS!r}, '0') not in ('', '0') else None\n")
 
 
 class StartupHook:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .. import env
+
 EVIDENCE = "streamrace_repro"  # user_properties key of one rank's evidence dict
 
 
@@ -30,7 +32,7 @@ class RankContext:
 
     def progress(self, message: str) -> None:
         """A progress line the repro CLI shows while ranks run (rank 0's only, to keep it readable)."""
-        path = os.environ.get("STREAMRACE_PROGRESS")
+        path = os.environ.get(env.PROGRESS)
         if path and self.rank == 0:
             with open(path, "a", encoding="utf-8") as f:
                 f.write(message + "\n")

@@ -23,9 +23,10 @@ Collective outcomes
     "rank N"; outcomes differ otherwise (e.g. a skip on some ranks) → the phase fails naming each rank's outcome
     and skip reason. Exit codes therefore agree across ranks. The teardown report's ``user_properties`` whose
     keys start with ``streamrace_`` (races, traces, hints: every phase's) travel with the summary and are appended to
-    the other ranks' teardown reports, so rank 0 reads every rank's as its own. After collection the ranks compare their ordered
-    test ids (and collection errors); a difference stops every rank before the first test (a shuffling plugin
-    with per-rank seeds, or a file that fails to import on one rank, would otherwise desynchronize them).
+    the other ranks' teardown reports, so rank 0 reads every rank's as its own. After collection the ranks
+    compare their ordered test ids (and collection errors); a difference stops every rank before the first test
+    (a shuffling plugin with per-rank seeds, or a file that fails to import on one rank, would otherwise
+    desynchronize them).
 
 Output
     Only rank 0 prints: the terminal reporter of the other ranks writes to a closed gate. Their failures reach

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from ... import hardware, options
+from ... import env, options
 from .. import marker
 from .exchange import Exchange
 from .verdict import RankFailures, disagreement, fail, ranks_text, summarize
@@ -27,14 +27,14 @@ def install(config: pytest.Config) -> None:
     if config.getoption("numprocesses", None) or hasattr(config, "workerinput"):
         raise pytest.UsageError("pytest-xdist (-n) cannot run inside a torchrun session: torchrun already "
                                 "starts one pytest per rank; drop -n (or use -p no:xdist)")
-    env = hardware.torchrun_env()
-    config.pluginmanager.register(TorchrunRank(config, env), "streamrace-torchrun")
+    run = env.torchrun_env()
+    config.pluginmanager.register(TorchrunRank(config, run), "streamrace-torchrun")
 
 
 def leave_files_to_rank_0(config: pytest.Config) -> None:
     """Every rank runs the same session and outcomes are collective, so rank 0's files say it all — and N ranks
     writing one ``--junitxml`` file (or ``.pytest_cache``) at once would interleave. Called before configuration."""
-    if hardware.torchrun_env().rank != 0:
+    if env.torchrun_env().rank != 0:
         config.option.xmlpath = None
 
 
@@ -45,9 +45,9 @@ def _dropped(key: str, value) -> None:
 class TorchrunRank:
     """The pytest plugin of one torchrun rank."""
 
-    def __init__(self, config: pytest.Config, env: hardware.TorchrunEnv):
+    def __init__(self, config: pytest.Config, run: env.TorchrunEnv):
         self.config = config
-        self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
+        self.rank, self.world_size, self.local_rank = run.rank, run.world_size, run.local_rank
         self.exchange: Exchange | None = None
         self.pg_backend = ""  # the process group's
         self.created_group = False
