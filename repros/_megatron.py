@@ -21,6 +21,7 @@ import inspect
 import re
 import sys
 
+from pytest_streamrace.patching import patched
 from pytest_streamrace.repro.evidence import in_frames
 
 PGB_FILE = "param_and_grad_buffer.py"
@@ -87,11 +88,8 @@ def stream_waits(which: str):
             return instead(*args, **kwargs)
         return called(*args, **kwargs)
 
-    setattr(torch.cuda, name, redirected)
-    try:
+    with patched(torch.cuda, name, redirected):
         yield
-    finally:
-        setattr(torch.cuda, name, called)
 
 
 # which races are this bug's

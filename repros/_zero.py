@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 
+from pytest_streamrace.patching import patched
 from pytest_streamrace.repro.evidence import in_frames
 
 FILL = "reduce_independent_p_g_buckets_and_remove_grads"  # copies a gradient into the IPG bucket
@@ -72,11 +73,9 @@ def zero_fixes(producer_fix: bool, reuse_fix: bool):
                 bucket.copy_streams.clear()
         return average(self, tensor, communication_data_type)
 
-    Zero.reduce_independent_p_g_buckets_and_remove_grads, Zero.average_tensor = fill_patched, average_patched
-    try:
+    with patched(Zero, "reduce_independent_p_g_buckets_and_remove_grads", fill_patched), \
+            patched(Zero, "average_tensor", average_patched):
         yield
-    finally:
-        Zero.reduce_independent_p_g_buckets_and_remove_grads, Zero.average_tensor = fill, average
 
 
 def _name_buffers(bucket) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+from pytest_streamrace.patching import patched
 from pytest_streamrace.repro.spec import Framework, Repro, Variant
 
 WIDTH, LAYERS = 4096, 8  # 134 M parameters, as in the measurement behind docs: one bf16 partition is 128 MiB on 2 ranks
@@ -43,14 +44,10 @@ def deepcompile_fix(fixed: bool):
         yield
         return
     wrap = _apply_fix if fixed else _remove_fix
-    saved = [(mod, attr, getattr(mod, attr)) for mod, attr in _init_functions()]
-    for mod, attr, original in saved:
-        setattr(mod, attr, wrap(original))
-    try:
+    with contextlib.ExitStack() as patches:
+        for mod, attr in _init_functions():
+            patches.enter_context(patched(mod, attr, wrap(getattr(mod, attr))))
         yield
-    finally:
-        for mod, attr, original in saved:
-            setattr(mod, attr, original)
 
 
 def _remove_fix(init):
@@ -157,20 +154,9 @@ def _step_local_targets(optimizer) -> None:
 
 # One rank's run.
 
-@contextlib.contextmanager
 def _compiling_untracked(detector):
-    """The detector stays out: this bug is about lifetimes, not races, and dynamo does not compile at all while a
-    dispatch mode that does not ignore compile internals is active."""
-    if detector is None:
-        yield
-        return
-    tracker = detector.tracker
-    with detector.paused():
-        tracker.ignore_compile_internals = lambda: True
-        try:
-            yield
-        finally:
-            del tracker.ignore_compile_internals
+    """The detector stays out: this bug is about lifetimes, not races (its tracker lets dynamo compile)."""
+    return detector.paused() if detector is not None else contextlib.nullcontext()
 
 
 def _engine(ctx):

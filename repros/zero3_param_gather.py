@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+from pytest_streamrace.patching import patched
 from pytest_streamrace.repro.evidence import in_frames
 from pytest_streamrace.repro.spec import Framework, Repro, Variant
 
@@ -39,15 +40,13 @@ def _patched(gather_waits: bool, delay: bool):
         return gather(self, params, forward)
 
     delays = Delays(one_slow(streams.DEFAULT, ms=DELAY_MS))
-    if gather_waits:
-        setattr(Coordinator, gather_name, gather_after_issuer)
-    if delay:
-        delays.around(Stage3, COPY[0])
-    try:
+    with contextlib.ExitStack() as undo:
+        if gather_waits:
+            undo.enter_context(patched(Coordinator, gather_name, gather_after_issuer))
+        undo.callback(delays.restore)
+        if delay:
+            delays.around(Stage3, COPY[0])
         yield
-    finally:
-        setattr(Coordinator, gather_name, gather)
-        delays.restore()
 
 
 def _train(ctx, overlap: bool, fix: bool, forced: bool) -> dict:

@@ -133,13 +133,12 @@ def test_the_collectives_model_judges_captured_ops(extension, tmp_path):
     wait and the draining order, together."""
     import torch.distributed as dist
 
-    from pytest_streamrace.detector.collectives import Collectives
-    from pytest_streamrace.detector.session import AttrPatch
+    from pytest_streamrace.detector.models.collectives import Collectives
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         with capturing(extension) as (hb, tracker):
-            patches = Collectives(hb, tracker, lambda: 0).patches(AttrPatch)
+            patches = Collectives(hb, tracker, lambda: 0).patches()
             for patch in patches:
                 patch.install()
             try:
@@ -162,7 +161,8 @@ def test_a_failed_build_is_one_line_and_leaves_none(tmp_path):
     """Without a working compiler the cuda backend falls back to the dispatch mode; `failure()` says why."""
     script = textwrap.dedent("""
         from pytest_streamrace.detector import capture
-        capture.SOURCE = capture.SOURCE.replace("#include <atomic>", "#include <no_such_header_here>")
+        real = capture.source()
+        capture.source = lambda: real.replace("#include <atomic>", "#include <no_such_header_here>")
         print(capture.load() is None)
         print(capture.failure())
     """)

@@ -5,7 +5,7 @@ scripts/device/compile.sh."""
 
 import json
 
-from pytest_streamrace.detector.compiled import READ, WRITE, cpp_roles
+from pytest_streamrace.detector.models.compiled import READ, WRITE, cpp_roles
 
 CASES = """
 import pytest, torch
@@ -185,8 +185,8 @@ def test_triton_launches_and_cuda_graph_replays_are_accesses_on_their_stream():
 
     import torch
 
-    from pytest_streamrace.detector import compiled
-    from pytest_streamrace.detector.session import AttrPatch, Detector
+    from pytest_streamrace.detector.models import compiled
+    from pytest_streamrace.detector.session import Detector
 
     class CachingAutotuner:
         def __init__(self, names, mutated):
@@ -209,7 +209,7 @@ def test_triton_launches_and_cuda_graph_replays_are_accesses_on_their_stream():
 
     fake = types.SimpleNamespace(CachingAutotuner=CachingAutotuner, CUDAGraphNode=CUDAGraphNode)
     with Detector("virtual") as d:
-        patches = compiled._triton_patches(AttrPatch, fake) + compiled._cudagraph_patches(AttrPatch, fake)
+        patches = compiled._triton_patches(fake) + compiled._cudagraph_patches(fake)
         for patch in patches:
             patch.install()
         try:

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pytest_streamrace.detector.session import Detector
-from pytest_streamrace.detector.virtual_autograd import MISMATCH
+from pytest_streamrace.detector.models.virtual_autograd import MISMATCH
 
 TESTS = '''
 import warnings

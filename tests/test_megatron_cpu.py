@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pytest_streamrace.detector.session import Detector
-from pytest_streamrace.detector.virtual_streams import Stream as VirtualStream
+from pytest_streamrace.detector.models.virtual_streams import Stream as VirtualStream
 from pytest_streamrace.frameworks.megatron_cpu import megatron_on_virtual_streams, prepare_import
 
 

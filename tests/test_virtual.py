@@ -502,5 +502,5 @@ def test_one_detector_at_a_time_and_clear_errors():
             pass
     assert torch.cuda.Stream.__module__ == "torch.cuda.streams"
     with pytest.raises(RuntimeError, match="only while a streamrace Detector"):
-        from pytest_streamrace.detector import virtual_streams
+        from pytest_streamrace.detector.models import virtual_streams
         virtual_streams.Stream()

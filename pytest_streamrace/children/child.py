@@ -122,7 +122,7 @@ def _quietly(callback):
 
 
 def _watch() -> None:
-    from ..when_imported import WhenImported
+    from ..patching import WhenImported
 
     for name, callback in (("torch", lambda module: _activate()), ("multiprocessing.queues", _patch_queues)):
         hook = WhenImported(name, _quietly(callback))

@@ -4,6 +4,7 @@ read (a race, a trace) — capturing is cheap, naming is not, and few stacks are
 from __future__ import annotations
 
 import os
+import re
 import sys
 
 import torch
@@ -20,14 +21,28 @@ def _skip_prefixes() -> tuple[str, ...]:
     pytest = sys.modules.get("pytest")
     if getattr(pytest, "__file__", None):
         dirs.append(os.path.dirname(pytest.__file__))
-    from .compiled import inductor_cache_dir
-
     generated = inductor_cache_dir()  # Inductor's generated wrapper code and kernels
     if generated:
         dirs.append(generated)
     prefixes = tuple(d + os.sep for d in dirs)
     wrappers = sys.modules.get("typing_extensions")  # its @deprecated wrapper sits around some torch.distributed calls
     return prefixes + ((wrappers.__file__,) if getattr(wrappers, "__file__", None) else ())
+
+
+def inductor_cache_dir() -> str:
+    """Where Inductor writes generated code (its frames are machinery, not the user's), without importing Inductor:
+    TORCHINDUCTOR_CACHE_DIR, else its default, <tmp>/torchinductor_<user>."""
+    configured = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if configured:
+        return os.path.abspath(configured)
+    import getpass
+    import tempfile
+
+    try:
+        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+    except Exception:
+        user = "unknown"
+    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
 
 
 _STDLIB = os.path.dirname(os.__file__) + os.sep

@@ -1,11 +1,13 @@
-"""One race-detection session: the happens-before core, the access tracker and a backend's stream model.
+"""One race-detection session: the happens-before core, the access tracker and the stream models (``models``).
 
-Ops reach the tracker through a TorchDispatchMode (virtual backend), or, on the cuda backend, through the C++ capture
-(``capture``), which costs a launch-bound step a fraction of what entering Python per op does.
+The backend a user picks (``--streamrace-backend``, ``Detector(backend=...)``) names the stream model of torch.cuda's
+streams: "virtual" emulates them on CPU, "cuda" observes real ones. Ops reach the tracker through a TorchDispatchMode
+(virtual), or, on cuda, through the C++ capture (``capture``), which costs a launch-bound step a fraction of what
+entering Python per op does.
 
 ``with Detector(backend="virtual") as d: ...`` installs everything, and removes every patch and mode on exit so
-torch is exactly as before. Everything installed is a *patch* (an object with install/uninstall), kept in one list
-and undone in reverse order: collectives and framework adapters add their own with `install`.
+torch is exactly as before. Everything installed is a *patch* (``patching.Patch``: install/uninstall), kept in one
+list and undone in reverse order: collectives and framework adapters add their own with `install`.
 """
 
 from __future__ import annotations
@@ -14,27 +16,7 @@ from typing import Hashable
 
 from . import active as _handle
 
-BACKENDS = ("virtual", "cuda")
-
-
-class AttrPatch:
-    """setattr(obj, name, value) while installed; the original attribute (or its absence) comes back after."""
-
-    _MISSING = object()
-
-    def __init__(self, obj, name: str, value):
-        self.obj, self.name, self.value = obj, name, value
-        self._original = self._MISSING
-
-    def install(self) -> None:
-        self._original = vars(self.obj).get(self.name, self._MISSING)
-        setattr(self.obj, self.name, self.value)
-
-    def uninstall(self) -> None:
-        if self._original is self._MISSING:
-            delattr(self.obj, self.name)
-        else:
-            setattr(self.obj, self.name, self._original)
+STREAM_MODELS = ("virtual", "cuda")  # what Detector(backend=...) selects
 
 
 class _Mode:
@@ -51,7 +33,7 @@ class _Mode:
 
 
 class _Capture:
-    """The C++ capture feeding the tracker for the session (the cuda backend's replacement for the dispatch mode)."""
+    """The C++ capture feeding the tracker for the session (the cuda model's replacement for the dispatch mode)."""
 
     def __init__(self, tracker, extension):
         self.tracker, self.extension = tracker, extension
@@ -71,20 +53,20 @@ def active() -> "Detector | None":
 class Detector:
     """Detects unsynchronized cross-stream accesses while active (a context manager; one per process at a time).
 
-    backend "virtual": torch.cuda's stream API works on CPU tensors with CUDA's ordering modelled; "cuda": real
-    streams and events are observed. trace=True keeps the op timeline (hb.timeline) for Chrome traces.
+    backend (the stream model) "virtual": torch.cuda's stream API works on CPU tensors with CUDA's ordering modelled;
+    "cuda": real streams and events are observed. trace=True keeps the op timeline (`timeline`) for Chrome traces.
     """
 
     def __init__(self, backend: str = "virtual", trace: bool = False):
-        if backend not in BACKENDS:
-            raise ValueError(f"streamrace: unknown backend {backend!r}; expected one of {', '.join(BACKENDS)}")
+        if backend not in STREAM_MODELS:
+            raise ValueError(f"streamrace: unknown backend {backend!r}; expected one of {', '.join(STREAM_MODELS)}")
         from .hb import HappensBefore
 
         self.backend = backend
         self.hb = HappensBefore(trace=trace)
         self.tracker = None
-        self.streams = None  # VirtualStreams or CudaStreams
-        self.capture_failure: str | None = None  # why the cuda backend fell back to the dispatch mode
+        self.streams = None  # the stream model of torch.cuda's streams: VirtualStreams or CudaStreams
+        self.capture_failure: str | None = None  # why the cuda stream model fell back to the dispatch mode
         self._patches: list = []
 
     # lifecycle
@@ -92,7 +74,7 @@ class Detector:
     def __enter__(self) -> "Detector":
         _handle.enter(self)
         try:
-            self._install_backend()
+            self._install_stream_models()
         except BaseException:
             self._uninstall_all()
             _handle.leave(self)
@@ -109,43 +91,43 @@ class Detector:
                 self.tracker.detach()
             _handle.leave(self)
 
-    def _install_backend(self) -> None:
+    def _install_stream_models(self) -> None:
         from .tracker import AccessTracker
 
         if self.backend == "virtual":
-            from .virtual_autograd import VirtualAutograd
-            from .virtual_streams import VirtualStreams
+            from .models.virtual_autograd import VirtualAutograd
+            from .models.virtual_streams import VirtualStreams
 
             self.tracker = AccessTracker(self.hb, self._current, "cpu", track_frees=True)
             self.streams = VirtualStreams(self.hb, self.tracker)
-            patches = self.streams.patches(AttrPatch)
+            patches = self.streams.patches()
             self.tracker.current_stream = self.streams.current  # per op: no detour through the session
             autograd = VirtualAutograd(self.streams, self.hb, self.tracker)
-            patches += autograd.patches(AttrPatch)
+            patches += autograd.patches()
             on_outputs = autograd.adopt_outputs
         else:
-            from .cuda import CudaStreams
+            from .models.cuda import CudaStreams
 
             self.tracker = AccessTracker(self.hb, self._current, "cuda", track_frees=False)
             self.tracker.engine_records_streams = True
             self.streams = CudaStreams(self.hb, self.tracker)
             self.tracker.current_stream = self.streams.current
-            patches = self.streams.patches(AttrPatch)
+            patches = self.streams.patches()
             on_outputs = None  # the engine binds compiled code's autograd nodes itself
-        from .compiled import CompiledCode
+        from .models.compiled import CompiledCode
 
         _handle.register(self.streams)
         compiled = CompiledCode(self.tracker, self._current, on_outputs)
         _handle.register(compiled)
-        patches += compiled.patches(AttrPatch, self.backend)
-        from . import collectives
+        patches += compiled.patches(self.backend)
+        from .models import collectives
 
         if collectives.available():
-            patches += collectives.Collectives(self.hb, self.tracker, self._current).patches(AttrPatch)
-        from .futures import Futures
+            patches += collectives.Collectives(self.hb, self.tracker, self._current).patches()
+        from .models.futures import Futures
 
         patches += Futures(self.hb, self.tracker, self._current,
-                           inline_callbacks=self.backend == "virtual").patches(AttrPatch)
+                           inline_callbacks=self.backend == "virtual").patches()
         for patch in patches:
             self.install(patch)
         # last in, first out: our own setup is not traced
@@ -265,9 +247,11 @@ class Detector:
         self._require_active()
         self.hb.add_stream(self.stream_key(stream), label)
 
-    def is_virtual(self, stream) -> bool:
-        """Whether `stream` is a virtual stream (the virtual backend's torch.cuda.Stream), not a real one."""
-        from .virtual_streams import Stream
+    @staticmethod
+    def is_virtual(stream) -> bool:
+        """Whether `stream` is a virtual stream (the virtual stream model's torch.cuda.Stream), not a real one; asked
+        of the class, it needs no active session (a stream outlives its session)."""
+        from .models.virtual_streams import Stream
 
         return isinstance(stream, Stream)
 
@@ -284,15 +268,15 @@ class Detector:
 
 
 def streamrace_device():
-    """The torch.device tests should allocate on: cpu under the virtual backend, cuda under the cuda backend (and,
+    """The torch.device tests should allocate on: cpu under the virtual stream model, cuda under the cuda one (and,
     with no detector active, cuda when a GPU is present)."""
     import torch
 
     detector = _handle.session()
     if detector is not None:
-        backend = detector.backend
+        model = detector.backend
     else:
-        backend = "cuda" if torch.cuda.is_available() else "virtual"
-    if backend == "cuda":
+        model = "cuda" if torch.cuda.is_available() else "virtual"
+    if model == "cuda":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")

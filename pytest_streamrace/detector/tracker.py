@@ -1,7 +1,7 @@
 """Every ATen op as a launch on the current stream plus reads and writes of the bytes it touches.
 
 A TorchDispatchMode sits below autograd, so it sees forward ops, the ops autograd's backward runs and the ops inside
-hooks alike. On the cuda backend the same ops come from the C++ capture instead (``capture``; drained in order at
+hooks alike. In the cuda stream model the same ops come from the C++ capture instead (``capture``; drained in order at
 every synchronization point), classified by the same plans. Which argument is read or written comes from the op's
 schema (alias annotations), not from a list of ops, so new and custom ops are classified too. Accesses are byte
 ranges of storages — the span a view really touches — so overlapping views at other offsets conflict and disjoint
@@ -24,14 +24,15 @@ from torch._C import DisableTorchFunction as _DisableTorchFunction
 from torch._C import _current_autograd_node
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..patching import skip_in_dynamo
 from .frames import Captured, stack
 from .hb import HappensBefore, Race, Site
 
 # Factories that read only their inputs' metadata; "empty" ones do not write their output either (no kernel runs).
 _METADATA_INPUTS = re.compile(r"^aten::(new_.*|.*_like|empty.*)$")
 _NO_KERNEL = re.compile(r"^aten::(empty.*|new_empty.*)$")
-_SKIPPED_OPS = {"aten::record_stream"}  # not a kernel: the backend turns it into hb.record_stream
-_HANDLED_NAMESPACES = {"c10d"}  # modelled by a namespace handler (detector.collectives), never as plain ops
+_SKIPPED_OPS = {"aten::record_stream"}  # not a kernel: the stream model turns it into hb.record_stream
+_HANDLED_NAMESPACES = {"c10d"}  # modelled by a namespace handler (models.collectives), never as plain ops
 
 
 def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
@@ -185,11 +186,11 @@ class AccessTracker(TorchDispatchMode):
         self._frees: collections.deque = collections.deque()
         self._lock = threading.RLock()
         self._enabled = True
-        self._capture = None  # the C++ capture (cuda backend), when it replaces this dispatch mode
+        self._capture = None  # the C++ capture (cuda stream model), when it replaces this dispatch mode
         self._plans: dict = {}  # op -> _plan(...)
         self.notes: list[str] = []  # what could not be modelled and was skipped, once each
         self.on_note: Callable[[str], None] | None = None  # told each new note (a child process passes it on)
-        # Real autograd (cuda backend): the engine record_stream()s a gradient produced on one stream for the stream
+        # Real autograd (cuda model): the engine record_stream()s a gradient produced on one stream for the stream
         # of the node that consumes it — in C++, where no hook sees it. The virtual model does this in its hooks.
         self.engine_records_streams = False
         # Ops after which the host has waited for the stream that ran them (reading a value back: .item(), nonzero's
@@ -487,3 +488,6 @@ class AccessTracker(TorchDispatchMode):
             allocs.append((key, storage.nbytes(), (t.shape, t.dtype, None)))
         if writes_output:
             self._accesses([(t, True)], stream, accesses)
+
+
+skip_in_dynamo(AccessTracker.__torch_dispatch__, AccessTracker._dead)  # called from C++ inside compiled regions

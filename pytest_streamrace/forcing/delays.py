@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..patching import AttrPatch
 from . import streams as _streams
 
 DEFAULT_MS = 2.0
@@ -170,9 +171,9 @@ class Delays:
                 self._inject(f"after {label}")
             return out
 
-        had = name in vars(owner)
-        setattr(owner, name, delayed)
-        self._undo.append(lambda: setattr(owner, name, original) if had else delattr(owner, name))
+        patch = AttrPatch(owner, name, delayed)
+        patch.install()
+        self._undo.append(patch.uninstall)
 
     def before_collectives(self, names: tuple[str, ...] = COLLECTIVES) -> None:
         """Delay before each torch.distributed collective in `names`, on the caller's current stream."""

@@ -21,6 +21,8 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from ..patching import patched
+
 POISONED = {  # collective -> which argument holds the input it only reads
     "reduce_scatter_tensor": ("input", 1),
     "all_gather_into_tensor": ("input_tensor", 1),
@@ -117,19 +119,13 @@ def poisoned_collective_inputs(names=tuple(POISONED)):
     """Within: after each synchronous collective in `names` returns, its input buffers are filled with NaN."""
     import torch.distributed as dist
 
-    undo = []
-    for name in names:
-        if name not in POISONED:
-            raise ValueError(f"streamrace: cannot poison the inputs of {name!r}; "
-                             f"poisonable: {', '.join(POISONED)}")
-        original = getattr(dist, name)
-        undo.append((name, original))
-        setattr(dist, name, _poisoning(original, *POISONED[name]))
-    try:
+    with contextlib.ExitStack() as patches:
+        for name in names:
+            if name not in POISONED:
+                raise ValueError(f"streamrace: cannot poison the inputs of {name!r}; "
+                                 f"poisonable: {', '.join(POISONED)}")
+            patches.enter_context(patched(dist, name, _poisoning(getattr(dist, name), *POISONED[name])))
         yield
-    finally:
-        for name, original in reversed(undo):
-            setattr(dist, name, original)
 
 
 def _poisoning(collective, arg_name: str, position: int):

@@ -27,10 +27,9 @@ def require_streams(what: str) -> None:
 
 
 def _is_virtual(stream) -> bool:
-    from ..detector import session
+    from ..detector.session import Detector
 
-    detector = session.active()
-    return detector is not None and detector.is_virtual(stream)
+    return Detector.is_virtual(stream)
 
 
 def set_label(stream, label: str) -> None:

@@ -66,14 +66,12 @@ def deepspeed_on_virtual_streams():
     from deepspeed.accelerator import real_accelerator
 
     from ..detector.session import active
+    from ..patching import patched
 
     detector = active()
     if detector is None or detector.backend != "virtual":
         raise RuntimeError("streamrace: deepspeed_on_virtual_streams() needs an active Detector(backend='virtual') "
                            "(enter it first, or run under --streamrace on CPU)")
-    previous = real_accelerator.ds_accelerator
-    real_accelerator.set_accelerator(virtual_stream_accelerator())
-    try:
+    with patched(real_accelerator, "ds_accelerator", real_accelerator.ds_accelerator):  # the previous one comes back
+        real_accelerator.set_accelerator(virtual_stream_accelerator())  # DeepSpeed's own checks of an accelerator
         yield real_accelerator.ds_accelerator
-    finally:
-        real_accelerator.ds_accelerator = previous

@@ -81,17 +81,12 @@ def megatron_on_virtual_streams():
     Detector with the virtual backend (enter it first, or run under --streamrace on CPU)."""
     import torch
 
-    from ..detector.session import AttrPatch, active
+    from ..detector.session import active
+    from ..patching import patched
 
     detector = active()
     if detector is None or detector.backend != "virtual":
         raise RuntimeError("streamrace: megatron_on_virtual_streams() needs an active Detector(backend='virtual') "
                            "(enter it first, or run under --streamrace on CPU)")
-    patch = AttrPatch(torch.cuda, "current_device", lambda: 0)
-    patch.install()
-    mode = _cpu_mode()
-    try:
-        with mode:
-            yield
-    finally:
-        patch.uninstall()
+    with patched(torch.cuda, "current_device", lambda: 0), _cpu_mode():
+        yield

@@ -13,6 +13,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass
 
+from ..patching import AttrPatch
 from . import sites
 from .memory import PhasePeaks
 from .report import format_peaks, format_problems
@@ -45,14 +46,6 @@ class Violation:
     nbytes: int  # what it still held at the check
 
 
-@dataclass
-class _Wrapped:
-    obj: object
-    attr: str
-    had_own: bool  # the attribute was the object's own (not its class's): restore it rather than delete
-    original: object
-
-
 class LifetimeChecker:
     """Track buffers with the phase by which they must be released; mark phases; read `problems()`.
 
@@ -72,7 +65,7 @@ class LifetimeChecker:
         self.violations: list[Violation] = []
         self.checked = 0  # buffers checked so far, released or not
         self._marks: dict[str, int] = {}  # phase -> times marked
-        self._wrapped: list[_Wrapped] = []
+        self._wrapped: list[AttrPatch] = []
         self.peaks = PhasePeaks(device, self._live_bytes)
 
     # registering
@@ -134,18 +127,14 @@ class LifetimeChecker:
             checker.phase(f"after {phase}")
             return out
 
-        had_own = attr in getattr(obj, "__dict__", {})
-        setattr(obj, attr, marked)
-        self._wrapped.append(_Wrapped(obj, attr, had_own, original))
+        patch = AttrPatch(obj, attr, marked)
+        patch.install()
+        self._wrapped.append(patch)
 
     def close(self) -> None:
         """Restore what `at_call` wrapped (the checker can still be read)."""
         while self._wrapped:
-            w = self._wrapped.pop()
-            if w.had_own:
-                setattr(w.obj, w.attr, w.original)
-            else:
-                delattr(w.obj, w.attr)
+            self._wrapped.pop().uninstall()
         self.peaks.sample()
 
     def __enter__(self) -> "LifetimeChecker":

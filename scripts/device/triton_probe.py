@@ -7,7 +7,7 @@ import sys
 
 import torch
 
-from pytest_streamrace.detector import compiled
+from pytest_streamrace.detector.models import compiled
 from pytest_streamrace.detector.session import Detector
 
 
@@ -44,7 +44,7 @@ def main() -> int:
                           f"mutated={getattr(value, 'mutated_arg_names', None)} roles={compiled._triton_roles(value)}")
         print("launches seen:", launches)
         print("races:", [(r.kind, r.earlier.op.site.op, r.later.op.site.op) for r in d.races])
-        print("timeline:", [(op.site.op, d.hb.stream_name(op.stream)) for op in d.hb.timeline][-8:])
+        print("timeline:", [(op.site.op, d.stream_name(op.stream)) for op in d.timeline][-8:])
     return 0
 
 

@@ -2,7 +2,7 @@
 
 No kernel runs asynchronously on CPU, so a missing wait never corrupts anything here; what matters is that every
 ordering the program *would* make on a GPU — stream waits, events, synchronizes, record_stream — reaches hb, and
-that every op is attributed to the stream that would run it. While a Detector with the virtual backend is active,
+that every op is attributed to the stream that would run it. While a Detector with the virtual model is active,
 ``torch.cuda.Stream``, ``Event``, ``stream()``, ``current_stream`` & co. are these classes and functions; the
 originals come back when it exits. ``torch.cuda.is_available()`` stays False: code that branches on it for
 devices keeps allocating on CPU.
@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from ..when_imported import WhenImported
-from . import active
-from .frames import created_at
+from ...patching import AttrPatch, WhenImported
+from .. import active
+from ..frames import created_at
 
 
 def _session_model() -> "VirtualStreams | None":
@@ -245,15 +245,15 @@ class VirtualStreams:
     def set_current(self, stream: Stream) -> None:
         self._tls.stream = stream
 
-    def patches(self, attr_patch) -> list:
-        """What must be replaced in torch while the model is active (attr_patch(obj, name, value) objects)."""
+    def patches(self) -> list:
+        """What must be replaced in torch while the model is active (AttrPatch objects)."""
         import torch.cuda.streams
 
         replacements = {"Stream": Stream, "Event": Event, "stream": stream,
                         "current_stream": current_stream, "default_stream": default_stream,
                         "set_stream": set_stream, "synchronize": synchronize, "_sleep": _sleep}
-        out = [attr_patch(torch.cuda, name, value) for name, value in replacements.items()]
-        out += [attr_patch(torch.cuda.streams, "Stream", Stream), attr_patch(torch.cuda.streams, "Event", Event),
-                attr_patch(torch.Tensor, "record_stream", record_stream),
+        out = [AttrPatch(torch.cuda, name, value) for name, value in replacements.items()]
+        out += [AttrPatch(torch.cuda.streams, "Stream", Stream), AttrPatch(torch.cuda.streams, "Event", Event),
+                AttrPatch(torch.Tensor, "record_stream", record_stream),
                 WhenImported("torch._dynamo", _opaque_to_dynamo)]
         return out

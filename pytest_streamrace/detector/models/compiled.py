@@ -23,14 +23,13 @@ the autograd nodes compiled code created to the stream current at the call).
 
 from __future__ import annotations
 
-import os
 import re
 import sys
 
 import torch
 
-from ..when_imported import WhenImported
-from . import active
+from ...patching import AttrPatch, WhenImported, dynamo_skipped
+from .. import active
 
 READ, WRITE = 1, 2
 _roles_by_file: dict[str, dict[str, tuple[int, ...]]] = {}  # generated module file -> kernel name -> arg roles
@@ -100,17 +99,15 @@ class _CppKernel:
         return self.fn(*args)
 
 
-def _skip_in_dynamo(*functions) -> None:
-    """Frames dynamo never tries to compile: the detector's entry points called from C++ (a dispatch handler, autograd
-    hooks, weakref callbacks) run inside compiled regions too."""
+def _skip_in_dynamo() -> None:
+    """Frames dynamo never tries to compile: the entry points the stream models registered with
+    ``patching.skip_in_dynamo`` (called from C++, they run inside compiled regions too)."""
     try:
         from torch._dynamo.eval_frame import skip_code
     except ImportError:
         return
-    for fn in functions:
-        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
-        if code is not None:
-            skip_code(code)
+    for code in dynamo_skipped():
+        skip_code(code)
 
 
 def _model() -> "CompiledCode | None":
@@ -130,8 +127,7 @@ class CompiledCode:
         self._wrapped: list[tuple[dict, str, object]] = []  # (module globals, name, original)
         self._modules_seen = 0
         self._seen_ids: set[int] = set()
-        self._attr_patch = None
-        self._lazy: list = []  # (module name, make_patches(attr_patch, module)) applied when it is imported
+        self._lazy: list = []  # (module name, make_patches(module)) applied when it is imported
         self._hooks: list = []
         self._applied: list = []
 
@@ -185,18 +181,17 @@ class CompiledCode:
 
     # patch protocol
 
-    def patches(self, attr_patch, backend: str) -> list:
+    def patches(self, stream_model: str) -> list:
         """This patch. What it patches in dynamo and Inductor is patched when that module is imported (now, if it
         is): importing dynamo costs seconds, and most tests never compile."""
-        self._attr_patch = attr_patch
         self._lazy = [("torch._dynamo.output_graph", _dynamo_patches), ("torch._inductor.codecache", _codecache_patches)]
-        if backend == "cuda":
+        if stream_model == "cuda":
             self._lazy += [("torch._inductor.runtime.triton_heuristics", _triton_patches),
                            ("torch._inductor.cudagraph_trees", _cudagraph_patches)]
         return [self]
 
     def _apply(self, make_patches, module) -> None:
-        for patch in make_patches(self._attr_patch, module):
+        for patch in make_patches(module):
             patch.install()
             self._applied.append(patch)
 
@@ -218,19 +213,16 @@ class CompiledCode:
                 namespace[name] = original
 
 
-def _dynamo_patches(attr_patch, output_graph) -> list:
+def _dynamo_patches(output_graph) -> list:
     """Every graph a backend compiled is wrapped in the run-time shim (``_runtime``); the detector's entry points
     become frames dynamo skips."""
-    from . import tracker, virtual_autograd
-
-    _skip_in_dynamo(tracker.AccessTracker.__torch_dispatch__, tracker.AccessTracker._dead,
-                    virtual_autograd._NewNodes.__torch_function__)
+    _skip_in_dynamo()
     graph_class = output_graph.OutputGraph
     original = graph_class.call_user_compiler
 
     def call_user_compiler(graph, gm, example_inputs):
         return _runtime(original(graph, gm, example_inputs))
-    return [attr_patch(graph_class, "call_user_compiler", call_user_compiler)]
+    return [AttrPatch(graph_class, "call_user_compiler", call_user_compiler)]
 
 
 def _runtime(compiled_fn):
@@ -256,7 +248,7 @@ def _runtime(compiled_fn):
     return run
 
 
-# cuda backend: Triton launches and CUDA-graph replays
+# cuda stream model: Triton launches and CUDA-graph replays
 
 def _triton_roles(autotuner) -> tuple[int, ...] | None:
     """Per positional argument of a Triton kernel launched through Inductor's CachingAutotuner, its role: Inductor's
@@ -294,7 +286,7 @@ def _capturing() -> bool:
         return False
 
 
-def _codecache_patches(attr_patch, codecache) -> list:
+def _codecache_patches(codecache) -> list:
     """Generated modules are wrapped as they load (a backward compiled lazily loads its module mid-backward)."""
     cache = getattr(codecache, "PyCodeCache", None)
     load = getattr(cache, "load_by_key_path", None)
@@ -307,10 +299,10 @@ def _codecache_patches(attr_patch, codecache) -> list:
         if model is not None:
             model.discover()
         return module
-    return [attr_patch(cache, "load_by_key_path", classmethod(load_by_key_path))]
+    return [AttrPatch(cache, "load_by_key_path", classmethod(load_by_key_path))]
 
 
-def _triton_patches(attr_patch, triton_heuristics) -> list:
+def _triton_patches(triton_heuristics) -> list:
     """Triton launches through Inductor's CachingAutotuner (its kernels and user kernels alike)."""
     autotuner = getattr(triton_heuristics, "CachingAutotuner", None)
     run = getattr(autotuner, "run", None)
@@ -329,20 +321,20 @@ def _triton_patches(attr_patch, triton_heuristics) -> list:
             name = getattr(getattr(self, "fn", None), "__name__", None) or "triton kernel"
             model.launch(name, args, roles, stream if isinstance(stream, int) else None)
         return out
-    return [attr_patch(autotuner, "run", launch)]
+    return [AttrPatch(autotuner, "run", launch)]
 
 
-def _cudagraph_patches(attr_patch, cudagraph_trees) -> list:
+def _cudagraph_patches(cudagraph_trees) -> list:
     """CUDA-graph replays of cudagraph trees (mode="reduce-overhead")."""
     node = getattr(cudagraph_trees, "CUDAGraphNode", None)
     out = []
     for method in ("run", "run_first_inputs"):
         original = getattr(node, method, None)
         if original is not None:
-            out.append(attr_patch(node, method, _replay(original)))
+            out.append(AttrPatch(node, method, _replay(original)))
     record = getattr(node, "_record", None)
     if record is not None:
-        out.append(attr_patch(node, "_record", _untracked(record)))
+        out.append(AttrPatch(node, "_record", _untracked(record)))
     return out
 
 
@@ -374,19 +366,3 @@ def _replay(original):
                 model.tracker.note(f"a CUDA-graph replay is not checked: {type(exc).__name__}: {exc}")
         return outputs
     return run
-
-
-def inductor_cache_dir() -> str:
-    """Where Inductor writes generated code (its frames are machinery, not the user's), without importing Inductor:
-    TORCHINDUCTOR_CACHE_DIR, else its default, <tmp>/torchinductor_<user>."""
-    configured = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if configured:
-        return os.path.abspath(configured)
-    import getpass
-    import tempfile
-
-    try:
-        user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
-    except Exception:
-        user = "unknown"
-    return os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")

@@ -10,7 +10,7 @@ after the hook's future when the hook returns, the same rule as for collectives 
 Each future maps to the hb event of its completion (the Work's, or a token recorded when its callback finished);
 futures nothing is known about complete at once, as waiting on a never-recorded CUDA event does.
 
-On the virtual backend a callback runs inline, after its future completed: gloo would otherwise run it on its own
+In the virtual model a callback runs inline, after its future completed: gloo would otherwise run it on its own
 thread, where no op is tracked, at whatever moment the collective happens to finish.
 """
 
@@ -19,6 +19,8 @@ from __future__ import annotations
 import functools
 import weakref
 from typing import Callable, Hashable
+
+from ...patching import AttrPatch
 
 
 class _Completion:
@@ -117,20 +119,20 @@ class Futures:
 
     # patch protocol
 
-    def patches(self, attr_patch) -> list:
+    def patches(self) -> list:
         import torch
 
         future = torch._C.Future
         self._originals = {"wait": future.wait}
-        out = [attr_patch(future, "wait", self._consuming(future.wait)),
-               attr_patch(future, "value", self._consuming(future.value)),
-               attr_patch(future, "then", self._then(future.then))]
+        out = [AttrPatch(future, "wait", self._consuming(future.wait)),
+               AttrPatch(future, "value", self._consuming(future.value)),
+               AttrPatch(future, "then", self._then(future.then))]
         import torch.distributed as dist
 
         if dist.is_available():
             from torch._C._distributed_c10d import Work
 
-            out.append(attr_patch(Work, "get_future", self._get_future(Work.get_future)))
+            out.append(AttrPatch(Work, "get_future", self._get_future(Work.get_future)))
             if hasattr(dist, "_register_comm_hook"):
-                out.append(attr_patch(dist, "_register_comm_hook", self._register_comm_hook(dist._register_comm_hook)))
+                out.append(AttrPatch(dist, "_register_comm_hook", self._register_comm_hook(dist._register_comm_hook)))
         return out

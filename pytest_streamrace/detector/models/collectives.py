@@ -3,8 +3,8 @@
 NCCL launches a collective on an internal stream of its process group, which first waits on the caller's current
 stream; the caller's stream is ordered after the collective only when ``work.wait()`` runs (a synchronous
 collective calls it itself). So with ``async_op=True``, touching the tensors before ``wait()`` races — on the GPU and,
-modelled here, under the virtual backend on gloo. NCCL's stream is not visible to the cuda backend's trace callbacks
-either, so under both backends this model is what the detector knows about collectives.
+modelled here, in the virtual model on gloo. NCCL's stream is not visible to the cuda model's trace callbacks
+either, so under both stream models this model is what the detector knows about collectives.
 
 Every collective reaches the dispatch mode as one ``c10d`` op (the ops of a ``_coalescing_manager`` block as one
 coalesced op at its exit). Their schemas carry no alias annotations, so which tensors are written is decided here
@@ -27,6 +27,8 @@ import weakref
 from typing import Callable, Hashable
 
 import torch
+
+from ...patching import AttrPatch
 
 READ, WRITE = "r", "w"
 
@@ -232,13 +234,13 @@ class Collectives:
 
     # patch protocol
 
-    def patches(self, attr_patch) -> list:
+    def patches(self) -> list:
         from torch._C._distributed_c10d import Backend, ProcessGroup, Work
 
         methods = [name for name in ("wait", "synchronize", "block_current_stream") if hasattr(Work, name)]
-        out = [self] + [attr_patch(Work, name, self._wrap(getattr(Work, name))) for name in methods]
+        out = [self] + [AttrPatch(Work, name, self._wrap(getattr(Work, name))) for name in methods]
         for cls in (ProcessGroup, Backend):
-            out += [attr_patch(cls, name, self._issuing(getattr(cls, name))) for name in _PY_ENTRIES
+            out += [AttrPatch(cls, name, self._issuing(getattr(cls, name))) for name in _PY_ENTRIES
                     if hasattr(cls, name)]
         return out
 

@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import torch
 
-from .frames import created_at, stack
-from .hb import Site
+from ...patching import AttrPatch
+from ..frames import created_at, stack
+from ..hb import Site
 
 
 class CudaStreams:
-    """The cuda backend: a patch (install/uninstall) registering the trace callbacks, and the current-stream key."""
+    """The cuda model: a patch (install/uninstall) registering the trace callbacks, and the current-stream key."""
 
     def __init__(self, hb, tracker):
         if not torch.cuda.is_available():
@@ -74,7 +75,7 @@ class CudaStreams:
 
     # patch protocol
 
-    def patches(self, attr_patch) -> list:
+    def patches(self) -> list:
         original_sleep = torch.cuda._sleep
         original_record_stream = torch.Tensor.record_stream
         original_new = torch.cuda.Stream.__new__
@@ -97,8 +98,8 @@ class CudaStreams:
                 if key is not None:
                     self.hb.record_stream(key, self.key(stream))
 
-        return [attr_patch(torch.cuda, "_sleep", _sleep), attr_patch(torch.Tensor, "record_stream", record_stream),
-                attr_patch(torch.cuda.Stream, "__new__", staticmethod(stream_new)), self]
+        return [AttrPatch(torch.cuda, "_sleep", _sleep), AttrPatch(torch.Tensor, "record_stream", record_stream),
+                AttrPatch(torch.cuda.Stream, "__new__", staticmethod(stream_new)), self]
 
     def install(self) -> None:
         import torch.cuda._gpu_trace as trace

@@ -33,6 +33,8 @@ import weakref
 import torch
 from torch.overrides import TorchFunctionMode
 
+from ...patching import AttrPatch, skip_in_dynamo
+
 _TAG = "streamrace.stream"
 MISMATCH = ("The AccumulateGrad node's stream does not match the stream of the node that produced the incoming "
             "gradient.")  # torch's own wording (input_buffer.cpp), so filters written for torch's warning apply
@@ -60,6 +62,9 @@ class _NewNodes(TorchFunctionMode):
             if nodes:
                 self.model.adopt(nodes)
         return out
+
+
+skip_in_dynamo(_NewNodes.__torch_function__)  # the mode is entered around compiled regions too
 
 
 class VirtualAutograd:
@@ -193,12 +198,12 @@ class VirtualAutograd:
                         self.hb.wait_stream(caller, stream)
         return wrapper
 
-    def patches(self, attr_patch) -> list:
+    def patches(self) -> list:
         import torch.autograd.graph
 
         wrapped = self._wrap(torch.autograd.graph._engine_run_backward)
-        return [attr_patch(torch.autograd.graph, "_engine_run_backward", wrapped),
-                attr_patch(torch.autograd, "_engine_run_backward", wrapped), self]
+        return [AttrPatch(torch.autograd.graph, "_engine_run_backward", wrapped),
+                AttrPatch(torch.autograd, "_engine_run_backward", wrapped), self]
 
     def install(self) -> None:
         self._mode = _NewNodes(self)
