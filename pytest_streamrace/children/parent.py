@@ -31,7 +31,6 @@ from . import child
 from .startup_hook import StartupHook
 
 
-
 class Children:
     """The children of one pytest process: their data folder, the live test, what they reported."""
 
