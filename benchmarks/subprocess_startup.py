@@ -20,7 +20,8 @@ import sys
 import tempfile
 import time
 
-from pytest_streamrace import subprocesses
+from pytest_streamrace.env import SUBPROCESS as ENV
+from pytest_streamrace.children.startup_hook import StartupHook
 
 
 def nothing() -> None:
@@ -39,13 +40,13 @@ def _exec_once() -> None:
 
 def _time(start, env: str | None) -> float:
     if env is None:
-        os.environ.pop(subprocesses.ENV, None)
+        os.environ.pop(ENV, None)
     else:
-        os.environ[subprocesses.ENV] = env
+        os.environ[ENV] = env
     t0 = time.perf_counter()
     start()
     elapsed = time.perf_counter() - t0
-    os.environ.pop(subprocesses.ENV, None)
+    os.environ.pop(ENV, None)
     return elapsed * 1000
 
 
@@ -53,7 +54,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=20)
     args = parser.parse_args()
-    problem = subprocesses.install_pth()
+    hook = StartupHook()
+    problem = hook.install()
     if problem:
         sys.exit(f"the start-up hook is not installed: {problem}")
     folder = tempfile.mkdtemp(prefix="streamrace-bench-")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from . import hardware, options, roles
+from . import env, options, roles
 from .races import plugin as races
 
 MARKERS = (
@@ -49,10 +49,10 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(lifetime, "streamrace-lifetime")
     launcher.install(config)
     if options.get(config, "streamrace"):
-        from . import subprocess_child
-        from .subprocesses import Children
+        from .children import child
+        from .children.parent import Children
 
-        subprocess_child.stand_down()  # started by a test under --streamrace: this session checks for itself
+        child.stand_down()  # started by a test under --streamrace: this session checks for itself
         backend = config.stash[_backend_key] = races.resolve_backend(config)
         children = Children(backend, bool(options.get(config, "streamrace_trace")))  # the processes tests start
         config.pluginmanager.register(races.RaceChecks(config, backend, children), "streamrace-checks")
@@ -62,7 +62,7 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:
-    gpus = hardware.visible_gpus()
+    gpus = env.visible_gpus()
     machine = f"cuda with {len(gpus)} GPU{'s' if len(gpus) != 1 else ''}" if gpus else "CPU-only"
     role = roles.of(config)
     session = (f"torchrun session, rank {role.rank} of {role.world_size}" if role.kind == roles.TORCHRUN_RANK

@@ -5,7 +5,7 @@ a rank child (one rank of a ``distributed`` item, started by the launcher), or a
 also be a followed child: a process started by a test that runs under ``--streamrace``. Exactly one process of a
 run writes the session's files and prints the summaries; the others ship their findings to it on their reports.
 
-Torch-free, and below every part of the package: it reads the environment and the config (and ``hardware``).
+Torch-free, and below every part of the package: it reads the environment and the config (and ``env``).
 """
 
 from __future__ import annotations
@@ -15,12 +15,10 @@ from dataclasses import dataclass
 
 import pytest
 
-from . import hardware
+from . import env
 
 SESSION, XDIST_CONTROLLER, XDIST_WORKER, RANK_CHILD, TORCHRUN_RANK = (
     "session", "xdist controller", "xdist worker", "rank child", "torchrun rank")
-RANK_SPEC_ENV = "STREAMRACE_RANK_SPEC"  # launcher.spec.ENV: set in a rank child's environment by its parent
-FOLLOWED_ENV = "STREAMRACE_SUBPROCESS"  # subprocess_child.ENV: set while a test runs under --streamrace
 _role_key = pytest.StashKey["Role"]()
 
 
@@ -51,11 +49,11 @@ def of(config: pytest.Config) -> Role:
 
 
 def decide(config: pytest.Config, environ) -> Role:
-    followed = environ.get(FOLLOWED_ENV, "") not in ("", "0")
-    run = hardware.torchrun_env(environ)
+    followed = environ.get(env.SUBPROCESS, "") not in ("", "0")
+    run = env.torchrun_env(environ)
     if run is not None:
         return Role(TORCHRUN_RANK, run.rank, run.world_size, followed)
-    if environ.get(RANK_SPEC_ENV):
+    if environ.get(env.RANK_SPEC):
         return Role(RANK_CHILD, followed=followed)
     if hasattr(config, "workerinput"):
         return Role(XDIST_WORKER, followed=followed)

@@ -14,12 +14,12 @@ import time
 
 import pytest
 
-from pytest_streamrace import hardware
+from pytest_streamrace import env
 from pytest_streamrace.repro import registry
 from pytest_streamrace.races.record import EVIDENCE, from_race
 from pytest_streamrace.repro.evidence import RankContext, judge, per_run
 
-_SETTINGS = json.loads(os.environ.get("STREAMRACE_REPRO") or "{}")  # from the repro CLI
+_SETTINGS = json.loads(os.environ.get(env.REPRO) or "{}")  # from the repro CLI
 
 
 def _cases():
@@ -44,7 +44,7 @@ def test_repro(repro, variant, rank, world_size, request):
     detector = session.active()
     own = None
     if detector is None:  # run without --streamrace: the repro still needs its detector
-        own = detector = session.Detector(backend="cuda" if hardware.visible_gpus() else "virtual")
+        own = detector = session.Detector(backend="cuda" if env.visible_gpus() else "virtual")
         own.__enter__()
     if detector.backend not in repro.backends:
         if own:

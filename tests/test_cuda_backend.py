@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from pytest_streamrace import hardware
+from pytest_streamrace import env
 
-pytestmark = pytest.mark.skipif(not hardware.visible_gpus(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.skipif(not env.visible_gpus(), reason="needs a CUDA GPU")
 
 # CUDA's stream pool creates all its streams at the first request on a device (here: a stream made earlier, and
 # NCCL's communicator); the racing stream must still be named after the line that constructed it.

@@ -325,3 +325,27 @@ def section(out: str, test_name: str) -> str:
     end = next((i for i in range(start + 1, len(lines))
                 if re.match(r"^(_{3,} .* _{3,}|={3,}.*)$", lines[i])), len(lines))
     return "\n".join(lines[start:end])
+
+
+TB_LINE = """
+import pytest
+
+@pytest.mark.distributed(world_size=2)
+def test_fails_on_rank1(rank):
+    assert rank == 0, f"rank {rank} disagrees"
+
+@pytest.mark.distributed(world_size=2)
+def test_passes(rank):
+    assert rank in (0, 1)
+"""
+
+
+def test_rank_tracebacks_keep_their_structure(run, pytester):
+    """A rank's traceback reaches the parent as pytest's structured report: `--tb=line` gives the failing rank's
+    own crash line, and junit's failure message is that crash, not the first 50 characters of a text blob."""
+    result = run(TB_LINE, "--tb=line", "--junitxml=report.xml")
+    result.assert_outcomes(passed=1, failed=1)
+    crash = "rank 1: AssertionError: rank 1 disagrees"
+    result.stdout.fnmatch_lines([f"*test_rank_tracebacks_keep_their_structure.py:5: {crash}"])
+    junit = (pytester.path / "report.xml").read_text()
+    assert f'message="{crash}' in junit

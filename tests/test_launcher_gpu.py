@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_streamrace import hardware
+from pytest_streamrace import env
 
-pytestmark = pytest.mark.skipif(len(hardware.visible_gpus()) < 2, reason="needs 2 CUDA GPUs")
+pytestmark = pytest.mark.skipif(len(env.visible_gpus()) < 2, reason="needs 2 CUDA GPUs")
 
 NCCL = """
 import os
@@ -68,7 +68,7 @@ def test_too_few_per_worker():
 
 
 def test_gpus_split_between_xdist_workers(pytester):
-    if len(hardware.visible_gpus()) != 2:
+    if len(env.visible_gpus()) != 2:
         pytest.skip("written for exactly 2 GPUs")
     pytester.makepyfile(SPLIT)
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "-rs", timeout=300)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_streamrace import hardware
+from pytest_streamrace import env
 from pytest_streamrace.launcher import marker, placement, report
 from pytest_streamrace.launcher.spec import RankSpec
 from pytest_streamrace.launcher.supervise import RankRun
@@ -55,7 +55,7 @@ def test_gpus_are_split_between_xdist_workers(gpus, environ, share):
 
 def test_backend_choice(monkeypatch):
     # No GPU here: the GPU count is the only thing stood in for.
-    monkeypatch.setattr(hardware, "visible_gpus", lambda: ["0", "1", "2", "3"])
+    monkeypatch.setattr(env, "visible_gpus", lambda: ["0", "1", "2", "3"])
     two_workers = {"PYTEST_XDIST_WORKER": "gw1", "PYTEST_XDIST_WORKER_COUNT": "2"}
     assert placement.place(2, None, {}) == placement.Placement("nccl", [0, 1])
     assert placement.place(2, None, two_workers) == placement.Placement("nccl", [2, 3])
@@ -66,7 +66,7 @@ def test_backend_choice(monkeypatch):
 
 
 def test_cpu_machine_cannot_serve_nccl():
-    if hardware.visible_gpus():
+    if env.visible_gpus():
         pytest.skip("this machine has GPUs")
     assert placement.place(2, None).backend == "gloo"
     with pytest.raises(placement.Unservable, match="backend nccl needs 2 CUDA GPUs, this machine has 0"):
@@ -74,8 +74,10 @@ def test_cpu_machine_cannot_serve_nccl():
 
 
 def _phase(when, outcome="passed", longrepr=""):
-    return {"kind": "report", "when": when, "outcome": outcome, "longrepr": longrepr, "sections": [],
-            "user_properties": []}
+    """A rank's report record, as pytest serializes a report."""
+    return {"kind": "report", "$report_type": "TestReport", "nodeid": "test_x.py::test", "location": ["test_x.py", 0,
+            "test"], "keywords": {}, "when": when, "outcome": outcome, "longrepr": longrepr or None, "sections": [],
+            "user_properties": [], "duration": 0.0}
 
 
 def _run(rank, records, exit_status=None, tmp_path=None):

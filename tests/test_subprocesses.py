@@ -107,7 +107,7 @@ def test_subprocess_clean(tmp_path):
 
 OPTED_OUT = '''
 import sys, torch
-assert "pytest_streamrace.subprocess_child" not in sys.modules
+assert "pytest_streamrace.children.child" not in sys.modules
 try:
     torch.cuda.Stream()
 except Exception:
@@ -337,7 +337,7 @@ import os, subprocess, sys
 PROBE = '''
 import os, sys, torch
 print("env", os.environ.get("STREAMRACE_SUBPROCESS"))
-print("hook", "pytest_streamrace.subprocess_child" in sys.modules)
+print("hook", "pytest_streamrace.children.child" in sys.modules)
 try:
     torch.cuda.Stream()
     print("streams", "yes")
@@ -359,11 +359,11 @@ def test_without_streamrace_a_child_is_untouched(pytester, tmpdir_marker):
 
 CUDA_CHILD = """
 import torch
-from pytest_streamrace import subprocess_child
+from pytest_streamrace.children import child
 from pytest_streamrace.detector import session
 assert not torch.cuda.is_initialized()
 assert session.active() is None, "the cuda backend started before the child initialized CUDA"
-assert [call for call, _ in torch.cuda._queued_calls if call is subprocess_child._start_quietly]
+assert [call for call, _ in torch.cuda._queued_calls if call is child._start_quietly]
 print("waits for CUDA")
 """
 
@@ -374,11 +374,15 @@ def test_cuda_backend_starts_in_a_child_only_when_it_initializes_cuda(tmp_path):
     import subprocess
     import sys
 
-    from pytest_streamrace import subprocesses
+    from pytest_streamrace.children.startup_hook import StartupHook
 
-    assert subprocesses.install_pth() is None
+    hook = StartupHook()
+    assert hook.install() is None
     env = {**os.environ, "STREAMRACE_SUBPROCESS": json.dumps({"dir": str(tmp_path), "backend": "cuda", "test": "t"})}
-    out = subprocess.run([sys.executable, "-c", CUDA_CHILD], env=env, capture_output=True, text=True)
+    try:
+        out = subprocess.run([sys.executable, "-c", CUDA_CHILD], env=env, capture_output=True, text=True)
+    finally:
+        hook.remove()
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "waits for CUDA"
 
@@ -410,3 +414,63 @@ def test_what_a_child_could_not_model_is_said_in_its_test(pytester, tmpdir_marke
     summary = [line for line in notes if line.startswith("test_note.py")]
     assert summary and all(line.startswith("test_note.py::test_child_skips_an_op: ") for line in summary), summary
     assert "Ops the detector could not model are skipped" in result.stdout.str()
+
+
+HOOK_LIFE = """
+import os, subprocess, sys, sysconfig, time
+
+def test_hook_lives_with_the_session():
+    path = os.path.join(sysconfig.get_paths()["purelib"], f"pytest-streamrace-{os.getpid()}.pth")
+    print("HOOK", path)
+    assert os.path.exists(path)
+    probe = "import sys; print('pytest_streamrace.children.child' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True).stdout.split() == ["True"]
+    if os.environ.get("HANG_HERE"):
+        open(os.environ["HANG_HERE"], "w").close()
+        time.sleep(600)
+"""
+
+
+def _site_files(folder) -> set[str]:
+    """Site-packages' files, less the hooks of pytest sessions alive now (other tests run in parallel)."""
+    from pytest_streamrace.children.startup_hook import held
+
+    return {n for n in os.listdir(folder) if not (n.startswith("pytest-streamrace-") and held(os.path.join(folder, n)))}
+
+
+def test_a_session_leaves_nothing_in_site_packages(pytester, tmp_path, monkeypatch):
+    """The start-up hook is there while a session runs (an exec'd child is followed) and gone when it ends; the hook
+    of a session that was killed is removed by the next session."""
+    import signal
+    import subprocess
+    import sys
+    import sysconfig
+
+    folder = sysconfig.get_paths()["purelib"]
+    before = _site_files(folder)
+    pytester.makepyfile(test_hook=HOOK_LIFE)
+    result = pytester.runpytest_subprocess("--streamrace", "-s", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    hook = next(line.split("HOOK ")[1].strip() for line in result.stdout.lines if "HOOK " in line)
+    assert not os.path.exists(hook)
+    assert _site_files(folder) - before == set()
+
+    hanging = tmp_path / "hanging"
+    monkeypatch.setenv("HANG_HERE", str(hanging))
+    killed = subprocess.Popen([sys.executable, "-m", "pytest", "--streamrace", "-p", "no:cacheprovider",
+                               str(pytester.path / "test_hook.py")], cwd=pytester.path,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 60
+        while not hanging.exists():
+            assert killed.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        killed.send_signal(signal.SIGKILL)
+        killed.wait()
+    left = os.path.join(folder, f"pytest-streamrace-{killed.pid}.pth")
+    assert os.path.exists(left)  # nothing runs in a process killed outright
+    monkeypatch.delenv("HANG_HERE")
+    pytester.runpytest_subprocess("--streamrace", "-p", "no:cacheprovider").assert_outcomes(passed=1)
+    assert not os.path.exists(left)
+    assert _site_files(folder) - before == set()

@@ -373,7 +373,7 @@ def test_nccl_fails_on_rank_1(rank):
 """
 
 
-@pytest.mark.skipif(len(__import__("pytest_streamrace.hardware").hardware.visible_gpus()) < 2,
+@pytest.mark.skipif(len(__import__("pytest_streamrace.env").env.visible_gpus()) < 2,
                     reason="needs 2 CUDA GPUs")
 def test_torchrun_on_nccl(tmp_path):
     write(tmp_path, test_nccl=NCCL_CASES)

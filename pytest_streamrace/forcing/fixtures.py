@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from .. import hardware, options
+from .. import env, options
 from ..races.record import COMPILE, SCHEDULE  # user_properties keys (SCHEDULE is also the parameter's name)
 
 COMPILE_MARKER = ("streamrace_compile(modes=('eager', 'compile', 'compiled_autograd'), backend='aot_eager'): the "
@@ -20,7 +20,7 @@ _call_passed_key = pytest.StashKey[bool]()
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", COMPILE_MARKER)
     if options.get(config, "streamrace_nondefault_stream"):
-        if not (options.get(config, "streamrace") or hardware.visible_gpus()):
+        if not (options.get(config, "streamrace") or env.visible_gpus()):
             raise pytest.UsageError("--streamrace-nondefault-stream needs CUDA streams: run on a GPU, or add "
                                     "--streamrace to use virtual streams on CPU")
         from .nondefault import NondefaultStream

@@ -32,7 +32,7 @@ POISONED = {  # collective -> which argument holds the input it only reads
 
 
 @dataclass
-class Verdict:
+class NumericVerdict:
     """The comparison of a forced run with its reference."""
 
     identical: bool
@@ -75,7 +75,7 @@ def _snapshot(result, what: str) -> dict[str, torch.Tensor]:
     return {n: t.detach().to("cpu", copy=True) for n, t in _named_tensors(result, what).items()}
 
 
-def compare(forced: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]) -> Verdict:
+def compare(forced: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Tensor]) -> NumericVerdict:
     """Exact comparison, tensor by tensor in the reference's order."""
     missing = sorted(set(forced) ^ set(reference))
     first, worst, nonfinite, compared = None, 0.0, [], 0
@@ -100,11 +100,11 @@ def compare(forced: Mapping[str, torch.Tensor], reference: Mapping[str, torch.Te
         err = diff.max().item() / scale if scale > 0 else math.inf
         worst = max(worst, err if not math.isnan(err) else math.inf)
     identical = first is None and not missing
-    return Verdict(identical, compared, 0.0 if identical else worst, first, nonfinite, missing)
+    return NumericVerdict(identical, compared, 0.0 if identical else worst, first, nonfinite, missing)
 
 
 def referee(step_fn: Callable[[Any], Any], forced_config: Any, reference_config: Any,
-            compare_what: str = "grads") -> Verdict:
+            compare_what: str = "grads") -> NumericVerdict:
     """Run `step_fn(reference_config)`, then `step_fn(forced_config)`; compare gradients ("grads") or parameters
     ("params") of the module each returns (or the mapping name -> tensor it returns) exactly."""
     if compare_what not in ("grads", "params"):

@@ -8,14 +8,14 @@ Three roles, one per process:
 
 from __future__ import annotations
 
-from .. import hardware
+from .. import env
 
 
 def install(config) -> None:
     """Register the launcher behaviour this process needs."""
     from . import child, parent, torchrun
 
-    if hardware.torchrun_env() is not None:
+    if env.torchrun_env() is not None:
         torchrun.install(config)
     elif child.spec_from_env() is not None:
         child.install(config)

@@ -1,9 +1,10 @@
 """The rank side of a ``distributed`` item: a pytest session that runs that one item as one rank.
 
 The rank joins the item's process group, runs the item the normal way (so every fixture is set up in the rank),
-and streams each phase's report to its parent as JSON lines. After its last phase it does not tear the process
-group down: a rank that failed early and closed its connections would make its peers fail with "connection
-closed" errors that hide the real one. It parks until the parent releases it (all ranks finished) or kills it.
+and streams each phase's report to its parent as JSON lines, serialized as pytest serializes them for xdist. After
+its last phase it does not tear the process group down: a rank that failed early and closed its connections would
+make its peers fail with "connection closed" errors that hide the real one. It parks until the parent releases it
+(all ranks finished) or kills it.
 """
 
 from __future__ import annotations
@@ -41,16 +42,17 @@ def install(config: pytest.Config) -> None:
     terminal = config.pluginmanager.get_plugin("terminalreporter")
     if terminal is not None:
         config.pluginmanager.unregister(terminal)
-    config.pluginmanager.register(RankPlugin(spec), "streamrace-rank")
+    config.pluginmanager.register(RankPlugin(spec, config), "streamrace-rank")
 
 
 class RankPlugin:
-    def __init__(self, spec: RankSpec):
+    def __init__(self, spec: RankSpec, config: pytest.Config):
         self.spec = spec
+        self.config = config
         self._fd = os.open(spec.result, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
 
     def _write(self, record: dict) -> None:
-        os.write(self._fd, (json.dumps(record) + "\n").encode())
+        os.write(self._fd, (json.dumps(record, default=repr) + "\n").encode())
 
     def pytest_collectreport(self, report: pytest.CollectReport) -> None:
         if report.failed:
@@ -66,21 +68,11 @@ class RankPlugin:
         _join_process_group(self.spec)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        record = {
-            "kind": "report",
-            "when": report.when,
-            "outcome": report.outcome,
-            "duration": report.duration,
-            "sections": [list(s) for s in report.sections],
-            "user_properties": [[str(k), _jsonable(v)] for k, v in report.user_properties],
-        }
-        if report.skipped and isinstance(report.longrepr, tuple):
-            record["skip"] = [str(report.longrepr[0]), report.longrepr[1], report.longrepr[2]]
-        elif report.longrepr is not None:
-            record["longrepr"] = report.longreprtext
-        if hasattr(report, "wasxfail"):
-            record["wasxfail"] = report.wasxfail
-        self._write(record)
+        """The report as pytest serializes it (as xdist ships its workers'), so the parent gets the structured
+        traceback, rendered in the session's ``--tb`` style, not just its text."""
+        data = self.config.hook.pytest_report_to_serializable(config=self.config, report=report)
+        data["user_properties"] = [[str(k), _jsonable(v)] for k, v in report.user_properties]
+        self._write({"kind": "report", **data})
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self) -> None:

@@ -57,7 +57,7 @@ def _run_rank(request: dict) -> None:
         os.environ.update(request["env"])
         sys.path[0] = request["cwd"]
         sys.argv = ["pytest", *request["argv"]]
-        spec = json.loads(request["env"]["STREAMRACE_RANK_SPEC"])
+        spec = json.loads(request["env"]["STREAMRACE_RANK_SPEC"])  # env.RANK_SPEC: this file imports nothing of ours
         faulthandler.register(signal.SIGUSR1, file=open(spec["stacks"], "a"), all_threads=True)
         import pytest
 

@@ -1,13 +1,14 @@
 """Reading ``@pytest.mark.distributed(world_size=N, backend=None, timeout=None)`` into checked values.
 
 Checked in the parent, before anything is started, so a typo costs one clear error line, not N rank crashes.
+``backend=`` is the process group's backend (``pg_backend`` here), not the detector's stream model.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-BACKENDS = (None, "auto", "gloo", "nccl")
+PG_BACKENDS = (None, "auto", "gloo", "nccl")  # the process group's backend (the marker's backend=)
 
 
 class MarkerError(ValueError):
@@ -17,7 +18,7 @@ class MarkerError(ValueError):
 @dataclass(frozen=True)
 class Request:
     world_size: int
-    backend: str | None  # None: auto
+    pg_backend: str | None  # the process group's backend; None: auto
     timeout: float | None  # None: the option/ini/default timeout
 
 
@@ -38,10 +39,11 @@ def parse(mark) -> Request:
     world_size = kwargs["world_size"]
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise MarkerError(f"@pytest.mark.distributed: world_size must be a positive integer, got {world_size!r}")
-    backend = kwargs.get("backend")
-    if backend not in BACKENDS:
-        raise MarkerError(f"@pytest.mark.distributed: unknown backend {backend!r} (expected gloo, nccl or auto)")
+    pg_backend = kwargs.get("backend")
+    if pg_backend not in PG_BACKENDS:
+        raise MarkerError(f"@pytest.mark.distributed: unknown backend {pg_backend!r} (expected gloo, nccl or auto)")
     timeout = kwargs.get("timeout")
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or timeout <= 0):
         raise MarkerError(f"@pytest.mark.distributed: timeout must be a positive number of seconds, got {timeout!r}")
-    return Request(world_size, None if backend == "auto" else backend, None if timeout is None else float(timeout))
+    return Request(world_size, None if pg_backend == "auto" else pg_backend,
+                   None if timeout is None else float(timeout))

@@ -14,10 +14,10 @@ import tempfile
 
 import pytest
 
-from .. import options
+from .. import env, options
 from . import marker, placement, report
 from .ranks import ForkServer, LaunchError
-from .spec import ENV, RankSpec
+from .spec import RankSpec
 from .supervise import RankRun, reap, supervise
 
 
@@ -54,7 +54,7 @@ class ParentPlugin:
     def _run(self, item: pytest.Item, mark) -> list[pytest.TestReport]:
         try:
             request = marker.parse(mark)
-            where = placement.place(request.world_size, request.backend)
+            where = placement.place(request.world_size, request.pg_backend)
         except marker.MarkerError as exc:
             return report.setup_outcome(item, "failed", str(exc))
         except placement.Unservable as exc:
@@ -117,12 +117,12 @@ class ParentPlugin:
 
 
 def _env(spec: RankSpec) -> dict[str, str]:
-    env = dict(os.environ)
-    env[ENV] = spec.to_json()
-    env.update(RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(spec.rank),
-               LOCAL_WORLD_SIZE=str(spec.world_size))
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")  # nothing listens beyond loopback
-    env.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    env.pop("TORCHELASTIC_RUN_ID", None)
-    env.pop("PYTEST_CURRENT_TEST", None)
-    return env
+    environ = dict(os.environ)
+    environ[env.RANK_SPEC] = spec.to_json()
+    environ.update(RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(spec.rank),
+                   LOCAL_WORLD_SIZE=str(spec.world_size))
+    environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # nothing listens beyond loopback
+    environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    environ.pop("TORCHELASTIC_RUN_ID", None)
+    environ.pop("PYTEST_CURRENT_TEST", None)
+    return environ

@@ -1,7 +1,7 @@
 """Which backend an item runs on, and which GPU each of its ranks gets.
 
 GPUs are split between xdist workers (a contiguous share each) so that two workers never put ranks on one GPU;
-each rank gets one GPU of its worker's share. Decided without torch (``hardware.visible_gpus``).
+each rank gets one GPU of its worker's share. Decided without torch (``env.visible_gpus``).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .. import hardware
+from .. import env
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ def worker_share(gpu_count: int, environ=os.environ) -> list[int]:
 
 
 def place(world_size: int, backend: str | None, environ=os.environ) -> Placement:
-    gpus = hardware.visible_gpus()
+    gpus = env.visible_gpus()
     share = worker_share(len(gpus), environ)
     if backend == "gloo" or (backend is None and len(share) < world_size):
         return Placement("gloo", [None] * world_size)

@@ -16,6 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from .. import env
 from . import forkserver
 
 _SCRIPT = Path(forkserver.__file__)
@@ -37,10 +38,10 @@ class ForkServer:
         if self._proc is not None and self._proc.poll() is None:
             return
         self._log = tempfile.TemporaryFile()
-        env = dict(os.environ)
-        env.pop("STREAMRACE_SUBPROCESS", None)  # its ranks are pytest sessions that check for themselves
+        environ = dict(os.environ)
+        environ.pop(env.SUBPROCESS, None)  # its ranks are pytest sessions that check for themselves
         self._proc = subprocess.Popen(
-            [sys.executable, str(_SCRIPT)], cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, str(_SCRIPT)], cwd=cwd, env=environ, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._log, start_new_session=True, preexec_fn=forkserver.die_with_parent)
         self._ready = False
 

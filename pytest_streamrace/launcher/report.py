@@ -1,16 +1,20 @@
 """Turning what N ranks did into the item's setup/call/teardown reports.
 
-The failure text is plain (a string longrepr, so xdist can ship it) and laid out for a person: one headline
-saying what happened to which rank, then one block per rank — its own traceback, how it died with the tail of
-its output, or the stack it was blocked in when it was stopped. When a rank died, the others' failures are
-usually consequences ("connection closed" from gloo): they are shown after it, shortened, and marked as such.
+The failure is laid out for a person: one headline saying what happened to which rank, then one block per rank —
+its own traceback, how it died with the tail of its output, or the stack it was blocked in when it was stopped. When
+a rank died, the others' failures are usually consequences ("connection closed" from gloo): they are shown after it,
+shortened, and marked as such. A failing rank's traceback is its own report's, deserialized (pytest's structured
+longrepr, in the session's ``--tb`` style); ``str()`` of the whole is its text, which is what xdist ships.
 """
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
 
 import pytest
+from _pytest._code.code import ReprFileLocation  # the public API offers no crash location type
+from _pytest._io import TerminalWriter  # nor a way to render a longrepr to a string
 
 from .ranks import describe_exit, tail
 from .supervise import RankRun
@@ -20,16 +24,39 @@ OUTPUT_TAIL = 30  # lines of a dead rank's output shown
 
 
 @dataclass
-class Verdict:
+class RankVerdict:
     rank: int
     kind: str  # passed | failed | error | skipped | xfailed | died | stopped
     when: str  # the phase it concerns
     text: str = ""  # traceback, death cause, stack
     skip: tuple | None = None  # (path, lineno, reason)
     wasxfail: str | None = None
+    longrepr: object = None  # a failure's structured longrepr, as the rank's pytest made it
 
 
-def judge(run: RankRun) -> Verdict:
+class ItemFailure:
+    """The item's failure: text lines, and each failing rank's own longrepr rendered as pytest renders it."""
+
+    def __init__(self, blocks: list, reprcrash: ReprFileLocation):
+        self.blocks = blocks  # str (lines) or an object with toterminal
+        self.reprcrash = reprcrash
+
+    def toterminal(self, tw) -> None:
+        for block in self.blocks:
+            if hasattr(block, "toterminal"):
+                block.toterminal(tw)
+            else:
+                tw.line(block)
+
+    def __str__(self) -> str:
+        out = io.StringIO()
+        tw = TerminalWriter(out)
+        tw.hasmarkup = False
+        self.toterminal(tw)
+        return out.getvalue()
+
+
+def judge(run: RankRun, config: pytest.Config) -> RankVerdict:
     """What happened to one rank, most important first: a real failure beats being stopped or dying later."""
     reports = {r["when"]: r for r in run.records if r["kind"] == "report"}
     errors = [r["message"] for r in run.records if r["kind"] == "error"]
@@ -37,31 +64,32 @@ def judge(run: RankRun) -> Verdict:
     for when in PHASES:
         r = reports.get(when)
         if r and r["outcome"] == "failed":
-            return Verdict(run.rank, "failed", when, r.get("longrepr", ""))
+            rank_report = _rank_report(config, r)
+            return RankVerdict(run.rank, "failed", when, rank_report.longreprtext, longrepr=rank_report.longrepr)
     if errors:
-        return Verdict(run.rank, "error", "setup", "\n".join(errors))
+        return RankVerdict(run.rank, "error", "setup", "\n".join(errors))
     for when in ("setup", "call"):
         r = reports.get(when)
         if r and r["outcome"] == "skipped":
             if "wasxfail" in r:
-                return Verdict(run.rank, "xfailed", when, wasxfail=r["wasxfail"])
-            return Verdict(run.rank, "skipped", when, skip=tuple(r["skip"]))
+                return RankVerdict(run.rank, "xfailed", when, wasxfail=r["wasxfail"])
+            return RankVerdict(run.rank, "skipped", when, skip=tuple(r["longrepr"]))
     if run.stopped:
-        return Verdict(run.rank, "stopped", in_progress, _clean_stack(run.stack))
+        return RankVerdict(run.rank, "stopped", in_progress, _clean_stack(run.stack))
     if not run.done:
         output = _read(run.output)
         text = f"last lines of its output:\n{tail(_clean_stack(output), OUTPUT_TAIL)}" if output.strip() else \
             "it printed nothing outside the test's captured output"
-        return Verdict(run.rank, "died", in_progress, f"{describe_exit(run.exit_status)}; {text}")
+        return RankVerdict(run.rank, "died", in_progress, f"{describe_exit(run.exit_status)}; {text}")
     if "teardown" not in reports:
-        return Verdict(run.rank, "error", "setup", "its pytest session ended without running the test")
+        return RankVerdict(run.rank, "error", "setup", "its pytest session ended without running the test")
     call = reports.get("call", {})
-    return Verdict(run.rank, "passed", "call", wasxfail=call.get("wasxfail"))
+    return RankVerdict(run.rank, "passed", "call", wasxfail=call.get("wasxfail"))
 
 
 def build(item: pytest.Item, runs: list[RankRun], timeout: float, duration: float) -> list[pytest.TestReport]:
-    verdicts = [judge(r) for r in runs]
-    by_kind: dict[str, list[Verdict]] = {}
+    verdicts = [judge(r, item.config) for r in runs]
+    by_kind: dict[str, list[RankVerdict]] = {}
     for v in verdicts:
         by_kind.setdefault(v.kind, []).append(v)
     n = len(runs)
@@ -75,7 +103,7 @@ def build(item: pytest.Item, runs: list[RankRun], timeout: float, duration: floa
         culprits = [v for v in verdicts if v.kind == "died"] or \
             [v for v in verdicts if v.kind not in ("passed", "stopped")]
         when = min((v.when for v in culprits), key=PHASES.index, default="call")
-        return _reports(item, when, "failed", _failure_text(verdicts, runs, timeout), sections, duration, props)
+        return _reports(item, when, "failed", _failure(item, verdicts, runs, timeout), sections, duration, props)
     if "skipped" in by_kind:  # on every rank
         skips = by_kind["skipped"]
         when = "setup" if all(v.when == "setup" for v in skips) else "call"
@@ -101,7 +129,26 @@ def _timed_out(runs: list[RankRun]) -> bool:
     return any(r.stopped == "timeout" for r in runs)
 
 
-def _failure_text(verdicts: list[Verdict], runs: list[RankRun], timeout: float) -> str:
+def _failure(item: pytest.Item, verdicts: list[RankVerdict], runs: list[RankRun], timeout: float) -> ItemFailure:
+    lines = _failure_lines(verdicts, runs, timeout)
+    blocks, text = [], []
+    for line in lines:
+        if isinstance(line, str):
+            text.append(line)
+        else:
+            blocks += ["\n".join(text)] if text else []
+            blocks.append(line)
+            text = []
+    blocks.append("\n".join(text).rstrip())
+    first = next((v for v in verdicts if getattr(v.longrepr, "reprcrash", None) is not None), None)
+    if first is not None:
+        crash = first.longrepr.reprcrash
+        return ItemFailure(blocks, ReprFileLocation(crash.path, crash.lineno, f"rank {first.rank}: {crash.message}"))
+    return ItemFailure(blocks, ReprFileLocation(str(item.path), item.location[1] + 1, lines[0]))
+
+
+def _failure_lines(verdicts: list[RankVerdict], runs: list[RankRun], timeout: float) -> list:
+    """The failure's lines; a failing rank's traceback is its longrepr object where it has one."""
     n = len(verdicts)
     died = [v for v in verdicts if v.kind == "died"]
     of = f" of {n}"
@@ -125,7 +172,7 @@ def _failure_text(verdicts: list[Verdict], runs: list[RankRun], timeout: float) 
     headline += "".join(" " + p for p in parts if p.startswith("("))
     lines = ["distributed test " + headline, ""]
 
-    def block(v: Verdict) -> None:
+    def block(v: RankVerdict) -> None:
         if v.kind == "failed":
             if died:
                 lines.append(f"---- rank {v.rank}: failed in {v.when} after a peer died "
@@ -134,7 +181,7 @@ def _failure_text(verdicts: list[Verdict], runs: list[RankRun], timeout: float) 
                              v.text.splitlines()[-3:])
             else:
                 lines.append(f"---- rank {v.rank}: failed in {v.when} ----")
-                lines.append(v.text)
+                lines.append(v.longrepr if hasattr(v.longrepr, "toterminal") else v.text)
         elif v.kind == "died":
             cause, _, rest = v.text.partition("; ")
             lines.append(f"---- rank {v.rank} died: {cause} (during {v.when}) ----")
@@ -159,7 +206,7 @@ def _failure_text(verdicts: list[Verdict], runs: list[RankRun], timeout: float) 
         for v in verdicts:
             if v.kind == kind:
                 block(v)
-    return "\n".join(lines).rstrip() + "\n"
+    return lines
 
 
 def _ranks(ranks: list[int]) -> str:
@@ -211,6 +258,11 @@ def _reports(item, when, outcome, longrepr, sections, duration, props=(), **extr
                                                           *(props if phase == "teardown" else ())],
                                          **rep_extra))
     return reports
+
+
+def _rank_report(config: pytest.Config, record: dict) -> pytest.TestReport:
+    data = {k: v for k, v in record.items() if k != "kind"}
+    return config.hook.pytest_report_from_serializable(config=config, data=data)
 
 
 def _clean_stack(stack: str) -> str:

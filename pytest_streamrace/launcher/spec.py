@@ -11,7 +11,8 @@ import json
 import os
 from dataclasses import asdict, dataclass
 
-ENV = "STREAMRACE_RANK_SPEC"
+from .. import env
+
 
 
 @dataclass(frozen=True)
@@ -35,5 +36,5 @@ class RankSpec:
 
 
 def from_env(environ=os.environ) -> RankSpec | None:
-    text = environ.get(ENV)
+    text = environ.get(env.RANK_SPEC)
     return RankSpec.from_json(text) if text else None

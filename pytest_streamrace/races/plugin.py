@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from .. import StreamRaceError, hardware, options, roles
+from .. import StreamRaceError, env, options, roles
 from .record import AFTER, RACES, TRACE
 
 EXPECT = ("race", "clean")
@@ -35,7 +35,7 @@ _pending_key = pytest.StashKey[tuple]()  # (user_properties, section text) of th
 def resolve_backend(config: pytest.Config) -> str:
     """The backend --streamrace uses here: auto picks cuda when a GPU is visible."""
     chosen = options.get(config, "streamrace_backend")
-    gpus = hardware.visible_gpus()
+    gpus = env.visible_gpus()
     if chosen == "auto":
         return "cuda" if gpus else "virtual"
     if chosen == "cuda" and not gpus:
@@ -73,7 +73,7 @@ class RaceChecks:
     """Runs each test under a Detector; judges its races; collects them for the session's files."""
 
     def __init__(self, config: pytest.Config, backend: str, children):
-        """`children`: the collector of the races of processes each test starts (``subprocesses.Children``, issue
+        """`children`: the collector of the races of processes each test starts (``children.parent.Children``, issue
         12), handed in by the entry point so this package does not depend on the part that follows children."""
         self.config = config
         self.backend = backend

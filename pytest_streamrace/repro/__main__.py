@@ -11,7 +11,7 @@ import json
 import sys
 from collections import Counter
 
-from .. import hardware
+from .. import env
 from ..options import positive_int
 from ..races.record import location
 from .registry import ReproError, discover, get
@@ -41,7 +41,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _backend(repro, requested: str, world_size: int) -> str:
-    gpus = len(hardware.visible_gpus())
+    gpus = len(env.visible_gpus())
     if requested == "auto":
         requested = "cuda" if gpus >= world_size and "cuda" in repro.backends else "virtual"
     if requested not in repro.backends:

@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from .. import env
+
 
 @dataclass
 class RankContext:
@@ -28,14 +30,14 @@ class RankContext:
 
     def progress(self, message: str) -> None:
         """A progress line the repro CLI shows while ranks run (rank 0's only, to keep it readable)."""
-        path = os.environ.get("STREAMRACE_PROGRESS")
+        path = os.environ.get(env.PROGRESS)
         if path and self.rank == 0:
             with open(path, "a", encoding="utf-8") as f:
                 f.write(message + "\n")
 
 
 @dataclass
-class Verdict:
+class ReproVerdict:
     verdict: str  # reproduced | clean | inconclusive
     reason: str
     races: list = field(default_factory=list)  # the relevant ones, merged over ranks
@@ -60,7 +62,7 @@ def per_run(evidence: list[dict], i: int) -> list[dict]:
     return [{"rank": ev["rank"], **ev["runs"][i]} for ev in evidence if i < len(ev["runs"])]
 
 
-def judge(evidence: list[dict], relevant) -> Verdict:
+def judge(evidence: list[dict], relevant) -> ReproVerdict:
     """The verdict of one run over all ranks' evidence for it ({rank, races, numeric})."""
     races = [race for ev in evidence for race in ev.get("races", [])]
     mine = [race for race in races if relevant(race)]
@@ -72,8 +74,8 @@ def judge(evidence: list[dict], relevant) -> Verdict:
             parts.append(f"{len(mine)} race(s) of this bug's kind detected")
         if numbers_wrong:
             parts.append("results differ from the reference")
-        return Verdict("reproduced", " and ".join(parts), mine, numeric)
+        return ReproVerdict("reproduced", " and ".join(parts), mine, numeric)
     if races:
-        return Verdict("inconclusive", f"{len(races)} race(s) detected, none of this bug's kind", races, numeric)
+        return ReproVerdict("inconclusive", f"{len(races)} race(s) detected, none of this bug's kind", races, numeric)
     measured = " and results match the reference" if numeric else ""
-    return Verdict("clean", f"no race detected{measured}", [], numeric)
+    return ReproVerdict("clean", f"no race detected{measured}", [], numeric)

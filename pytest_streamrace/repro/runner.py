@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import env
 from ..races.record import EVIDENCE
 from .evidence import judge, per_run
 
@@ -94,10 +95,10 @@ def run_variant(repro, variant: str, backend: str, world_size: int, steps: int, 
                 f"--streamrace-timeout={timeout}"]
         if trace:
             args.append(f"--streamrace-trace={trace}")
-        env = {"STREAMRACE_PROGRESS": progress,
-               "STREAMRACE_REPRO": json.dumps({"world_size": world_size, "steps": steps, "repeat": repeat})}
-        saved = {k: os.environ.get(k) for k in env}
-        os.environ.update(env)
+        settings = {env.PROGRESS: progress,
+                    env.REPRO: json.dumps({"world_size": world_size, "steps": steps, "repeat": repeat})}
+        saved = {k: os.environ.get(k) for k in settings}
+        os.environ.update(settings)
         stop = threading.Event()
         tail = threading.Thread(target=_tail_progress, args=(progress, stop, f"  [{variant}] "), daemon=True)
         tail.start()

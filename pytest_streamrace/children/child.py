@@ -1,8 +1,8 @@
-"""The child side of following a test into the processes it starts (the parent side is ``subprocesses``).
+"""The child side of following a test into the processes it starts (the parent side is ``children.parent``).
 
 While ``pytest --streamrace`` runs a test, its environment carries ``STREAMRACE_SUBPROCESS`` (JSON: the session's data
 folder and backend). Every Python process started then runs ``start()`` from a one-line ``.pth`` start-up hook
-(``subprocesses.PTH``), which costs one environment lookup when the variable is absent. ``start()`` imports nothing
+(``children.parent``), which costs one environment lookup when the variable is absent. ``start()`` imports nothing
 heavy: it arms a ``sys.meta_path`` watcher that activates a Detector when ``torch`` finishes importing (a child that
 never imports torch pays for nothing else), and an ``os.register_at_fork`` handler for children forked from it
 (multiprocessing's fork and forkserver start methods do not re-run the ``.pth``). The parent pytest process arms the
@@ -15,7 +15,7 @@ the parent sets at each test's start) or was forked (from the live file ``<dir>/
 at each test's start: a forkserver's environment is that of the test that started the server); a multiprocessing pool worker works for
 whichever test is running when it hands a task's result back, so its races name the test current when judged. The
 cuda backend judges captured ops in batches: a child drains them before ``os._exit``, at interpreter exit, before a
-multiprocessing queue hands a result back and before ``destroy_process_group``.
+multiprocessing queue hands a result back and before ``destroy_process_group`` (``process_patches``).
 
 Opting out: ``STREAMRACE_SUBPROCESS=0`` (or removing the variable) in a child's environment. Nothing here may raise into
 the child: what fails is dropped (a broken child file only loses that child's races).
@@ -26,7 +26,9 @@ from __future__ import annotations
 import os
 import sys
 
-ENV = "STREAMRACE_SUBPROCESS"
+from .. import env
+from . import process_patches
+
 CURRENT = "current"  # the live test file in the data folder: the nodeid of the running test, or empty
 
 
@@ -38,7 +40,6 @@ class _State:
     fd: int | None = None
     detector = None
     owns_detector = False  # started here (not adopted from a forked parent pytest process)
-    exit_wrapped = False
     stood_down = False
     trace_written = False
     rank: int | None = None  # the last rank the process group gave (it is gone after destroy_process_group)
@@ -49,7 +50,7 @@ _state = _State()
 
 
 def config_from_env(environ=os.environ) -> dict | None:
-    raw = environ.get(ENV, "")
+    raw = environ.get(env.SUBPROCESS, "")
     if raw in ("", "0"):
         return None
     import json
@@ -63,7 +64,7 @@ def config_from_env(environ=os.environ) -> dict | None:
 
 def _config() -> dict | None:
     if _state.parsed is None and _state.raw:
-        _state.parsed = config_from_env({ENV: _state.raw}) or {}
+        _state.parsed = config_from_env({env.SUBPROCESS: _state.raw}) or {}
         if not _state.origin:  # as when exec'd: the live file may have moved on already
             _state.origin = str(_state.parsed.get("test", ""))
     return _state.parsed or None
@@ -72,10 +73,10 @@ def _config() -> dict | None:
 def start() -> None:
     """The ``.pth`` hook: arm the torch watcher and the fork handler (never raises)."""
     try:
-        raw = os.environ.get(ENV, "")
+        raw = os.environ.get(env.SUBPROCESS, "")
         if not raw.startswith("{") or _state.raw:
             return
-        if os.environ.get("STREAMRACE_RANK_SPEC"):
+        if os.environ.get(env.RANK_SPEC):
             return  # a rank of our own distributed marker: its pytest session runs the checks itself
         _state.raw = raw
         _state.pid = os.getpid()
@@ -121,7 +122,7 @@ def _quietly(callback):
 
 
 def _watch() -> None:
-    from .patching import WhenImported
+    from ..patching import WhenImported
 
     for name, callback in (("torch", lambda module: _activate()), ("multiprocessing.queues", _patch_queues)):
         hook = WhenImported(name, _quietly(callback))
@@ -138,7 +139,7 @@ def _unwatch() -> None:
 
 
 def _activate() -> None:
-    if _state.detector is not None or _state.stood_down or os.environ.get("STREAMRACE_RANK_SPEC"):
+    if _state.detector is not None or _state.stood_down or os.environ.get(env.RANK_SPEC):
         return
     config = _config()
     if config is None:
@@ -166,7 +167,7 @@ def _start_quietly() -> None:
 def _start_detector(config: dict) -> None:
     if _state.detector is not None or _state.stood_down:
         return
-    from .detector import session
+    from ..detector import session
 
     if session.active() is not None:
         return  # someone in this process runs a detector already
@@ -195,9 +196,8 @@ def adopt(detector, config: dict, origin: str) -> None:
 def _attach(detector) -> None:
     _state.detector = detector
     _state.trace_written = False
-    detector.tracker.on_race = _on_race
-    detector.tracker.on_note = _on_note
-    _wrap_exit()
+    detector.subscribe(on_race=_on_race, on_note=_on_note)
+    process_patches.exit_runs_first(_finish)
     import atexit
 
     atexit.register(_finish)
@@ -223,7 +223,7 @@ def _after_fork() -> None:
 
 def _on_race(races) -> None:
     try:
-        from .races.record import from_race
+        from ..races.record import from_race
 
         detector = _state.detector
         rank = _rank()
@@ -233,7 +233,7 @@ def _on_race(races) -> None:
                 continue  # a pool worker's earlier task for the same test reported it already
             _state.reported.add((test, race.key()))
             _write({"kind": "race", "test": test, "rank": rank, "pid": os.getpid(),
-                    "race": from_race(race, detector.hb.stream_name, rank)})
+                    "race": from_race(race, detector.stream_name, rank)})
     except Exception:
         pass
 
@@ -284,7 +284,7 @@ def _drain() -> None:
     detector = _state.detector
     if detector is not None:
         try:
-            detector.tracker.drain()
+            detector.races  # reading them judges what is pending
         except Exception:
             pass
 
@@ -296,7 +296,7 @@ def _task_done() -> None:
     detector = _state.detector
     if detector is not None and _is_pool_worker():
         try:
-            detector.hb.forget_races()
+            detector.forget_races()
         except Exception:
             pass
 
@@ -316,55 +316,27 @@ def _finish() -> None:
         return
     _state.trace_written = True
     try:
-        from .races.trace import trace_events
+        from ..races.trace import trace_events
 
         rank = _rank()
-        events = trace_events(detector.hb.timeline, detector.hb.races, detector.hb.stream_name, rank)
+        events = trace_events(detector.timeline, detector.races, detector.stream_name, rank)
         _write({"kind": "trace", "test": _owner(), "rank": rank, "pid": os.getpid(), "events": events})
     except Exception:
         pass
 
 
-def _wrap_exit() -> None:
-    if _state.exit_wrapped:
-        return
-    _state.exit_wrapped = True
-    original = os._exit
-
-    def _exit(status):
-        _finish()
-        original(status)
-
-    _exit.__wrapped__ = original
-    os._exit = _exit
-
-
 def _patch_queues(module) -> None:
     """Judge pending ops before a multiprocessing queue hands something back (a pool worker's task result)."""
-    simple = getattr(module, "SimpleQueue", None)
-    if simple is None or getattr(simple.put, "_streamrace", False):
-        return
-    original = simple.put
-
-    def put(self, obj):
-        _task_done()
-        return original(self, obj)
-
-    put._streamrace = True
-    simple.put = put
+    process_patches.queue_put_runs_first(module, _task_done)
 
 
 def _patch_distributed() -> None:
     """Judge pending ops while the process group still names this process's rank."""
     dist = sys.modules.get("torch.distributed")
-    destroy = getattr(dist, "destroy_process_group", None)
-    if destroy is None or getattr(destroy, "_streamrace", False):
-        return
+    if dist is not None:
+        process_patches.destroy_process_group_runs_first(dist, _before_destroy)
 
-    def destroy_process_group(*args, **kwargs):
-        _rank()
-        _drain()
-        return destroy(*args, **kwargs)
 
-    destroy_process_group._streamrace = True
-    dist.destroy_process_group = destroy_process_group
+def _before_destroy() -> None:
+    _rank()
+    _drain()

@@ -1,14 +1,22 @@
-"""What the machine offers — GPUs and a torchrun environment — found without importing torch.
+"""What the environment tells a process: every ``STREAMRACE_*`` variable, the GPUs, a torchrun launch — read
+without importing torch.
 
 pytest loads the plugin in every session of every user; importing torch (1-2 s, hundreds of MB) just to print a
-header line or to decide a backend would tax sessions that never run a distributed test.
+header line or to decide a stream model would tax sessions that never run a distributed test. A followed child's
+start-up hook reads this module too, so it imports nothing beyond the standard library's cheapest parts.
+(``launcher/forkserver.py`` must import nothing of the package: it spells ``RANK_SPEC`` out.)
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import sys
-from dataclasses import dataclass
+
+RANK_SPEC = "STREAMRACE_RANK_SPEC"  # JSON RankSpec: this process is one rank of a ``distributed`` item
+SUBPROCESS = "STREAMRACE_SUBPROCESS"  # JSON: a child of a test under --streamrace, to follow ("0": opted out)
+REPRO = "STREAMRACE_REPRO"  # JSON: the repro CLI's settings for repros/test_repros.py
+PROGRESS = "STREAMRACE_PROGRESS"  # file a repro's ranks append their progress lines to
 
 _NVIDIA_PROC = "/proc/driver/nvidia/gpus"
 
@@ -46,11 +54,7 @@ def visible_gpus() -> list[str]:
     return chosen
 
 
-@dataclass(frozen=True)
-class TorchrunEnv:
-    rank: int
-    world_size: int
-    local_rank: int
+TorchrunEnv = collections.namedtuple("TorchrunEnv", "rank world_size local_rank")  # not a dataclass: 10 ms to import
 
 
 def torchrun_env(environ=os.environ) -> TorchrunEnv | None:

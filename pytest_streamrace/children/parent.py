@@ -1,5 +1,5 @@
 """The parent side of following each test into the Python processes it starts (the child side is
-``subprocess_child``), modelled on coverage.py's subprocess measurement: a start-up hook gated by an environment
+``children.child``), modelled on coverage.py's subprocess measurement: a start-up hook gated by an environment
 variable, one data file per process, combined here.
 
 While a test runs (from the start of its setup to the end of its teardown) this process's environment carries
@@ -9,9 +9,9 @@ it like its own ones, and their notes (what they could not model) join the test'
 already finished (a child that outlived it) go to the "after their test" section of the terminal summary and to
 ``--streamrace-json`` with ``"after_test": true``.
 
-The start-up hook is a ``.pth`` file written into this interpreter's site-packages at session start when missing
-(it is one line that checks the variable, so it costs nothing otherwise; it stays for later sessions). Where that
-folder is not writable, children started by exec are not followed and the header says so; forked children are.
+The start-up hook is a ``.pth`` file in this interpreter's site-packages for as long as the session runs
+(``startup_hook``; one line that checks the variable, so it costs nothing otherwise). Where that folder is not
+writable, children started by exec are not followed and the header says so; forked children are.
 
 Limits: a child started with another interpreter (a different venv), with an environment that drops the variable, or
 with ``python -S`` is not followed. Under xdist, races a worker's children judge after that worker's last test cannot
@@ -24,36 +24,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import sysconfig
 import tempfile
 
-from . import subprocess_child
-
-ENV = subprocess_child.ENV
-PTH_NAME = "pytest-streamrace-subprocess.pth"
-PTH = ("import os; exec('try:\\n from pytest_streamrace.subprocess_child import start; start()\\nexcept Exception: "
-       f"pass') if os.environ.get({ENV!r}, '0') not in ('', '0') else None\n")
-
-
-def install_pth() -> str | None:
-    """Make sure the start-up hook is in this interpreter's site-packages; None, or why it could not be."""
-    folder = sysconfig.get_paths()["purelib"]
-    path = os.path.join(folder, PTH_NAME)
-    try:
-        with open(path, encoding="utf-8") as f:
-            if f.read() == PTH:
-                return None
-    except OSError:
-        pass
-    try:
-        fd, tmp = tempfile.mkstemp(dir=folder, prefix=".streamrace-pth-")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(PTH)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)  # atomic: concurrent sessions write the same content
-    except OSError as exc:
-        return f"cannot write {path} ({exc.strerror or exc})"
-    return None
+from .. import env
+from . import child
+from .startup_hook import StartupHook
 
 
 class Children:
@@ -63,7 +38,8 @@ class Children:
         self.backend = backend
         self.trace = trace
         self.dir = tempfile.mkdtemp(prefix="streamrace-sub-")
-        self.problem = install_pth()
+        self.hook = StartupHook()
+        self.problem = self.hook.install()
         self.current = ""
         self._offsets: dict[str, int] = {}
         self._pending: dict[str, bytes] = {}
@@ -80,7 +56,7 @@ class Children:
         self.current = nodeid
         self.notes = []
         self._write_current(nodeid)
-        os.environ[ENV] = json.dumps({"dir": self.dir, "backend": self.backend, "trace": self.trace,
+        os.environ[env.SUBPROCESS] = json.dumps({"dir": self.dir, "backend": self.backend, "trace": self.trace,
                                       "test": nodeid})
         if not self._forks_armed:
             self._forks_armed = True
@@ -90,28 +66,29 @@ class Children:
         self.finished.add(self.current)
         self.current = ""
         self._write_current("")
-        os.environ.pop(ENV, None)
+        os.environ.pop(env.SUBPROCESS, None)
 
     def close(self) -> None:
-        os.environ.pop(ENV, None)
+        os.environ.pop(env.SUBPROCESS, None)
+        self.hook.remove()
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def _write_current(self, nodeid: str) -> None:
-        tmp = os.path.join(self.dir, subprocess_child.CURRENT + ".tmp")
+        tmp = os.path.join(self.dir, child.CURRENT + ".tmp")
         with open(tmp, "w", encoding="utf-8") as f:
             f.write(nodeid)
-        os.replace(tmp, os.path.join(self.dir, subprocess_child.CURRENT))
+        os.replace(tmp, os.path.join(self.dir, child.CURRENT))
 
     def _forked(self) -> None:
         """A child forked from this pytest process while a test runs: it reports the test's detector's races."""
-        if not self.current or os.environ.get(ENV) is None:
+        if not self.current or os.environ.get(env.SUBPROCESS) is None:
             return
-        from .detector import session
+        from ..detector import session
 
         detector = session.active()
         if detector is not None:
             config = {"dir": self.dir, "backend": self.backend, "trace": self.trace}
-            subprocess_child.adopt(detector, config, self.current)
+            child.adopt(detector, config, self.current)
 
     # what the children said
 
