@@ -429,3 +429,98 @@ def test_raw_tensor_descriptions_become_tensor_info_in_races():
     hb.access(hb.launch("s1", site(10)), BUF, 0, 64, True, ((16,), "torch.float32", "x"))
     (race,) = hb.access(hb.launch("s2", site(20)), BUF, 0, 64, False, ((16,), "torch.float32", "x"))
     assert race.earlier.tensor == race.later.tensor == TensorInfo((16,), "float32", "x")
+
+
+# The latent view: orderings through an implicit host sync (a value read back) do not count there.
+
+def readback(line):
+    return site(line, "aten::_local_scalar_dense")
+
+
+@pytest.mark.parametrize("first, second, kind", [(write, read, RAW), (read, write, WAR), (write, write, WAW)])
+def test_pair_ordered_only_by_an_implicit_sync_is_latent(first, second, kind):
+    hb = HappensBefore()
+    first(hb, "s1", 10)
+    hb.synchronize_stream("s1", implicit=readback(15))
+    assert second(hb, "s2", 20) == []
+    assert hb.races == []
+    (latent,) = hb.latent_races
+    assert latent.kind == kind and latent.latent
+    assert latent.hidden_by == readback(15)
+    assert (latent.earlier.op.site.location(), latent.later.op.site.location()) == ("test_x.py:10", "test_x.py:20")
+
+
+@pytest.mark.parametrize("order", ["wait_stream", "event", "synchronize", "event_synchronize", "device"])
+def test_explicit_ordering_leaves_no_latent_race(order):
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    hb.synchronize_stream("s1", implicit=readback(12))  # the read-back is there too, but not what orders the pair
+    if order == "wait_stream":
+        hb.wait_stream("s2", "s1")
+    elif order == "event":
+        hb.record_event("e", "s1")
+        hb.wait_event("s2", "e")
+    elif order == "synchronize":
+        hb.synchronize_stream("s1")
+    elif order == "event_synchronize":
+        hb.record_event("e", "s1")
+        hb.synchronize_event("e")
+    else:
+        hb.synchronize_device()
+    read(hb, "s2", 20)
+    assert hb.races == [] and hb.latent_races == []
+
+
+def test_latent_ordering_is_carried_through_a_later_wait():
+    """s2 learns s1's write only from the host's read-back; s3 waits on s2 explicitly: still latent on s3."""
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    hb.synchronize_stream("s1", implicit=readback(11))
+    read(hb, "s2", 12, storage=OTHER)  # s2's first launch after the read-back picks up the host's knowledge
+    hb.wait_stream("s3", "s2")
+    read(hb, "s3", 20)
+    assert hb.races == []
+    assert [r.later.op.site.location() for r in hb.latent_races] == ["test_x.py:20"]
+
+
+def test_a_real_race_is_not_also_latent():
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    read(hb, "s2", 20)  # before any read-back: a race
+    hb.synchronize_stream("s1", implicit=readback(25))
+    assert kinds(hb) == [RAW] and hb.latent_races == []
+
+
+def test_views_share_clocks_until_the_first_implicit_sync():
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    hb.synchronize_stream("s1")
+    hb.record_event("e", "s1")
+    hb.wait_event("s2", "e")
+    op = hb.launch("s2", site(20))
+    assert op.strict is op.clock  # no second view to check: one identity test per access
+    write(hb, "s1", 25)
+    hb.synchronize_stream("s1", implicit=readback(30))
+    op = hb.launch("s3", site(40))
+    assert op.strict is not op.clock
+
+
+def test_latent_races_repeat_in_a_loop_as_one_report_and_history_stays_bounded():
+    hb = HappensBefore()
+    for step in range(50):
+        hb.wait_stream("s1", "s2")  # the next write waits for the last read: no WAR
+        write(hb, "s1", 10)
+        hb.synchronize_stream("s1", implicit=readback(11))
+        read(hb, "s2", 20)
+    (latent,) = hb.latent_races
+    assert latent.count == 50 and hb.races == []
+    assert hb.history_size(BUF) <= 4
+
+
+def test_forget_races_forgets_latent_ones():
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    hb.synchronize_stream("s1", implicit=readback(11))
+    read(hb, "s2", 20)
+    hb.forget_races()
+    assert hb.latent_races == []

@@ -10,12 +10,20 @@ synchronize calls merge into it, and every stream merges it at its next launch (
 waited is ordered after what the host waited for). An access A on stream s at epoch e is ordered before an op B
 on another stream when B's clock has s >= e. Clocks are shared copy-on-write, so an Op keeps the clock it was
 launched with for free.
+
+Latent view. A host sync is *implicit* when it is a value read back (``.item()``, ``.cpu()``, a data-dependent
+size): the program did not ask for the ordering, it got it by accident, and the ordering goes when the read-back does.
+Every clock has a strict twin that host ordering through implicit syncs never reaches; explicit syncs, waits and
+events reach both. A pair ordered by the clocks but not by their strict twins is a *latent race*, reported apart with
+the implicit sync that orders it today. Until the first implicit sync the twins are the same dict objects, so the
+second view costs an identity test per op.
 """
 
 from __future__ import annotations
 
 import threading
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Hashable
 
@@ -88,6 +96,8 @@ class Op:
     site: Site
     # The stream's knowledge of other streams when this op was launched (shared, never mutated).
     clock: dict = field(default_factory=dict, compare=False, repr=False)
+    # The same without implicit host syncs (the latent view); the very object `clock` while no implicit sync counts.
+    strict: dict | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -107,6 +117,11 @@ class Race:
     later: Access  # for FREE: an access whose op.site.op == "free", on the allocation stream
     alloc_site: Site | None
     count: int = 1
+    hidden_by: Site | None = None  # latent races: the implicit host sync that orders the pair today
+
+    @property
+    def latent(self) -> bool:
+        return self.hidden_by is not None
 
     def key(self) -> tuple[str, str, str]:
         return identity(self.kind, self.earlier.op.site, self.later.op.site)
@@ -144,13 +159,14 @@ def _merge(clock: dict, other: dict) -> dict:
 
 
 class _Stream:
-    __slots__ = ("key", "name", "epoch", "known", "host_seen", "freed")
+    __slots__ = ("key", "name", "epoch", "known", "strict", "host_seen", "freed")
 
     def __init__(self, key, name: str):
         self.key = key
         self.name = name
         self.epoch = 0  # epoch of the latest op launched here
         self.known: dict = {}  # what this stream's next op is ordered after (other streams' epochs)
+        self.strict: dict = self.known  # the same, implicit host syncs left out (the latent view)
         self.host_seen = 0  # the host clock version already merged into `known`
         # blocks freed back to this stream's pool while other streams' accesses to them were not yet ordered
         # before the free: (storage, free op, those accesses, alloc site, tensor) — judged at the next allocation
@@ -158,11 +174,34 @@ class _Stream:
 
     def now(self) -> dict:
         """Snapshot of everything ordered before this stream's next op, its own work included."""
-        if self.known.get(self.key, 0) >= self.epoch:
-            return self.known
-        snap = dict(self.known)
+        return self._now(self.known)
+
+    def now_strict(self) -> dict:
+        """`now` in the latent view; the same object as `now()` while the two views agree."""
+        if self.strict is self.known:
+            return self.now()
+        return self._now(self.strict)
+
+    def _now(self, known: dict) -> dict:
+        if known.get(self.key, 0) >= self.epoch:
+            return known
+        snap = dict(known)
         snap[self.key] = self.epoch
         return snap
+
+    def snapshot(self):
+        """(now, now_strict), sharing one dict while the views agree: what an event records."""
+        now = self.now()
+        return now, (now if self.strict is self.known else self._now(self.strict))
+
+    def learn(self, snapshot: dict, strict: dict) -> None:
+        """Merge a snapshot pair into this stream's knowledge, keeping the twins one object while they agree."""
+        same = self.strict is self.known
+        self.known = _merge(self.known, snapshot)
+        if same and strict is snapshot:
+            self.strict = self.known
+        else:
+            self.strict = _merge(self.strict, strict)
 
 
 class _Storage:
@@ -187,10 +226,14 @@ class HappensBefore:
         self._events: dict[Any, dict] = {}  # events that cannot be weakly referenced (ints, handles)
         self._weak_events: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # dropped with the event object
         self._host: dict = {}
+        self._host_strict: dict = self._host  # the host's knowledge through explicit syncs only
         self._host_version = 0
+        # implicit host syncs, newest last: (seq, what the host learnt, the read-back's site) — names a latent race
+        self._implicit: deque = deque(maxlen=4096)
         self._seq = 0
         self._storages: dict[Any, _Storage] = {}
         self._races: dict[tuple, Race] = {}
+        self._latent: dict[tuple, Race] = {}
         self._timeline: list[Op] = []
 
     # streams
@@ -213,13 +256,13 @@ class HappensBefore:
 
     def record_event(self, event: Hashable, stream: Hashable) -> None:
         with self._lock:
-            snapshot = self._stream(stream).now()
+            snapshot = self._stream(stream).snapshot()
             try:
                 self._weak_events[event] = snapshot
             except TypeError:
                 self._events[event] = snapshot
 
-    def _snapshot(self, event) -> dict | None:
+    def _snapshot(self, event) -> tuple[dict, dict] | None:
         try:
             return self._weak_events.get(event)
         except TypeError:
@@ -231,32 +274,42 @@ class HappensBefore:
 
     def wait_stream(self, waiter: Hashable, target: Hashable) -> None:
         with self._lock:
-            self._wait(self._stream(waiter), self._stream(target).now())
+            self._wait(self._stream(waiter), self._stream(target).snapshot())
 
     @staticmethod
-    def _wait(state: _Stream, snapshot: dict | None) -> None:
+    def _wait(state: _Stream, snapshot: tuple[dict, dict] | None) -> None:
         if snapshot is not None:  # waiting on a never-recorded event completes at once (CUDA semantics)
-            state.known = _merge(state.known, snapshot)
+            state.learn(*snapshot)
 
-    def synchronize_stream(self, stream: Hashable) -> None:
+    def synchronize_stream(self, stream: Hashable, implicit: Site | None = None) -> None:
+        """The host waits for `stream`. implicit: the site of a value read back (``.item()``, ``.cpu()``), an
+        ordering the program got by accident — it orders the host in the normal view only (see the latent view)."""
         with self._lock:
-            self._host_learns(self._stream(stream).now())
+            self._host_learns(self._stream(stream).snapshot(), implicit)
 
-    def synchronize_event(self, event: Hashable) -> None:
+    def synchronize_event(self, event: Hashable, implicit: Site | None = None) -> None:
         with self._lock:
             snapshot = self._snapshot(event)
             if snapshot is not None:
-                self._host_learns(snapshot)
+                self._host_learns(snapshot, implicit)
 
-    def synchronize_device(self) -> None:
+    def synchronize_device(self, implicit: Site | None = None) -> None:
         with self._lock:
             for state in self._streams.values():
-                self._host_learns(state.now())
+                self._host_learns(state.snapshot(), implicit)
 
-    def _host_learns(self, snapshot: dict) -> None:
-        merged = _merge(self._host, snapshot)
-        if merged is not self._host:
-            self._host = merged
+    def _host_learns(self, snapshot: tuple[dict, dict], implicit: Site | None = None) -> None:
+        now, strict = snapshot
+        same = self._host_strict is self._host
+        merged = _merge(self._host, now)
+        if implicit is None:
+            merged_strict = merged if same and strict is now else _merge(self._host_strict, strict)
+        else:
+            merged_strict = self._host_strict
+            if merged is not self._host:
+                self._implicit.append((self._seq, now, implicit))
+        if merged is not self._host or merged_strict is not self._host_strict:
+            self._host, self._host_strict = merged, merged_strict
             self._host_version += 1
 
     # work
@@ -303,11 +356,11 @@ class HappensBefore:
         if state is None:
             state = self._stream(stream)
         if state.host_seen != self._host_version:
-            state.known = _merge(state.known, self._host)
+            state.learn(self._host, self._host_strict)
             state.host_seen = self._host_version
         state.epoch += 1
         self._seq += 1
-        op = Op(stream, state.epoch, self._seq, site, state.known)
+        op = Op(stream, state.epoch, self._seq, site, state.known, state.strict)
         if self._trace:
             self._timeline.append(op)
         return op
@@ -324,13 +377,20 @@ class HappensBefore:
             return
         stream = op.stream
         clock = op.clock
+        strict = op.strict
+        two_views = strict is not None and strict is not clock
         kept = []
         for rec in history:
             a_op, a_start, a_end, a_write, a_tensor = rec
             if a_start < end and start < a_end:
                 a_stream = a_op.stream
                 ordered = a_op.seq <= op.seq if a_stream == stream else clock.get(a_stream, 0) >= a_op.epoch
-                if not ordered and (write or a_write):
+                if ordered and two_views and a_stream != stream and strict.get(a_stream, 0) < a_op.epoch:
+                    if write or a_write:
+                        self._latent_race(a_op, a_start, a_end, a_write, a_tensor, op, storage, start, end,
+                                          write, tensor, st.alloc_site)
+                    ordered = False  # keep rec: later accesses may be latent races with it too (never races)
+                elif not ordered and (write or a_write):
                     kind = WAW if write and a_write else (WAR if write else RAW)
                     race = Race(kind, Access(a_op, storage, a_start, a_end, a_write, TensorInfo.of(a_tensor)),
                                 Access(op, storage, start, end, write, TensorInfo.of(tensor)), st.alloc_site)
@@ -347,6 +407,26 @@ class HappensBefore:
             kept.append(rec)
         kept.append((op, start, end, write, tensor))
         st.history = kept
+
+    def _latent_race(self, a_op, a_start, a_end, a_write, a_tensor, op, storage, start, end, write, tensor,
+                     alloc_site) -> None:
+        """A pair ordered only through an implicit host sync: kept apart from races, with that sync named."""
+        kind = WAW if write and a_write else (WAR if write else RAW)
+        race = Race(kind, Access(a_op, storage, a_start, a_end, a_write, TensorInfo.of(a_tensor)),
+                    Access(op, storage, start, end, write, TensorInfo.of(tensor)), alloc_site,
+                    hidden_by=self._hiding_sync(a_op, op))
+        seen = self._latent.get(race.key())
+        if seen is None:
+            self._latent[race.key()] = race
+        else:
+            seen.count += 1
+
+    def _hiding_sync(self, earlier: Op, later: Op) -> Site:
+        """The first implicit sync between the two ops that taught the host the earlier one's epoch."""
+        for seq, learnt, site in self._implicit:
+            if earlier.seq <= seq < later.seq and learnt.get(earlier.stream, 0) >= earlier.epoch:
+                return site
+        return Site("an implicit host sync")
 
     def _collect(self, found: dict[tuple, Race]) -> list[Race]:
         new = []
@@ -376,7 +456,7 @@ class HappensBefore:
         if state is None or not state.freed:
             return
         if state.host_seen != self._host_version:
-            state.known = _merge(state.known, self._host)
+            state.learn(self._host, self._host_strict)
             state.host_seen = self._host_version
         now = _merge(self._host, state.now())
         for freed_storage, free_op, hazards, alloc_site, freed_tensor, nbytes_freed in state.freed:
@@ -434,10 +514,17 @@ class HappensBefore:
         with self._lock:
             return list(self._races.values())
 
+    @property
+    def latent_races(self) -> list[Race]:
+        """Pairs ordered today only by an implicit host sync (Race.hidden_by names it), in order of discovery."""
+        with self._lock:
+            return list(self._latent.values())
+
     def forget_races(self) -> None:
         """Report races seen so far again when they recur (a pool worker starting work for another test)."""
         with self._lock:
             self._races.clear()
+            self._latent.clear()
 
     @property
     def timeline(self) -> list[Op]:

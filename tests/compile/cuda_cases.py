@@ -65,6 +65,27 @@ def in_place(wait):
     compiled_without_breaks()
 
 
+def first_call(wait):
+    """WAR/WAW on a compiled function's first call: compiling and autotuning synchronize the device, and those syncs
+    are not the program's, so they must not order the default stream's earlier work before the side stream's update
+    (a test that calls the function once would pass otherwise)."""
+    torch._dynamo.reset()  # this call compiles
+
+    def bump3(x):
+        x.mul_(3).add_(1)
+    fn = torch.compile(bump3)
+    x = torch.ones(N, device="cuda")
+    x.sum()  # the default stream reads x
+    side = torch.cuda.Stream()
+    if wait:
+        side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(x)  # first call: compiles, autotunes, then writes x on the side stream
+    torch.cuda.current_stream().wait_stream(side)
+    x.sum()
+    compiled_without_breaks()
+
+
 _compiled_models: dict = {}
 
 
@@ -180,7 +201,7 @@ def triton_op_case(wait, compiled=True):
         compiled_without_breaks()
 
 
-CASES = {"functional": functional, "in_place": in_place, "backward": backward,
+CASES = {"functional": functional, "in_place": in_place, "first_call": first_call, "backward": backward,
          "compiled_autograd_hook": compiled_autograd_hook, "cuda_graph_replay": cuda_graph_replay,
          "max_autotune": max_autotune, "triton_op": triton_op_case,
          "triton_op_eager": lambda wait: triton_op_case(wait, compiled=False)}
