@@ -236,3 +236,27 @@ def test_triton_launches_and_cuda_graph_replays_are_accesses_on_their_stream():
     assert ("cudagraph replay", "aten::sum") in ops
     assert {("triton_poi_fused_add_0", "aten::add_"), ("cudagraph replay", "aten::add_")} <= ops
     assert races.count(("triton_poi_fused_add_0", "aten::sum")) == 2  # out and acc, the mutated argument
+
+
+def test_compiling_is_the_compilers_work_not_the_programs(pytester):
+    """While a graph compiles, host syncs are the compiler's (stream models skip them, so a compiled function's first
+    call does not order the program's earlier work); before and after, they are the program's."""
+    pytester.makepyfile(test_scope="""
+        import torch
+        from pytest_streamrace.detector import compile_time
+
+        seen = []
+
+        def backend(gm, example_inputs):
+            seen.append(compile_time.active())
+            return gm.forward
+
+        def test_scope():
+            assert not compile_time.active()
+            fn = torch.compile(lambda x: x * 2, backend=backend)
+            fn(torch.ones(4))
+            assert seen == [True]
+            assert not compile_time.active()
+    """)
+    result = pytester.runpytest("-p", "no:cacheprovider", "--streamrace", "--streamrace-backend=virtual")
+    result.assert_outcomes(passed=1)

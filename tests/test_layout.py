@@ -19,7 +19,6 @@ PACKAGE = pathlib.Path(pytest_streamrace.__file__).parent
 ROOT = PACKAGE.name
 PYPROJECT = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
 # Part cycles other branches of issue 20 remove; the lead deletes an entry when its branch lands.
-KNOWN_PART_CYCLES: list[set[str]] = []
 MAX_LOOSE = 7
 
 
@@ -113,11 +112,9 @@ def test_no_part_imports_itself_back():
     parts: dict[str, set[str]] = {}
     for module, imported in _graph(_sources()).items():
         parts.setdefault(_part(module), set()).update(_part(m) for m in imported if _part(m) != _part(module))
-    assert [cycle for cycle in _cycles(parts) if cycle not in KNOWN_PART_CYCLES] == []
+    assert _cycles(parts) == []
 
 
-@pytest.mark.xfail(strict=False, reason="other branches of issue 20 are still moving top-level modules into "
-                                        "packages (races/, children/); the lead makes this strict once they land")
 def test_few_modules_sit_loose_at_the_top():
     loose = sorted(p.stem for p in PACKAGE.glob("*.py") if p.name != "__init__.py")
     assert len(loose) <= MAX_LOOSE, loose

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU part of issue 21 (functional collectives, host syncs), cuda backend, on 2 GPUs with NCCL (nvidia-h200-x2):
+# GPU part of issue 21 (functional collectives, host syncs), cuda backend, NCCL on 2 GPUs (nvidia-h200-x2) or one rank on 1:
 #   bash scripts/device/issue21.sh
 # 1. compiled graphs with _c10d_functional ops and Inductor's comm reordering: expected 2 passed (clean_*), 2 failed
 #    (racy_*), each failure one race on the communication stream;

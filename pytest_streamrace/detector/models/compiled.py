@@ -28,6 +28,7 @@ import sys
 
 import torch
 
+from .. import compile_time
 from ...patching import AttrPatch, WhenImported, dynamo_skipped
 from .. import active
 
@@ -221,7 +222,9 @@ def _dynamo_patches(output_graph) -> list:
     original = graph_class.call_user_compiler
 
     def call_user_compiler(graph, gm, example_inputs):
-        return _runtime(original(graph, gm, example_inputs))
+        with compile_time.scope():  # compiling and max-autotune synchronize: not the program's ordering
+            compiled = original(graph, gm, example_inputs)
+        return _runtime(compiled)
     return [AttrPatch(graph_class, "call_user_compiler", call_user_compiler)]
 
 
@@ -321,7 +324,10 @@ def _triton_patches(triton_heuristics) -> list:
             name = getattr(getattr(self, "fn", None), "__name__", None) or "triton kernel"
             model.launch(name, args, roles, stream if isinstance(stream, int) else None)
         return out
-    return [AttrPatch(autotuner, "run", launch)]
+    # Its benchmarking at a kernel's first launch synchronizes the device: the compiler's ordering, not the program's.
+    tuning = [AttrPatch(autotuner, name, compile_time.wrap(getattr(autotuner, name)))
+              for name in ("precompile", "benchmark_all_configs", "autotune_to_one_config") if hasattr(autotuner, name)]
+    return [AttrPatch(autotuner, "run", launch)] + tuning
 
 
 def _cudagraph_patches(cudagraph_trees) -> list:
@@ -345,7 +351,7 @@ def _untracked(original):
         model = _model()
         if model is None:
             return original(self, *args, **kwargs)
-        with model.tracker.paused():
+        with model.tracker.paused(), compile_time.scope():  # recording synchronizes: not the program's ordering
             return original(self, *args, **kwargs)
     return record
 

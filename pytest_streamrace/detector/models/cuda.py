@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from ...patching import AttrPatch
+from .. import compile_time
 from ..frames import created_at, stack
 from ..hb import Site
 
@@ -57,15 +58,18 @@ class CudaStreams:
 
     def _event_sync(self, event: int) -> None:
         self.tracker.drain()  # ops captured before the host waits are ordered before what it learns
-        self.hb.synchronize_event(event)
+        if not compile_time.active():  # the compiler's syncs are not the program's ordering
+            self.hb.synchronize_event(event)
 
     def _stream_sync(self, stream: int) -> None:
         self.tracker.drain()
-        self.hb.synchronize_stream(stream)
+        if not compile_time.active():  # the compiler's syncs are not the program's ordering
+            self.hb.synchronize_stream(stream)
 
     def _device_sync(self) -> None:
         self.tracker.drain()
-        self.hb.synchronize_device()
+        if not compile_time.active():  # the compiler's syncs are not the program's ordering
+            self.hb.synchronize_device()
 
     def _dealloc(self, ptr: int) -> None:
         if self.tracker.capturing:

@@ -233,10 +233,8 @@ class _Backward:
 def _posthook(ref, stream, edges):
     # Holds no node: a hook referring to its own node would keep the graph alive through C++.
     def posthook(grad_inputs, grad_outputs):
-        if torch.compiler.is_compiling():  # traced into compiled autograd's graph: runs on the caller's stream
-            return
-        model = ref()
-        if model is not None and model.active:
+        model = _live(ref)
+        if model is not None:
             model.leave_node(stream, edges, grad_inputs)
     return posthook
 
@@ -244,9 +242,16 @@ def _posthook(ref, stream, edges):
 def _prehook(ref, stream, accumulate: bool):
     # Holds the model weakly: nodes (AccumulateGrad kept by DDP wrappers) may outlive the session.
     def prehook(grad_outputs):
-        if torch.compiler.is_compiling():  # traced into compiled autograd's graph: runs on the caller's stream
-            return
-        model = ref()
-        if model is not None and model.active:
+        model = _live(ref)
+        if model is not None:
             model.enter_node(stream, grad_outputs, accumulate)
     return prehook
+
+
+def _live(ref):
+    """The model a hook reports to, or None: the session ended, or the hook is traced into compiled autograd's graph
+    (it then runs on the caller's stream)."""
+    if torch.compiler.is_compiling():
+        return None
+    model = ref()
+    return model if model is not None and model.active else None

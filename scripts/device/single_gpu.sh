@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# What one GPU can check of issues 20-22 (cuda backend), in parts that each fit one 10-minute device command:
+#   device run (kind nvidia-h100-x1 or nvidia-h200): bash scripts/device/single_gpu.sh compile|issue21|latent
+# compile: the compiled twins (tests/compile/cuda_cases.py, a compiled function's first call included) and
+#          tests/test_cuda_backend.py — the C++ capture rebuilt from capture.cpp, the models moved to detector/models;
+# issue21: compiled functional collectives (one NCCL rank on one GPU), host-sync read-backs, threads on real streams;
+# latent:  scripts/device/latent.sh's cases (latent races hidden by a read-back, cuda backend).
+# Logs land in $OUT; each part ends with a compact summary.
+set -u
+part=${1:-}
+case "$part" in compile|issue21|latent) ;; *) echo "single_gpu.sh: unknown part '$part' (compile|issue21|latent)"; exit 2;; esac
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export TORCH_EXTENSIONS_DIR=/tmp/tex TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
+OUT=${OUT:-/tmp/streamrace-single}; mkdir -p "$OUT"
+cd "$(dirname "$0")/../.."
+date -u; nvidia-smi -L
+python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+python3 -c "import pytest_streamrace.plugin" || exit 1
+pt="python3 -m pytest -p no:cacheprovider"
+case "$part" in
+compile)
+  echo "== compiled twins (cuda backend)"
+  timeout 420 $pt tests/compile/cuda_cases.py --streamrace --streamrace-backend=cuda -rA --junitxml="$OUT/ours.xml" \
+    --streamrace-json "$OUT/races.json" > "$OUT/cases.log" 2>&1; echo "exit $?"; tail -1 "$OUT/cases.log"
+  grep -E "^(FAILED|ERROR) " "$OUT/cases.log" | cut -c1-200 | head -20
+  echo "== cuda backend unit tests"
+  timeout 120 $pt tests/test_cuda_backend.py tests/test_capture.py -q > "$OUT/cuda_backend.log" 2>&1; echo "exit $?"
+  tail -3 "$OUT/cuda_backend.log"
+  python3 scripts/device/compile_table.py "$OUT/ours.xml" "$OUT/races.json" | tee "$OUT/table.md";;
+issue21)
+  OUT="$OUT" bash scripts/device/issue21.sh
+  echo "== threads on real streams"
+  timeout 180 python3 scripts/device/threads_cuda.py "$OUT/threads"; echo "exit $?";;
+latent)
+  OUT="$OUT" bash scripts/device/latent.sh;;
+esac
