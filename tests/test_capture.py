@@ -245,3 +245,24 @@ def test_compiling_under_capture_records_no_fake_tensors(extension):
         got = torch.compile(model, backend="aot_eager")(torch.ones(3, 4))
     assert torch.equal(got, expected)
     assert "aten::addmm" in {op.site.op for op in hb.timeline}  # the compiled graph's ops are real, and recorded
+
+
+def test_a_host_sync_inside_an_op_lands_right_after_that_op(extension):
+    """On a GPU torch reports a read-back's synchronize from inside the op (a copy to the host, t[mask]), before the
+    capture has recorded it: the sync is kept on the op's record, so the host is ordered after the op itself."""
+    synced = []
+
+    @torch.library.custom_op("streamrace_tests::read_back", mutates_args=())
+    def read_back(x: torch.Tensor) -> torch.Tensor:
+        synced.append(tracker.sync_inside_op(7))  # what the cuda model does with the trace's stream sync
+        return x.clone()
+
+    with capturing(extension) as (hb, tracker):
+        hb.add_stream(7, "side")
+        learnt = []
+        tracker.host_synced = lambda sync, stream: learnt.append((sync.name, stream))
+        read_back(torch.ones(4))
+        tracker.drain()
+        outside = tracker.sync_inside_op(7)
+    assert synced == [True] and not outside
+    assert learnt == [("streamrace_tests::read_back", 7)]

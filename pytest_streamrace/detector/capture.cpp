@@ -31,6 +31,8 @@ struct Record {
   std::vector<Span> accesses, fresh; std::shared_ptr<Stack> stack; int64_t freed = 0;
   // the autograd sequence number: in forward, of the node the op may create; in backward, of the node running it
   int64_t seq = -1; std::string node;
+  // a stream the host waited for inside this op (a read-back: a copy to the host, t[mask]); 0: none
+  int64_t synced = 0;
 };
 
 // What to do with an op, decided once (by the tracker's plan) per op overload.
@@ -49,6 +51,7 @@ py::object* plan_fn = nullptr;
 py::object* handoff_fn = nullptr;
 thread_local int depth = 0;  // ops below autograd running on this thread
 thread_local bool paused = false;  // this thread's work is modelled by hand (set_recording): others still record
+thread_local Record* in_flight = nullptr;  // the record of the op this thread is running, until on_end pushes it
 
 std::shared_ptr<Stack> stack_here() {
   auto s = std::make_shared<Stack>();
@@ -202,6 +205,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     for (const auto& [index, write] : plan->args)
       if (index < inputs.size()) add_value(r.accesses, inputs[index], write, false);
     r.stack = stack_here();
+    in_flight = &r;
   }
   return pending;
 }
@@ -216,6 +220,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
     return;
   }
   if (!plan->record) return;
+  in_flight = nullptr;
   Record& r = pending->record;
   if (plan->fresh)
     for (const auto& v : fn.outputs()) add_value(r.fresh, v, plan->writes_output, true);
@@ -262,6 +267,14 @@ void disable() {
 
 void set_recording(bool value) { paused = !value; }
 
+// The host waits for `stream` inside the op this thread is running (torch reports the sync from within the op, before
+// the op is recorded): kept on the op's record, so the wait lands right after the op. False when no op is in flight.
+bool sync_inside_op(int64_t stream) {
+  if (in_flight == nullptr) return false;
+  in_flight->synced = stream;
+  return true;
+}
+
 void mark_free(int64_t ptr) {
   Record r;
   r.free = true;
@@ -271,7 +284,8 @@ void mark_free(int64_t ptr) {
   records.push_back(std::move(r));
 }
 
-// ("free", ptr, stack) or ("op", name, stream, in_node, accesses, fresh, stack, seq, node name or None); a tensor is
+// ("free", ptr, stack) or ("op", name, stream, in_node, accesses, fresh, stack, seq, node name or None, synced stream
+// or 0); a tensor is
 // (storage, start, end, write, shape, dtype[, nbytes]).
 py::list drain() {
   std::vector<Record> taken;
@@ -292,7 +306,7 @@ py::list drain() {
     for (const auto& t : r.fresh)
       fresh.append(py::make_tuple(t.storage, t.start, t.end, t.write, shape_of(t), t.dtype, t.nbytes));
     py::object node = r.node.empty() ? py::object(py::none()) : py::object(py::str(r.node));
-    out.append(py::make_tuple("op", r.op, r.stream, r.in_node, accesses, fresh, stack, r.seq, node));
+    out.append(py::make_tuple("op", r.op, r.stream, r.in_node, accesses, fresh, stack, r.seq, node, r.synced));
   }
   return out;
 }
@@ -302,6 +316,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("enable", &enable);
   m.def("disable", &disable);
   m.def("set_recording", &set_recording);
+  m.def("sync_inside_op", &sync_inside_op);
   m.def("mark_free", &mark_free);
   m.def("drain", &drain);
 }

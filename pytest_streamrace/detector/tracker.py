@@ -234,6 +234,11 @@ class AccessTracker(TorchDispatchMode):
         self._capture = extension
         extension.enable(self.device_type == "cuda", self._capture_plan, self._handoff)
 
+    def sync_inside_op(self, stream) -> bool:
+        """Whether a host sync the GPU trace reports now happens inside a captured op on this thread; if so it is
+        applied right after that op (the op's own work is what the host waited for)."""
+        return self._capture is not None and self._capture.sync_inside_op(stream)
+
     def stop_capture(self) -> None:
         if self._capture is not None:
             self.drain()
@@ -279,7 +284,7 @@ class AccessTracker(TorchDispatchMode):
             if record[0] == "free":
                 self._freed(record[1], Site("free", Captured(record[2])))
                 continue
-            _, name, stream, in_node, spans, fresh, captured, seq, node = record
+            _, name, stream, in_node, spans, fresh, captured, seq, node, synced = record
             accesses: list[tuple] = []
             for key, start, end, write, shape, dtype in spans:
                 if key not in watched:
@@ -307,9 +312,12 @@ class AccessTracker(TorchDispatchMode):
             _, races = self.hb.record(stream, site, accesses, allocs)
             if races:
                 self._report(races)
-            # no arguments here: conditional syncs reach us as GPU trace syncs; a host tensor's (no spans) none
+            # No arguments here: a conditional sync (a copy to the host, t[mask]) is the GPU trace's sync from inside
+            # the op (`synced`); an unconditional one, only for an op that touched the device (spans).
             sync = self.host_syncs.get(name)
-            if sync is not None and sync.rule is None and spans:
+            if synced:
+                self.host_synced(sync or host_sync.HostSync(name), synced)
+            elif sync is not None and sync.rule is None and spans:
                 self.host_synced(sync, stream)
 
     # storages

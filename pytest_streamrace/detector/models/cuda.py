@@ -62,9 +62,13 @@ class CudaStreams:
             self.hb.synchronize_event(event)
 
     def _stream_sync(self, stream: int) -> None:
+        if compile_time.active():  # the compiler's syncs are not the program's ordering
+            self.tracker.drain()
+            return
+        if self.tracker.sync_inside_op(stream):  # a read-back inside an op: lands right after the op's record
+            return
         self.tracker.drain()
-        if not compile_time.active():  # the compiler's syncs are not the program's ordering
-            self.hb.synchronize_stream(stream)
+        self.hb.synchronize_stream(stream)
 
     def _device_sync(self) -> None:
         self.tracker.drain()
