@@ -149,6 +149,16 @@ bool copies_onto_itself(const at::RecordFunction& fn) {
          a.is_conj() == b.is_conj() && a.is_neg() == b.is_neg();
 }
 
+// A copy from the device into pageable host memory: CUDA returns from it only once it is done, non_blocking or not,
+// and torch reports no synchronize for a non-blocking one (host_sync.py's "copy_" rule, where arguments are seen).
+bool into_pageable_host(const at::RecordFunction& fn) {
+  auto inputs = fn.inputs();
+  if (inputs.size() < 2 || !inputs[0].isTensor() || !inputs[1].isTensor()) return false;
+  const auto& dst = inputs[0].toTensor();
+  const auto& src = inputs[1].toTensor();
+  return dst.defined() && src.defined() && src.is_cuda() && dst.device().is_cpu() && !dst.is_pinned();
+}
+
 // A c10d op to the Python model, on the issuing thread: at "start" (before it runs; `out` is None) and at "end".
 void hand_over(const at::RecordFunction& fn, const std::vector<c10::IValue>& inputs, const char* phase) {
   if (paused || !on.load()) return;
@@ -205,6 +215,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     for (const auto& [index, write] : plan->args)
       if (index < inputs.size()) add_value(r.accesses, inputs[index], write, false);
     r.stack = stack_here();
+    if (cuda && plan->copy && into_pageable_host(fn)) r.synced = r.stream;
     in_flight = &r;
   }
   return pending;
