@@ -2,8 +2,8 @@
 
 One process track per rank, one thread track per stream, a slice per op, and a flow arrow from the earlier to the
 later access of every race — latent races (``--streamrace-latent``) in a category and colour of their own, naming
-the read-back that orders them today. Time is the global launch order (a slice every TICK µs), not wall time: the detector
-reasons about order, and equal-width slices that never overlap keep each track well nested.
+the read-back that orders them today. Time is the global launch order (a slice every TICK µs), not wall time: the
+detector reasons about order, and equal-width slices that never overlap keep each track well nested.
 Each rank builds its own events (``trace_events``) and ships them as JSON; ``chrome_trace`` merges them.
 """
 

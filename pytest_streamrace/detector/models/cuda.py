@@ -2,14 +2,16 @@
 
 torch fires ``torch.cuda._gpu_trace`` callbacks for stream and event creation, event record/wait/synchronize,
 stream/device synchronize and caching-allocator (de)allocation, with raw ``cudaStream_t`` / ``cudaEvent_t`` handles.
-Those handles are the hb keys. A stream or device sync callback is an explicit sync only while one of the explicit
-Python APIs runs (``EXPLICIT``, patched to say so per thread); any other — a read-back's copy, a data-dependent size —
-is an implicit one for the latent view, named after the op that made it. Streams are named where Python constructs them: CUDA's stream pool creates all its
+Those handles are the hb keys. Streams are named where Python constructs them: CUDA's stream pool creates all its
 streams (and fires the creation callbacks) at the first request on a device, often inside ``init_process_group``, and
 hands them out round-robin later without a callback. The engine applies autograd's stream rules itself on a GPU, so
 nothing about autograd is modelled here: its ops and the events it records reach hb like everyone else's. Callbacks
 that order streams or the host first drain the ops captured so far (``capture``), so both land in the order they
 happened.
+
+A stream or device sync callback is an explicit sync only while one of the explicit Python APIs runs (``EXPLICIT``,
+patched to say so per thread, and ``Work.wait``, which the collectives model marks); any other — a read-back's copy, a
+data-dependent size — is an implicit one for the latent view (``hb``), named after the op that made it.
 """
 
 from __future__ import annotations
