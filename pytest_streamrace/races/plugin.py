@@ -102,6 +102,7 @@ class RaceChecks:
         except policy.BadInput as exc:
             raise pytest.UsageError(f"streamrace: {exc}") from None
         self.tally = tally.Tally(self.policy)
+        self.children.latent, self.children.incidental = self.policy.latent != "off", self.policy.incidental
         if self.backend == "cuda":  # build (or load) the op capture once, before any test's clock starts
             from ..detector import capture
 
@@ -201,7 +202,8 @@ class RaceChecks:
         item.stash[_judged_key] = len(races)
         rank = process_rank()
         children, child_traces = self.children.collect(item.nodeid)
-        item.stash[_children_key] = item.stash.get(_children_key, 0) + len(children)
+        item.stash[_children_key] = item.stash.get(_children_key, 0) + len([c for c in children
+                                                                             if not c.get("latent")])
         item.stash[_child_notes_key] = list(self.children.notes)
         statuses = item.stash[_statuses_key]
         latent_state = item.stash[_latent_key]
@@ -227,7 +229,8 @@ class RaceChecks:
                 if self.policy.fails(status):
                     failing.append(race)
             for data in children:  # races in processes the test started (issue 12)
-                if self.policy.fails(self.policy.classify(item.nodeid, data, race_expected)):
+                latent = bool(data.get("latent"))
+                if self.policy.fails(self.policy.classify(item.nodeid, data, race_expected and not latent), latent):
                     failing_children.append(data)
             props.append((RACES, records + latent_records + children))
         if self.trace_path:
