@@ -189,3 +189,55 @@ def test_github_annotations_are_warnings(pytester, monkeypatch, mode):
     assert lines and all(text.startswith("::warning" if mode == "report" else "::error") for text in lines)
     assert all("title=streamrace%3A latent " in text and "except through .item() at test_cases.py:" in text
                for text in lines)
+
+
+CHILD = """
+import torch
+side = torch.cuda.Stream()
+side.wait_stream(torch.cuda.current_stream())
+with torch.cuda.stream(side):
+    x = torch.ones(8) * 2
+    x.sum().item()
+x.add_(1)
+"""
+
+
+@pytest.mark.parametrize("mode, failed", [("report", 0), ("fail", 1), ("off", 0)])
+def test_processes_a_test_starts_report_latent_races_under_the_session_mode(pytester, mode, failed):
+    pytester.path.joinpath("child_work.py").write_text(CHILD)
+    pytester.makepyfile(test_child="""
+import subprocess, sys
+
+def test_child():
+    subprocess.run([sys.executable, "child_work.py"], check=True)
+""")
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "--streamrace-json",
+                                           "races.json", "-p", "no:cacheprovider", f"--streamrace-latent={mode}")
+    result.assert_outcomes(passed=1 - failed, failed=failed)
+    races = json.loads((pytester.path / "races.json").read_text())["races"]
+    if mode == "off":
+        assert races == []
+        return
+    assert races and all(r["pid"] and r["latent"]["op"] == ".item()" for r in races)
+    assert {r["latent"]["at"] for r in races} == {"child_work.py:7"}
+
+
+def test_a_latent_record_round_trips():
+    from pytest_streamrace.detector.hb import HappensBefore, Site
+    from pytest_streamrace.races import record
+
+    hb = HappensBefore()
+    op = hb.launch("s1", Site("aten::mul", (("t.py", 1, "f"),)))
+    hb.access(op, "x", 0, 8, True, ((2,), "float32", None))
+    hb.synchronize_stream("s1", implicit=Site(".item()", (("t.py", 2, "f"),)))
+    op = hb.launch("s2", Site("aten::add_", (("t.py", 3, "f"),)))
+    hb.access(op, "x", 0, 8, True, ((2,), "float32", None))
+    (race,) = hb.latent_races
+    data = record.from_race(race)
+    assert data["kind"] == "write-after-write" and record.kind_of(data) == "latent write-after-write"
+    assert data["latent"] == {"op": ".item()", "at": "t.py:2", "function": "f",
+                              "frames": [{"file": "t.py", "line": 2, "function": "f"}]}
+    assert record.to_race(data).hidden_by == race.hidden_by
+    assert record.key(data) != record.key({k: v for k, v in data.items() if k != "latent"})
+    text = record.format_records([data])
+    assert text.startswith("1 latent stream race") and "ordered today only by .item() at t.py:2 (f)" in text
