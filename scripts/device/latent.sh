@@ -3,7 +3,9 @@
 #   device run (kind nvidia-h200 or nvidia-h100-x1): bash scripts/device/latent.sh
 # Cases, each a test under --streamrace --streamrace-backend=cuda:
 #   item / cpu / nonzero: produced on a side stream, read back there, then used on the default stream with no wait
-#                         -> a latent race each, named ".item()" / ".cpu() ..." / "nonzero" (the sync callback's op)
+#                         -> a latent race each, named ".item()" / ".cpu() / .to('cpu') / ..." (or "copy_ to host
+#                         memory", whichever op the capture ends first) / "nonzero": the op the sync callback came from;
+#                         "an implicit host sync" would mean the naming failed (a bug to report)
 #   wait_stream / synchronize / event_synchronize: the same with a device-side wait or an explicit sync -> clean
 #   timer: an explicit torch.cuda.synchronize() in timer.py; with incidental-sync:timer.py -> latent, named
 #          "torch.cuda.synchronize() (incidental)"; without the rule -> clean
