@@ -9,6 +9,12 @@ entering Python for every op, the floor for any tool built on one (PyTorch's san
 "capture-floor" is the cuda backend's C++ op capture alone (``detector/capture.py``): records drained, none judged.
 The compiled model's forward runs under torch.compile (Inductor) and compiles under the detector; tools built on a
 plain dispatch mode make dynamo skip compiling, so they get no number there (nan).
+
+    python benchmarks/overhead.py --latent   # the latent view's cost: --streamrace-latent=report against off
+
+With ``--latent`` every step reads its loss back (``loss.item()``, as logging does: the implicit sync that splits the
+latent view's clocks from the normal ones), and the detector runs twice: latent races kept (report, the default) and
+not (``-latent-off``: every sync counts, one view).
 """
 
 from __future__ import annotations
@@ -30,7 +36,11 @@ MODELS = {  # name: (width, depth, batch, ranks, torch.compile'd); ranks > 1: Di
 NOT_COMPILED_UNDER = ("empty-mode", "sanitizer")
 
 
-def step_time(model_name: str, mode: str, steps: int, rank: int = 0, store: str = "") -> float:
+LATENT_OFF = "-latent-off"  # a detector mode's suffix: Detector(latent=False), i.e. --streamrace-latent=off
+
+
+def step_time(model_name: str, mode: str, steps: int, rank: int = 0, store: str = "",
+              read_back: bool = False) -> float:
     import torch
 
     width, depth, batch, ranks, compiled = MODELS[model_name]
@@ -61,8 +71,11 @@ def step_time(model_name: str, mode: str, steps: int, rank: int = 0, store: str 
 
     def step():
         opt.zero_grad(set_to_none=True)
-        forward(x).pow(2).mean().backward()
+        loss = forward(x).pow(2).mean()
+        loss.backward()
         opt.step()
+        if read_back:
+            loss.item()
 
     def timed(after_step=lambda: None):  # the median of 5 rounds of `steps` steps, after warm-up
         for _ in range(3):
@@ -113,19 +126,20 @@ def step_time(model_name: str, mode: str, steps: int, rank: int = 0, store: str 
         return timed()
     from pytest_streamrace.detector.session import Detector
 
-    with Detector(backend=mode) as detector:
+    with Detector(backend=mode.removesuffix(LATENT_OFF), latent=not mode.endswith(LATENT_OFF)) as detector:
         ms = timed()
     if detector.races:  # a stock step is correct: a report here is a false positive, never a number to print
         raise SystemExit(f"{mode}: {len(detector.races)} races reported on a correct step")
     return ms
 
 
-def run_worker(model: str, mode: str, steps: int) -> subprocess.CompletedProcess:
+def run_worker(model: str, mode: str, steps: int, latent: bool = False) -> subprocess.CompletedProcess:
     """One measurement in fresh processes: one, or one a rank (rank 0's time is the result; all must succeed)."""
     import tempfile
 
     ranks = MODELS[model][3]
-    command = [sys.executable, __file__, "--steps", str(steps), "--worker", model, mode]
+    command = [sys.executable, __file__, "--steps", str(steps), "--worker", model, mode] + (["--latent"] if latent
+                                                                                            else [])
     if ranks == 1:
         return subprocess.run(command, capture_output=True, text=True)
     with tempfile.TemporaryDirectory() as tmp:
@@ -146,17 +160,24 @@ def main() -> int:
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--store", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--latent", action="store_true",
+                        help="read the loss back every step and compare --streamrace-latent=report against off")
     args = parser.parse_args()
     if args.worker:
-        print(json.dumps(step_time(args.worker[0], args.worker[1], args.steps, args.rank, args.store)))
+        print(json.dumps(step_time(args.worker[0], args.worker[1], args.steps, args.rank, args.store, args.latent)))
         return 0
 
     import torch
 
-    modes = ["plain", "empty-mode", "capture-floor"] + (["cuda", "sanitizer"] if torch.cuda.is_available()
-                                                        else ["virtual"])
+    backend = "cuda" if torch.cuda.is_available() else "virtual"
+    if args.latent:
+        modes = ["plain", backend + LATENT_OFF, backend]
+    else:
+        modes = ["plain", "empty-mode", "capture-floor"] + ([backend, "sanitizer"] if backend == "cuda"
+                                                            else [backend])
     where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    print(f"torch {torch.__version__} on {where}; {args.steps} steps per measurement")
+    print(f"torch {torch.__version__} on {where}; {args.steps} steps per measurement"
+          + ("; loss.item() every step, latent view off vs report" if args.latent else ""))
     print(f"{'model':36} " + " ".join(f"{m + ' ms':>14}" for m in modes) + "  slowdown vs plain")
     gpus = torch.cuda.device_count()
     for model in MODELS:
@@ -167,7 +188,7 @@ def main() -> int:
             continue
         ms = {}
         for mode in modes:
-            out = run_worker(model, mode, args.steps)
+            out = run_worker(model, mode, args.steps, args.latent)
             if out.returncode != 0:
                 print(f"{model}: {mode} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
                 if mode in ("capture-floor", "sanitizer"):  # a compiler is missing / the sanitizer raised
@@ -176,6 +197,8 @@ def main() -> int:
                 return 1
             ms[mode] = json.loads(out.stdout.strip().splitlines()[-1])
         slow = ", ".join(f"{m} {ms[m] / ms['plain']:.2f}x" for m in modes[1:])
+        if args.latent:
+            slow += f"; latent view {ms[backend] / ms[backend + LATENT_OFF]:.2f}x"
         print(f"{model:36} " + " ".join(f"{ms[m]:14.3f}" for m in modes) + f"  {slow}")
     return 0
 

@@ -9,6 +9,7 @@ import pytest
 
 BACKENDS = ("auto", "cuda", "virtual")
 DEFAULT_TIMEOUT = 300.0
+LATENT = ("report", "fail", "off")
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,10 @@ SETTINGS = (
             "op) it lists are reported but do not fail; new ones fail", None, "path"),
     Setting("streamrace_baseline_update", "rewrite the --streamrace-baseline file with this session's races "
             "(no test fails because of a race)", False, "bool"),
+    Setting("streamrace_latent", "latent races — accesses ordered today only by a host sync the program did not ask "
+            "for (a value read back: .item(), .cpu(); an incidental-sync rule's files): report (default: listed, "
+            "not failing), fail (fail the test as a race does), off (not collected)", "report", "choice",
+            LATENT),
     Setting("streamrace_report_only", "report every race (summary, JSON, trace) but fail no test because of one",
             False, "bool"),
 )

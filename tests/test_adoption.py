@@ -352,7 +352,7 @@ def test_torchrun_session_applies_the_levers_on_every_rank_and_rank_0_counts_all
 
 @pytest.mark.parametrize("files, args, message", [
     ({"s.supp": "# fine\nkind:raw file:x.py\nkind:rwa\n"}, ["--streamrace-suppress", "s.supp"],
-     "ERROR: streamrace: s.supp:3: bad suppression term 'kind:rwa': kind is one of raw, war, waw, free"),
+     "ERROR: streamrace: s.supp:3: bad suppression term 'kind:rwa': kind is one of raw, war, waw, free, latent"),
     ({"s.supp": "file:a.py colour:red\n"}, ["--streamrace-suppress", "s.supp"],
      "ERROR: streamrace: s.supp:1: bad suppression term 'colour:red': expected KEY:GLOB with KEY one of kind, file, "
      "function, tensor"),

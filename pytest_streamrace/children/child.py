@@ -171,7 +171,8 @@ def _start_detector(config: dict) -> None:
 
     if session.active() is not None:
         return  # someone in this process runs a detector already
-    detector = session.Detector(backend=config.get("backend", "virtual"), trace=bool(config.get("trace")))
+    detector = session.Detector(backend=config.get("backend", "virtual"), trace=bool(config.get("trace")),
+                                latent=bool(config.get("latent", True)), incidental=config.get("incidental", ()))
     detector.__enter__()
     _state.owns_detector = True
     _attach(detector)
@@ -229,9 +230,10 @@ def _on_race(races) -> None:
         rank = _rank()
         test = _owner()
         for race in races:
-            if (test, race.key()) in _state.reported:
+            key = (test, race.latent, race.key())
+            if key in _state.reported:
                 continue  # a pool worker's earlier task for the same test reported it already
-            _state.reported.add((test, race.key()))
+            _state.reported.add(key)
             _write({"kind": "race", "test": test, "rank": rank, "pid": os.getpid(),
                     "race": from_race(race, detector.stream_name, rank)})
     except Exception:
@@ -285,6 +287,7 @@ def _drain() -> None:
     if detector is not None:
         try:
             detector.races  # reading them judges what is pending
+            _on_race(detector.latent_races)  # kept by hb, not announced as found: shipped here
         except Exception:
             pass
 

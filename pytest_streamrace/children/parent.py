@@ -37,6 +37,7 @@ class Children:
     def __init__(self, backend: str, trace: bool):
         self.backend = backend
         self.trace = trace
+        self.latent, self.incidental = True, ()  # the session's --streamrace-latent != off, incidental-sync globs
         self.dir = tempfile.mkdtemp(prefix="streamrace-sub-")
         self.hook = StartupHook()
         self.problem = self.hook.install()
@@ -57,7 +58,8 @@ class Children:
         self.notes = []
         self._write_current(nodeid)
         os.environ[env.SUBPROCESS] = json.dumps({"dir": self.dir, "backend": self.backend, "trace": self.trace,
-                                      "test": nodeid})
+                                                 "latent": self.latent, "incidental": list(self.incidental),
+                                                 "test": nodeid})
         if not self._forks_armed:
             self._forks_armed = True
             os.register_at_fork(after_in_child=self._forked)

@@ -130,3 +130,22 @@ METHODS: dict[str, HostSync] = {
     "numpy": HostSync(".numpy(force=True)", _forced),
 }
 
+
+# Explicit syncs a program makes for another purpose — a framework's timers synchronize the device to time a step —
+# order its streams today as incidentally as a read-back does. A user names the files they come from (the
+# ``incidental-sync:`` rule, docs/adopting.md); syncs made from there count as implicit in the latent view.
+
+IMPLICIT = "an implicit host sync"  # the name of a sync the cuda model could not tie to an op
+
+
+def _in_file(path: str, glob: str) -> bool:
+    """A glob against a whole path or a trailing part of one (``deepspeed/utils/timer.py``)."""
+    from fnmatch import fnmatchcase
+
+    path = path.replace("\\", "/")
+    return fnmatchcase(path, glob) or fnmatchcase(path, "*/" + glob.lstrip("/"))
+
+
+def incidental(frames, globs) -> bool:
+    """Whether a sync whose user frames (innermost first) are `frames` was made from one of the files `globs` name."""
+    return any(_in_file(filename, glob) for filename, _, _ in frames for glob in globs)

@@ -55,9 +55,11 @@ class Detector:
 
     backend (the stream model) "virtual": torch.cuda's stream API works on CPU tensors with CUDA's ordering modelled;
     "cuda": real streams and events are observed. trace=True keeps the op timeline (`timeline`) for Chrome traces.
+    latent=False: host syncs all count as ordering, and no latent race is kept (`latent_races`). incidental: globs of
+    files whose explicit syncs count as implicit ones (a framework's timers; the ``incidental-sync:`` rule).
     """
 
-    def __init__(self, backend: str = "virtual", trace: bool = False):
+    def __init__(self, backend: str = "virtual", trace: bool = False, latent: bool = True, incidental=()):
         if backend not in STREAM_MODELS:
             raise ValueError(f"streamrace: unknown backend {backend!r}; expected one of {', '.join(STREAM_MODELS)}")
         from .hb import HappensBefore
@@ -67,6 +69,7 @@ class Detector:
         self.tracker = None
         self.streams = None  # the stream model of torch.cuda's streams: VirtualStreams or CudaStreams
         self.capture_failure: str | None = None  # why the cuda stream model fell back to the dispatch mode
+        self.latent, self.incidental = latent, tuple(incidental)
         self._patches: list = []
 
     # lifecycle
@@ -142,6 +145,7 @@ class Detector:
         from .threads import Threads
 
         patches += Threads(self.tracker, function_mode).patches()
+        self.tracker.latent, self.tracker.incidental = self.latent, self.incidental
         for patch in patches:
             self.install(patch)
         # last in, first out: our own setup is not traced
@@ -208,6 +212,13 @@ class Detector:
         if self.tracker is not None:
             self.tracker.drain()
         return self.hb.races
+
+    @property
+    def latent_races(self):
+        """Pairs ordered today only by an implicit host sync (``hb.Race.hidden_by`` names it); [] with latent=False."""
+        if self.tracker is not None:
+            self.tracker.drain()
+        return self.hb.latent_races if self.latent else []
 
     def name(self, obj, name: str | None = None) -> None:
         """Give tensors human names for reports: a module's parameters and buffers by qualified name (prefixed

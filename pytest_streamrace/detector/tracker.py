@@ -200,6 +200,11 @@ class AccessTracker(TorchDispatchMode):
         # Ops after which the host has waited for the stream that ran them (reading a value back: .item(), nonzero's
         # size, a copy to the host), one table for both backends (``host_sync``).
         self.host_syncs: dict[str, host_sync.HostSync] = host_sync.OPS
+        # The latent view (hb): read-backs order the host only in the normal view. Off: every sync counts (no cost).
+        self.latent = True
+        self.incidental: tuple[str, ...] = ()  # globs of files whose explicit syncs count as read-backs
+        self._unnamed_sync: Site | None = None  # the cuda model's latest implicit sync, named by the op that made it
+        self._explicit = threading.local()  # .name: the explicit sync API running on this thread (cuda model)
         self.forward_sites = ForwardSites()  # the sites of forward ops by the autograd number of their node
         self._forward_seq = threading.local()  # .seq: the autograd number this thread's last forward op saw
 
@@ -303,6 +308,8 @@ class AccessTracker(TorchDispatchMode):
                 if write:
                     last_writer[key] = stream
                     accesses.append((key, start, end, True, desc))
+            if self._unnamed_sync is not None:
+                self._name_sync(name)
             if in_node:  # the engine's threads have no frames of the program's: name the node's forward op
                 site = Site(name, self.forward_sites.backward(Captured(captured), seq, node))
             else:
@@ -316,9 +323,9 @@ class AccessTracker(TorchDispatchMode):
             # the op (`synced`); an unconditional one, only for an op that touched the device (spans).
             sync = self.host_syncs.get(name)
             if synced:
-                self.host_synced(sync or host_sync.HostSync(name), synced)
+                self.host_synced(sync or host_sync.HostSync(name), synced, Captured(captured))
             elif sync is not None and sync.rule is None and spans:
-                self.host_synced(sync, stream)
+                self.host_synced(sync, stream, Captured(captured))
 
     # storages
 
@@ -481,6 +488,8 @@ class AccessTracker(TorchDispatchMode):
                     fresh.extend(t for t in _tensors(value) if on_device(t))
         if not touched and not fresh:
             return
+        if self._unnamed_sync is not None:
+            self._name_sync(name)
         stream = self.current_stream()
         if self.redirect:
             for t, _ in touched:
@@ -515,9 +524,51 @@ class AccessTracker(TorchDispatchMode):
             seen.seq = seq
         return site
 
-    def host_synced(self, sync: host_sync.HostSync, stream: Hashable) -> None:
-        """The host waited for `stream` inside a read-back (`sync`: the ``host_sync`` entry that names it)."""
-        self.hb.synchronize_stream(stream)
+    def host_synced(self, sync: host_sync.HostSync, stream: Hashable, frames=None) -> None:
+        """The host waited for `stream` inside a read-back (`sync`: the ``host_sync`` entry that names it): an
+        implicit sync, named after the entry, at the read-back's user frames (`frames`, else the caller's)."""
+        implicit = Site(sync.name, frames if frames is not None else stack()) if self.latent else None
+        self.hb.synchronize_stream(stream, implicit=implicit)
+
+    def explicit_sync(self, name: str) -> Site | None:
+        """What an explicit synchronize (`name`, e.g. "torch.cuda.synchronize()") passes hb as `implicit`: None, or
+        an implicit sync's Site when it was made from a file of the ``incidental`` rule (a framework's timer)."""
+        if not (self.incidental and self.latent):
+            return None
+        frames = stack()
+        frames = frames.resolve() if hasattr(frames, "resolve") else frames
+        if host_sync.incidental(frames, self.incidental):
+            return Site(f"{name} (incidental)", frames)
+        return None
+
+    @contextlib.contextmanager
+    def explicitly(self, name: str):
+        """Inside, this thread's syncs are the explicit sync `name` (torch.cuda.synchronize(), Work.wait(), ...)."""
+        outer = getattr(self._explicit, "name", None)
+        self._explicit.name = outer or name
+        try:
+            yield
+        finally:
+            self._explicit.name = outer
+
+    def sync_callback_site(self) -> Site | None:
+        """What the cuda model's sync callbacks pass hb as `implicit`. Inside an explicit API (``explicitly``): None,
+        or its Site when made from an incidental file. Else the program did not ask for it by name (a read-back's
+        copy, a data-dependent size): an implicit sync, named after the op that made it once that op lands."""
+        name = getattr(self._explicit, "name", None)
+        if name is not None:
+            return self.explicit_sync(name)
+        if not self.latent:
+            return None
+        site = self._unnamed_sync = Site(host_sync.IMPLICIT, stack())
+        return site
+
+    def _name_sync(self, op: str) -> None:
+        """The op that ends after an unnamed implicit sync made it (a read-back ends after its wait): the sync is
+        named after that op's host-sync entry, else after the op."""
+        site, self._unnamed_sync = self._unnamed_sync, None
+        sync = self.host_syncs.get(op)
+        site.op = sync.name if sync is not None else op
 
     def _fresh(self, t: torch.Tensor, stream, writes_output: bool, allocs: list, accesses: list) -> None:
         """A fresh output: its storage is allocated by this op (unless it was already known), and written by it

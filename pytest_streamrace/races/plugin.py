@@ -29,6 +29,7 @@ _judged_key = pytest.StashKey()
 _children_key = pytest.StashKey()  # races of the processes the test started, judged so far
 _child_notes_key = pytest.StashKey()  # [(rank, note)]: what the detectors of those processes could not model
 _statuses_key = pytest.StashKey[list]()  # policy status of each race judged so far, in detector order
+_latent_key = pytest.StashKey[list]()  # [latent races judged so far, their statuses in detector order]
 _pending_key = pytest.StashKey[tuple]()  # (user_properties, section text) of the phase judged in its own hook
 
 
@@ -101,6 +102,7 @@ class RaceChecks:
         except policy.BadInput as exc:
             raise pytest.UsageError(f"streamrace: {exc}") from None
         self.tally = tally.Tally(self.policy)
+        self.children.latent, self.children.incidental = self.policy.latent != "off", self.policy.incidental
         if self.backend == "cuda":  # build (or load) the op capture once, before any test's clock starts
             from ..detector import capture
 
@@ -112,11 +114,13 @@ class RaceChecks:
         self.children.begin(item.nodeid)
         from ..detector.session import Detector
 
-        detector = Detector(backend=self.backend, trace=bool(self.trace_path))
+        detector = Detector(backend=self.backend, trace=bool(self.trace_path), latent=self.policy.latent != "off",
+                            incidental=self.policy.incidental)
         detector.__enter__()
         item.stash[_detector_key] = detector
         item.stash[_judged_key] = 0
         item.stash[_statuses_key] = []
+        item.stash[_latent_key] = [0, []]
         return (yield)
 
     @pytest.hookimpl(wrapper=True)
@@ -198,26 +202,37 @@ class RaceChecks:
         item.stash[_judged_key] = len(races)
         rank = process_rank()
         children, child_traces = self.children.collect(item.nodeid)
-        item.stash[_children_key] = item.stash.get(_children_key, 0) + len(children)
+        item.stash[_children_key] = item.stash.get(_children_key, 0) + len([c for c in children
+                                                                             if not c.get("latent")])
         item.stash[_child_notes_key] = list(self.children.notes)
         statuses = item.stash[_statuses_key]
+        latent_state = item.stash[_latent_key]
+        latent = detector.latent_races
+        fresh_latent, latent_state[0] = latent[latent_state[0]:], len(latent)
         props: list = []
         failing = []
         failing_children = []
         race_expected = expected(item) == "race"
-        if fresh or children:
+        if fresh or children or fresh_latent:
             from .record import from_race
 
             records = [from_race(r, detector.stream_name, rank) for r in fresh]
+            latent_records = [from_race(r, detector.stream_name, rank) for r in fresh_latent]
+            for race, data in zip(fresh_latent, latent_records):  # a kind of their own: never "expected"
+                status = self.policy.classify(item.nodeid, data, False)
+                latent_state[1].append(status)
+                if self.policy.fails(status, latent=True):
+                    failing.append(race)
             for race, data in zip(fresh, records):
                 status = self.policy.classify(item.nodeid, data, race_expected)
                 statuses.append(status)
                 if self.policy.fails(status):
                     failing.append(race)
             for data in children:  # races in processes the test started (issue 12)
-                if self.policy.fails(self.policy.classify(item.nodeid, data, race_expected)):
+                latent = bool(data.get("latent"))
+                if self.policy.fails(self.policy.classify(item.nodeid, data, race_expected and not latent), latent):
                     failing_children.append(data)
-            props.append((RACES, records + children))
+            props.append((RACES, records + latent_records + children))
         if self.trace_path:
             from .trace import child_trace
 
@@ -225,9 +240,10 @@ class RaceChecks:
         if when == "teardown" and self.trace_path:
             from .trace import trace_events
 
-            events = trace_events(detector.timeline, races, detector.stream_name, rank, statuses)
+            events = trace_events(detector.timeline, races + latent, detector.stream_name, rank,
+                                  statuses + latent_state[1])
             props.append((TRACE, events))
-        quiet = len(fresh) - len(failing) + len(children) - len(failing_children)
+        quiet = len(fresh) - len([r for r in failing if not r.latent]) + len(children) - len(failing_children)
         if race_expected or not (failing or failing_children):
             return props, None
         return props, self._failure_text(detector, failing, rank, quiet, failing_children)

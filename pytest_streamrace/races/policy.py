@@ -17,17 +17,24 @@ Suppression rules (``--streamrace-suppress FILE``). One rule a line, ``#`` start
 ``KEY:GLOB`` terms separated by spaces; a race is suppressed by the first rule all of whose terms match it:
 
 - ``kind:`` ``raw``, ``war``, ``waw`` or ``free`` (read-after-write, write-after-read, write-after-write,
-  free-while-in-use);
+  free-while-in-use), or ``latent``. Latent races (``--streamrace-latent``) are a kind of their own: only a rule
+  with ``kind:latent`` matches them, and it matches nothing else (``kind:latent kind:raw``: latent
+  read-after-writes);
 - ``file:`` a glob matched against the files of either access's frames, as a whole path or as a trailing part of
   one (``file:deepspeed/runtime/zero/*`` matches ``.../site-packages/deepspeed/runtime/zero/stage3.py``);
 - ``function:`` a glob matched against the functions of either access's frames;
 - ``tensor:`` a glob matched against the tensor's name.
 
+A line ``incidental-sync:GLOB`` (alone on its line) is no suppression: explicit syncs made from the files it names
+(any of the sync's user frames; e.g. ``incidental-sync:deepspeed/utils/timer.py``, DeepSpeed's step timers) count as
+incidental, as a value read back does, so what only they order is reported as a latent race.
+
 Globs are ``fnmatch`` globs (``*`` also crosses ``/``), matched case-sensitively. A rule is known everywhere by its
 ``path:line`` (the path relative to the rootdir).
 
 The baseline (``--streamrace-baseline FILE``): the races a suite already had, reported but not failing. A race is
-known by a signature that survives unrelated edits: the test id, the kind, and each access's function (its innermost
+known by a signature that survives unrelated edits: the test id, the kind (a latent race's is "latent <kind>", so a
+baseline entry for one never matches a race and vice versa), and each access's function (its innermost
 frame's) and op — no line numbers, no ranks. The file is JSON, one signature a line, sorted, so a change to it reads
 as a small diff::
 
@@ -55,8 +62,10 @@ _policy_key = pytest.StashKey["Policy"]()
 
 
 class Policy:
-    def __init__(self, rules, baseline, baseline_path, report_only, update, rootdir):
+    def __init__(self, rules, baseline, baseline_path, report_only, update, rootdir, latent="report", incidental=()):
         self.rules: list[Rule] = rules
+        self.latent: str = latent  # --streamrace-latent: report | fail | off
+        self.incidental: tuple[str, ...] = tuple(incidental)  # the incidental-sync rules' globs
         self.baseline: set | None = baseline
         self.baseline_path: str | None = baseline_path
         self.report_only: bool = report_only
@@ -78,7 +87,9 @@ class Policy:
         race["status"] = status
         return status
 
-    def fails(self, status: str) -> bool:
+    def fails(self, status: str, latent: bool = False) -> bool:
+        if latent and self.latent != "fail":
+            return False
         return status == NEW and not (self.report_only or self.update)
 
 
@@ -88,14 +99,15 @@ def load(config: pytest.Config) -> Policy:
     if policy is not None:
         return policy
     rootdir = str(config.rootpath)
-    rules = load_rules(options.get(config, "streamrace_suppressions"), rootdir)
+    rules, incidental = load_rules(options.get(config, "streamrace_suppressions"), rootdir)
     path = options.get(config, "streamrace_baseline")
     update = options.get(config, "streamrace_baseline_update")
     if update and not path:
         raise BadInput("--streamrace-baseline-update needs --streamrace-baseline FILE (the file to write)")
     known = load_baseline(path, rootdir, missing_ok=update) if path else None
     policy = config.stash[_policy_key] = Policy(rules, known, path, options.get(config, "streamrace_report_only"),
-                                                update, rootdir)
+                                                update, rootdir, options.get(config, "streamrace_latent"),
+                                                incidental)
     return policy
 
 
@@ -120,7 +132,8 @@ def validate(config: pytest.Config, says_why: bool) -> int | None:
 # suppression rules
 
 KINDS = {"raw": "read-after-write", "war": "write-after-read", "waw": "write-after-write",
-         "free": "free-while-in-use"}
+         "free": "free-while-in-use", "latent": "latent"}
+INCIDENTAL = "incidental-sync"  # a line of its own: explicit syncs from these files count as incidental
 KEYS = ("kind", "file", "function", "tensor")
 
 
@@ -135,6 +148,8 @@ class Rule:
     terms: tuple[tuple[str, str], ...]  # (key, glob)
 
     def matches(self, race: dict) -> bool:
+        if race.get("latent") and ("kind", "latent") not in self.terms:
+            return False  # latent races are a kind of their own
         return all(_term(key, glob, race) for key, glob in self.terms)
 
 
@@ -149,7 +164,7 @@ def _path_matches(path: str, glob: str) -> bool:
 
 def _term(key: str, glob: str, race: dict) -> bool:
     if key == "kind":
-        return race.get("kind") == KINDS[glob]
+        return bool(race.get("latent")) if glob == "latent" else race.get("kind") == KINDS[glob]
     if key == "file":
         return any(_path_matches(str(f.get("file", "")), glob) for f in _frames(race))
     if key == "function":
@@ -162,12 +177,20 @@ def shown_path(path: str, rootdir: str) -> str:
     return path if rel.startswith(os.pardir) else rel
 
 
-def parse_rules(text: str, shown: str) -> list[Rule]:
-    """The rules of one file's text; `shown` names the file in rule locations and errors."""
+def parse_rules(text: str, shown: str, incidental: list | None = None) -> list[Rule]:
+    """The rules of one file's text; `shown` names the file in rule locations and errors. `incidental` gets the
+    globs of its incidental-sync lines."""
+    incidental = [] if incidental is None else incidental
     rules = []
     for lineno, line in enumerate(text.splitlines(), 1):
         rule = line.split("#", 1)[0].strip()
         if not rule:
+            continue
+        if rule.startswith(INCIDENTAL + ":"):
+            glob = rule.partition(":")[2]
+            if not glob or len(rule.split()) != 1:
+                raise BadInput(f"{shown}:{lineno}: bad rule {rule!r}: expected {INCIDENTAL}:GLOB alone on its line")
+            incidental.append(glob)
             continue
         terms = []
         for term in rule.split():
@@ -185,9 +208,10 @@ def parse_rules(text: str, shown: str) -> list[Rule]:
     return rules
 
 
-def load_rules(paths: list[str], rootdir: str) -> list[Rule]:
-    """Every rule of the files, in order. An unreadable file or a bad rule raises BadInput."""
-    rules = []
+def load_rules(paths: list[str], rootdir: str) -> tuple[list[Rule], list[str]]:
+    """Every rule of the files, in order, and the incidental-sync globs. An unreadable file or a bad rule raises
+    BadInput."""
+    rules, incidental = [], []
     for path in paths:
         shown = shown_path(path, rootdir)
         try:
@@ -196,8 +220,8 @@ def load_rules(paths: list[str], rootdir: str) -> list[Rule]:
         except (OSError, UnicodeDecodeError) as exc:
             raise BadInput(f"cannot read suppression file {shown}: {getattr(exc, 'strerror', None) or exc}") \
                 from None
-        rules += parse_rules(text, shown)
-    return rules
+        rules += parse_rules(text, shown, incidental)
+    return rules, incidental
 
 
 def matching_rule(rules: list[Rule], race: dict) -> Rule | None:
@@ -219,7 +243,8 @@ def _side(race: dict, side: str) -> tuple[str, str]:
 
 
 def signature(nodeid: str, race: dict) -> Signature:
-    return (nodeid, str(race.get("kind", "")), *_side(race, "earlier"), *_side(race, "later"))
+    kind = str(race.get("kind", ""))
+    return (nodeid, f"latent {kind}" if race.get("latent") else kind, *_side(race, "earlier"), *_side(race, "later"))
 
 
 def describe_signature(sig: Signature) -> str:

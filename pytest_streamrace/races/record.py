@@ -73,6 +73,7 @@ class Record(_Required, total=False):
     test: str  # the nodeid, in the JSON document and on records of followed children
     pid: int  # a followed child's
     after_test: bool  # judged after its test had finished (JSON document)
+    latent: dict  # a latent race's hiding sync: {"op": ".item()", "at": "file:line", "function", "frames"}
 
 
 # a detector race <-> a record
@@ -102,7 +103,7 @@ def _access_to_json(access: Access, stream_name: StreamName, free: bool) -> Acce
 def from_race(race: Race, stream_name: StreamName = str, rank: int | None = None) -> Record:
     """One detector race as a record (stream keys replaced by their names)."""
     alloc = race.alloc_site
-    return {
+    out: Record = {
         "kind": race.kind,
         "rank": rank,
         "count": race.count,
@@ -111,6 +112,11 @@ def from_race(race: Race, stream_name: StreamName = str, rank: int | None = None
         "earlier": _access_to_json(race.earlier, stream_name, False),
         "later": _access_to_json(race.later, stream_name, race.kind == FREE),
     }
+    if race.latent:
+        sync = race.hidden_by
+        out["latent"] = {"op": sync.op, "at": location(sync.frames),
+                         "function": sync.frames[0][2] if sync.frames else None, "frames": _frames_to_json(sync)}
+    return out
 
 
 def _site_from_json(op: str, frames: list) -> Site:
@@ -130,26 +136,41 @@ def _access_from_json(a: dict) -> Access:
 def to_race(data: dict) -> Race:
     """The race ``from_race`` described (its rank is ``data["rank"]``). Malformed data raises ValueError."""
     try:
-        alloc = data.get("alloc")
+        alloc, latent = data.get("alloc"), data.get("latent")
         return Race(
             kind=str(data["kind"]),
             earlier=_access_from_json(data["earlier"]),
             later=_access_from_json(data["later"]),
             alloc_site=None if alloc is None else _site_from_json(alloc["op"], alloc.get("frames", [])),
             count=int(data.get("count", 1)),
+            hidden_by=None if latent is None else _site_from_json(latent["op"], latent.get("frames", [])),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ValueError(f"not a streamrace race record: {type(exc).__name__}: {exc}") from None
 
 
+LATENT = "latent"  # the kind label's prefix of latent races ("latent read-after-write"): a kind of their own
+
+
+def label(kind: str, latent) -> str:
+    """A race's kind as every output names it: a latent race's is "latent <kind>"."""
+    return f"{LATENT} {kind}" if latent else kind
+
+
+def kind_of(record: Record) -> str:
+    """The record's kind label (``label``)."""
+    return label(str(record.get("kind")), record.get("latent"))
+
+
 def key(record: Record) -> tuple:
-    """Records are the same report when kind and both user locations are (``hb.identity``): merges ranks."""
+    """Records are the same report when kind (its label: a latent race is never the same report as a race) and
+    both user locations are (``hb.identity``): merges ranks."""
     def site(side):
         access = record.get(side) or {}
         frames = access.get("frames") or []
         return Site(str(access.get("op")), tuple((f["file"], f["line"], f.get("function", "")) for f in frames[:1]))
 
-    return identity(record.get("kind"), site("earlier"), site("later"))
+    return identity(kind_of(record), site("earlier"), site("later"))
 
 
 # the --streamrace-json document
@@ -231,7 +252,11 @@ def short(record: Record, at: bool = True) -> str:
     name = (record.get("tensor") or {}).get("name")
     frames = (record.get("later") or {}).get("frames") or []
     where = f" at {location(frames)}" if frames and at else ""
-    return f"{record.get('kind')} on {'tensor ' + repr(name) if name else 'a tensor'}{where}"
+    line = f"{kind_of(record)} on {'tensor ' + repr(name) if name else 'a tensor'}{where}"
+    latent = record.get("latent")
+    if latent:
+        line += f", ordered today only by {latent.get('op')} at {latent.get('at')}"
+    return line
 
 
 # text: the one renderer
@@ -251,6 +276,11 @@ def _how(earlier_stream: str) -> str:
 
 
 def _hint(race: Race, earlier: str, later: str) -> str:
+    if race.latent:
+        sync = race.hidden_by
+        at = f" at {location(sync.frames)} ({sync.frames[0][2]})" if sync.frames else ""
+        return (f"ordered today only by {sync.op}{at}; make '{later}' wait for '{earlier}' ({_how(earlier)}) to keep "
+                f"it ordered when that read-back goes")
     if race.kind == FREE:
         use = "write" if race.earlier.write else "read"
         return (f"the tensor was freed while '{earlier}' may still {use} it, and the caching allocator may hand its "
@@ -269,7 +299,8 @@ def format_race(race: Race, stream_name: StreamName = str, ranks: Sequence[int] 
     on_ranks = ""
     if ranks:
         on_ranks = f" on rank{'s' if len(ranks) > 1 else ''} {', '.join(str(r) for r in ranks)}"
-    lines = [f"stream race{on_ranks}: {race.kind} on {describe_tensor(tensor)}{alloc}"]
+    what = "latent stream race" if race.latent else "stream race"
+    lines = [f"{what}{on_ranks}: {race.kind} on {describe_tensor(tensor)}{alloc}"]
     rows = []
     for label, access in (("earlier", race.earlier), ("later", race.later)):
         free = race.kind == FREE and access is race.later
@@ -301,9 +332,9 @@ def merge_ranks(ranked: Iterable[Ranked]) -> list[tuple[tuple[int, ...], Race]]:
     """Races deduplicated across ranks by location pair: (ranks it was seen on, race with the summed count)."""
     merged: dict[tuple, tuple[list, Race]] = {}
     for rank, race in ranked:
-        key = race.key()
+        key = (race.latent, race.key())
         if key not in merged:
-            merged[key] = ([], Race(race.kind, race.earlier, race.later, race.alloc_site, 0))
+            merged[key] = ([], Race(race.kind, race.earlier, race.later, race.alloc_site, 0, race.hidden_by))
         ranks, total = merged[key]
         total.count += race.count
         if rank is not None and rank not in ranks:
@@ -318,9 +349,20 @@ def format_races(ranked: Iterable[Ranked], stream_name: StreamName = str) -> str
     merged = merge_ranks(ranked)
     if not merged:
         return "no stream races"
-    n = len(merged)
-    head = f"{n} stream race{'s' if n > 1 else ''} (unordered cross-stream accesses; deduplicated by location pair)"
-    return "\n\n".join([head] + [format_race(race, stream_name, ranks) for ranks, race in merged])
+    real = [item for item in merged if not item[1].latent]
+    latent = [item for item in merged if item[1].latent]
+    parts = []
+    if real:
+        n = len(real)
+        parts.append(f"{n} stream race{'s' if n > 1 else ''} (unordered cross-stream accesses; deduplicated by "
+                     "location pair)")
+        parts += [format_race(race, stream_name, ranks) for ranks, race in real]
+    if latent:
+        n = len(latent)
+        parts.append(f"{n} latent stream race{'s' if n > 1 else ''} (ordered today only by a host sync the program "
+                     "did not ask for; deduplicated by location pair)")
+        parts += [format_race(race, stream_name, ranks) for ranks, race in latent]
+    return "\n\n".join(parts)
 
 
 def format_records(records: Iterable[Record]) -> str:

@@ -49,11 +49,13 @@ class Tally:
                 entry["ranks"].append(race["rank"])
         return len(self.races) - before
 
-    def of(self, status: str) -> list[tuple[str, dict]]:
-        return [(nodeid, e) for (nodeid, _), e in self.races.items() if e["status"] == status]
+    def of(self, status: str, latent: bool = False) -> list[tuple[str, dict]]:
+        """The races (or the latent races) of a status."""
+        return [(nodeid, e) for (nodeid, _), e in self.races.items()
+                if e["status"] == status and bool(e["race"].get("latent")) == latent]
 
-    def counts(self) -> dict[str, int]:
-        return {s: len(self.of(s)) for s in _RANK_ORDER}
+    def counts(self, latent: bool = False) -> dict[str, int]:
+        return {s: len(self.of(s, latent)) for s in _RANK_ORDER}
 
     def gone(self) -> list[tuple]:
         if self.policy.baseline is None:
@@ -78,7 +80,7 @@ class Tally:
         lv = self.policy
         lines: list[str] = []
         per_rule = {}
-        for _, e in self.of(SUPPRESSED):
+        for _, e in self.of(SUPPRESSED) + self.of(SUPPRESSED, latent=True):
             where = e["race"].get("suppressed_by", {}).get("rule")
             per_rule[where] = per_rule.get(where, 0) + 1
         used = [r for r in lv.rules if r.where in per_rule]
@@ -89,9 +91,10 @@ class Tally:
         if stale:
             lines.append("stale suppressions (matched nothing in this session):")
             lines += [f"  {r.where}  {r.text}" for r in stale]
-        if self.of(BASELINE):
+        known = self.of(BASELINE) + self.of(BASELINE, latent=True)
+        if known:
             lines.append("in the baseline (reported, not failing):")
-            lines += [f"  {nodeid}: {record.short(e['race'])}{_on(e['ranks'])}" for nodeid, e in self.of(BASELINE)]
+            lines += [f"  {nodeid}: {record.short(e['race'])}{_on(e['ranks'])}" for nodeid, e in known]
         gone = self.gone()
         if gone:
             lines.append("gone from the baseline (fixed? rewrite it with --streamrace-baseline-update):")
@@ -100,6 +103,12 @@ class Tally:
             quiet = "report-only, " if lv.report_only else "baseline update, " if lv.update else ""
             lines.append(f"new races ({quiet}{'not failing' if quiet else 'failing their tests'}):")
             lines += [f"  {nodeid}: {record.short(e['race'])}{_on(e['ranks'])}" for nodeid, e in self.of(NEW)]
+        if self.of(NEW, latent=True):
+            failing = lv.fails(NEW, latent=True)
+            lines.append(f"latent races (ordered today only by a host sync the program did not ask for; "
+                         f"{'failing their tests' if failing else 'not failing'}):")
+            lines += [f"  {nodeid}: {record.short(e['race'])}{_on(e['ranks'])}"
+                      for nodeid, e in self.of(NEW, latent=True)]
         if self.written is not None:
             lines.append(f"baseline written: {shown_path(lv.baseline_path, lv.rootdir)} "
                          f"({self.written} race{'s' if self.written != 1 else ''})")
@@ -109,22 +118,31 @@ class Tally:
     def closing_line(self) -> str:
         c = self.counts()
         n = len(self.checked)
-        line = (f"streamrace: {n} test{'s' if n != 1 else ''} checked, {len(self.races)} race"
-                f"{'s' if len(self.races) != 1 else ''} found: {c[SUPPRESSED]} suppressed, {c[BASELINE]} in baseline, "
+        races = sum(c.values())
+        line = (f"streamrace: {n} test{'s' if n != 1 else ''} checked, {races} race"
+                f"{'s' if races != 1 else ''} found: {c[SUPPRESSED]} suppressed, {c[BASELINE]} in baseline, "
                 f"{c[NEW]} new")
         if c[EXPECTED]:
             line += f", {c[EXPECTED]} expected"
+        latent = self.counts(latent=True)
+        if sum(latent.values()):
+            line += (f"; {sum(latent.values())} latent: {latent[SUPPRESSED]} suppressed, {latent[BASELINE]} in "
+                     f"baseline, {latent[NEW]} new")
         if self.policy.report_only:
             line += " (report-only)"
         return line
 
     def annotations(self) -> list[str]:
-        """GitHub Actions workflow commands: an error per new race, a warning per race in the baseline."""
+        """GitHub Actions workflow commands: an error per new race, a warning per race in the baseline and per new
+        latent race (an error where ``--streamrace-latent=fail`` fails it)."""
         root = os.environ.get("GITHUB_WORKSPACE") or self.policy.rootdir
         out = []
         for status, command in ((NEW, "error"), (BASELINE, "warning")):
             for nodeid, e in self.of(status):
                 out.append(annotation(command, nodeid, e["race"], e["ranks"], root, status))
+        command = "error" if self.policy.fails(NEW, latent=True) else "warning"
+        for nodeid, e in self.of(NEW, latent=True):
+            out.append(annotation(command, nodeid, e["race"], e["ranks"], root, NEW))
         return out
 
 
@@ -144,9 +162,14 @@ def annotation(command: str, nodeid: str, race: dict, ranks, root: str, status: 
     later, earlier = race.get("later") or {}, race.get("earlier") or {}
     where = record.user_frame(later.get("frames") or [], root)
     props = f" file={_escape_property(where[0])},line={where[1]}," if where else " "
-    title = f"streamrace: {race.get('kind')}" + (" (in the baseline)" if status == BASELINE else "")
+    title = f"streamrace: {record.kind_of(race)}" + (" (in the baseline)" if status == BASELINE else "")
     ef = (earlier.get("frames") or [{}])[0]
     before = f" ({os.path.basename(str(ef['file']))}:{ef['line']})" if ef else ""
     message = (f"{record.short(race, at=False)}: {later.get('op')} on {later.get('stream')} is not ordered after "
-               f"{earlier.get('op')}{before} on {earlier.get('stream')} [{nodeid}{_on(ranks)}]")
+               f"{earlier.get('op')}{before} on {earlier.get('stream')}")
+    latent = race.get("latent")
+    if latent:
+        message += (f" except through {latent.get('op')} at {latent.get('at')}, a host sync the program did not ask "
+                    "for")
+    message += f" [{nodeid}{_on(ranks)}]"
     return f"::{command}{props}title={_escape_property(title)}::{_escape_data(message)}"

@@ -1,8 +1,9 @@
 """The ``--streamrace-trace`` timeline: Chrome trace JSON (opens in Perfetto and chrome://tracing).
 
 One process track per rank, one thread track per stream, a slice per op, and a flow arrow from the earlier to the
-later access of every race. Time is the global launch order (a slice every TICK µs), not wall time: the detector
-reasons about order, and equal-width slices that never overlap keep each track well nested.
+later access of every race — latent races (``--streamrace-latent``) in a category and colour of their own, naming
+the read-back that orders them today. Time is the global launch order (a slice every TICK µs), not wall time: the
+detector reasons about order, and equal-width slices that never overlap keep each track well nested.
 Each rank builds its own events (``trace_events``) and ships them as JSON; ``chrome_trace`` merges them.
 """
 
@@ -16,6 +17,7 @@ from ..detector.hb import Op, Race
 from .record import short_path
 
 TICK = 10  # µs between consecutive launches
+LATENT_COLOUR = "yellow"  # a Chrome trace reserved colour name: latent races' flows and their read-backs
 DUR = 8  # µs per slice, < TICK so slices on a track never touch
 
 
@@ -51,13 +53,18 @@ def trace_events(timeline: Sequence[Op], races: Iterable[Race], stream_name: Cal
         first, second = slices.get(race.earlier.op), slices.get(race.later.op)
         if first is None or second is None:
             continue  # the race's ops are not in this timeline
-        what = f"{race.kind} on {race.later.tensor.name or 'tensor'}"
+        kind = f"latent {race.kind}" if race.latent else race.kind
+        what = f"{kind} on {race.later.tensor.name or 'tensor'}"
         status = statuses[flow_id - 1] if flow_id <= len(statuses) else "new"
         mark = "" if status == "new" else f" ({status})"
         what += mark
+        if race.latent:
+            what += f", ordered today only by {race.hidden_by.op} at {race.hidden_by.location()}"
         for end, other in ((first, second), (second, first)):
             end["args"].setdefault("races", []).append(f"{what} with {other['args']['location']}")
-        common = {"cat": "race", "name": race.kind + mark, "pid": pid, "id": flow_id}
+        common = {"cat": "latent race" if race.latent else "race", "name": kind + mark, "pid": pid, "id": flow_id}
+        if race.latent:
+            common["cname"] = LATENT_COLOUR
         events.append({**common, "ph": "s", "tid": first["tid"], "ts": first["ts"] + DUR // 2})
         events.append({**common, "ph": "f", "bp": "e", "tid": second["tid"], "ts": second["ts"] + DUR // 2})
     return events

@@ -201,14 +201,14 @@ class Collectives:
         current = self.current_stream()
         self.hb.wait_event(current, work)
         if work in self._barriers:
-            self.hb.synchronize_stream(current)
+            self.hb.synchronize_stream(current, implicit=self.tracker.explicit_sync("Work.wait()"))
 
     def _wrap(self, original):
         collectives = self
 
         def wait(work, *args, **kwargs):
             # Ops a backend runs inside wait() (gloo copying results out) are the collective's, not the caller's.
-            with collectives.tracker.paused():
+            with collectives.tracker.paused(), collectives.tracker.explicitly("Work.wait()"):
                 result = original(work, *args, **kwargs)
             collectives.waited(work)
             return result

@@ -8,6 +8,10 @@ hands them out round-robin later without a callback. The engine applies autograd
 nothing about autograd is modelled here: its ops and the events it records reach hb like everyone else's. Callbacks
 that order streams or the host first drain the ops captured so far (``capture``), so both land in the order they
 happened.
+
+A stream or device sync callback is an explicit sync only while one of the explicit Python APIs runs (``EXPLICIT``,
+patched to say so per thread, and ``Work.wait``, which the collectives model marks); any other — a read-back's copy, a
+data-dependent size — is an implicit one for the latent view (``hb``), named after the op that made it.
 """
 
 from __future__ import annotations
@@ -18,6 +22,16 @@ from ...patching import AttrPatch
 from .. import compile_time
 from ..frames import created_at, stack
 from ..hb import Site
+
+
+def EXPLICIT() -> list[tuple[object, str, str]]:  # noqa: N802 (a table, built once torch.cuda is there)
+    """(owner, attribute, name) of the APIs that synchronize because the program asked to: their syncs order the
+    host in both views (``wait_stream`` and ``wait_event`` order streams, not the host: no callback to classify)."""
+    out = [(torch.cuda, "synchronize", "torch.cuda.synchronize()"),
+           (torch.cuda.Stream, "synchronize", "Stream.synchronize()"),
+           (torch.cuda.Event, "synchronize", "Event.synchronize()"),
+           (torch.cuda.Event, "elapsed_time", "Event.elapsed_time()")]
+    return out  # Work.wait(): the collectives model marks it (it wraps Work.wait itself)
 
 
 class CudaStreams:
@@ -59,7 +73,7 @@ class CudaStreams:
     def _event_sync(self, event: int) -> None:
         self.tracker.drain()  # ops captured before the host waits are ordered before what it learns
         if not compile_time.active():  # the compiler's syncs are not the program's ordering
-            self.hb.synchronize_event(event)
+            self.hb.synchronize_event(event, implicit=self._intent())
 
     def _stream_sync(self, stream: int) -> None:
         if compile_time.active():  # the compiler's syncs are not the program's ordering
@@ -68,12 +82,24 @@ class CudaStreams:
         if self.tracker.sync_inside_op(stream):  # a read-back inside an op: lands right after the op's record
             return
         self.tracker.drain()
-        self.hb.synchronize_stream(stream)
+        self.hb.synchronize_stream(stream, implicit=self._intent())
 
     def _device_sync(self) -> None:
         self.tracker.drain()
         if not compile_time.active():  # the compiler's syncs are not the program's ordering
-            self.hb.synchronize_device()
+            self.hb.synchronize_device(implicit=self._intent())
+
+    def _intent(self) -> Site | None:
+        return self.tracker.sync_callback_site()
+
+    def _explicitly(self, name: str, original):
+        """`original`, marked on this thread as the explicit sync `name` while it runs (its sync callbacks)."""
+        explicitly = self.tracker.explicitly
+
+        def call(*args, **kwargs):
+            with explicitly(name):
+                return original(*args, **kwargs)
+        return call
 
     def _dealloc(self, ptr: int) -> None:
         if self.tracker.capturing:
@@ -107,7 +133,17 @@ class CudaStreams:
                     self.hb.record_stream(key, self.key(stream))
 
         return [AttrPatch(torch.cuda, "_sleep", _sleep), AttrPatch(torch.Tensor, "record_stream", record_stream),
-                AttrPatch(torch.cuda.Stream, "__new__", staticmethod(stream_new)), self]
+                AttrPatch(torch.cuda.Stream, "__new__", staticmethod(stream_new)),
+                *self._explicit_patches(), self]
+
+    def _explicit_patches(self) -> list:
+        """The explicit sync APIs (``EXPLICIT``), each marking its sync callbacks as explicit."""
+        patches = []
+        for owner, attr, name in EXPLICIT():
+            original = getattr(owner, attr, None)
+            if original is not None:
+                patches.append(AttrPatch(owner, attr, self._explicitly(name, original)))
+        return patches
 
     def install(self) -> None:
         import torch.cuda._gpu_trace as trace

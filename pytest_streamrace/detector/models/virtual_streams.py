@@ -66,11 +66,13 @@ class Stream:
 
     def query(self) -> bool:
         """Work is 'done' once the host asked: the host is then ordered after it, as after a synchronize."""
-        _model().hb.synchronize_stream(self)
+        model = _model()
+        model.hb.synchronize_stream(self, implicit=model.tracker.explicit_sync("Stream.query()"))
         return True
 
     def synchronize(self) -> None:
-        _model().hb.synchronize_stream(self)
+        model = _model()
+        model.hb.synchronize_stream(self, implicit=model.tracker.explicit_sync("Stream.synchronize()"))
 
     def __repr__(self) -> str:
         return f"<virtual torch.cuda.Stream: {self.name}>"
@@ -105,20 +107,23 @@ class Event:
         model.hb.wait_event(model.current() if stream is None else _check(stream), self)
 
     def query(self) -> bool:
-        _model().hb.synchronize_event(self)
+        model = _model()
+        model.hb.synchronize_event(self, implicit=model.tracker.explicit_sync("Event.query()"))
         return True
 
     def synchronize(self) -> None:
-        _model().hb.synchronize_event(self)
+        model = _model()
+        model.hb.synchronize_event(self, implicit=model.tracker.explicit_sync("Event.synchronize()"))
 
     def elapsed_time(self, end_event: "Event") -> float:
         """Milliseconds between the two records. CUDA answers only for completed events, so the host has learnt
         that both completed: ordered as by two queries (timing code such as DeepSpeed's timers relies on it)."""
         if self._recorded_at is None or end_event._recorded_at is None:
             raise RuntimeError("Both events must be recorded before calculating elapsed time.")
-        hb = _model().hb
-        hb.synchronize_event(self)
-        hb.synchronize_event(end_event)
+        model = _model()
+        implicit = model.tracker.explicit_sync("Event.elapsed_time()")
+        model.hb.synchronize_event(self, implicit=implicit)
+        model.hb.synchronize_event(end_event, implicit=implicit)
         return (end_event._recorded_at - self._recorded_at) * 1e3
 
     def __repr__(self) -> str:
@@ -164,7 +169,9 @@ def set_stream(stream: Stream | None) -> None:
 
 
 def synchronize(device=None) -> None:
-    _model().hb.synchronize_device()
+    """Explicit: it orders the host in both views, unless made from a file of the ``incidental-sync`` rule."""
+    model = _model()
+    model.hb.synchronize_device(implicit=model.tracker.explicit_sync("torch.cuda.synchronize()"))
 
 
 def _sleep(cycles: int) -> None:
