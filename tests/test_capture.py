@@ -260,7 +260,7 @@ def test_a_host_sync_inside_an_op_lands_right_after_that_op(extension):
     with capturing(extension) as (hb, tracker):
         hb.add_stream(7, "side")
         learnt = []
-        tracker.host_synced = lambda sync, stream: learnt.append((sync.name, stream))
+        tracker.host_synced = lambda sync, stream, frames=None: learnt.append((sync.name, stream))
         read_back(torch.ones(4))
         tracker.drain()
         outside = tracker.sync_inside_op(7)
