@@ -9,14 +9,7 @@
 # PART=cases (the twins and the hook experiment, ~5 min) or PART=bench (the benchmark, ~5 min) splits it in two runs
 # under the 10-minute limit of one device command; default: both.
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export TORCH_EXTENSIONS_DIR=/tmp/tex TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
-OUT=${OUT:-/tmp/streamrace-compile}; mkdir -p "$OUT"
-cd "$(dirname "$0")/../.."
-date -u; nvidia-smi -L
-python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-python3 -c "import pytest_streamrace.plugin" || exit 1
+. "$(dirname "$0")/setup.sh" compile
 pt="python3 -m pytest -p no:cacheprovider"
 PART=${PART:-all}
 if [ "$PART" != bench ]; then

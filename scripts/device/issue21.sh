@@ -6,13 +6,7 @@
 # 2. host-synchronizing read-backs: expected every clean_* passed and every racy_* failed (a failure of
 #    test_clean_non_blocking_copy_into_pageable_memory is the known capture-path gap, see the file's docstring).
 set -u
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export TORCH_EXTENSIONS_DIR=/tmp/tex TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
-OUT=${OUT:-/tmp/streamrace-issue21}; mkdir -p "$OUT"
-cd "$(dirname "$0")/../.."
-date -u; nvidia-smi -L
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-python3 -c "import pytest_streamrace.plugin" || exit 1
+. "$(dirname "$0")/setup.sh" issue21
 echo "== compiled functional collectives (cuda backend, NCCL)"
 timeout 300 python3 -m pytest -p no:cacheprovider tests/compile/funcol_cuda_cases.py --streamrace \
   --streamrace-backend=cuda -rA --streamrace-json "$OUT/races.json" > "$OUT/funcol.log" 2>&1; echo "exit $?"

@@ -9,14 +9,7 @@
 set -u
 part=${1:-}
 case "$part" in compile|issue21|latent) ;; *) echo "single_gpu.sh: unknown part '$part' (compile|issue21|latent)"; exit 2;; esac
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-export TORCH_EXTENSIONS_DIR=/tmp/tex TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-cache
-OUT=${OUT:-/tmp/streamrace-single}; mkdir -p "$OUT"
-cd "$(dirname "$0")/../.."
-date -u; nvidia-smi -L
-python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
-python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-python3 -c "import pytest_streamrace.plugin" || exit 1
+. "$(dirname "$0")/setup.sh" single
 pt="python3 -m pytest -p no:cacheprovider"
 case "$part" in
 compile)
