@@ -66,13 +66,15 @@ class Stream:
 
     def query(self) -> bool:
         """Work is 'done' once the host asked: the host is then ordered after it, as after a synchronize."""
-        model = _model()
-        model.hb.synchronize_stream(self, implicit=model.tracker.explicit_sync("Stream.query()"))
+        self._host_waits("Stream.query()")
         return True
 
     def synchronize(self) -> None:
+        self._host_waits("Stream.synchronize()")
+
+    def _host_waits(self, api: str) -> None:
         model = _model()
-        model.hb.synchronize_stream(self, implicit=model.tracker.explicit_sync("Stream.synchronize()"))
+        model.hb.synchronize_stream(self, implicit=model.tracker.explicit_sync(api))
 
     def __repr__(self) -> str:
         return f"<virtual torch.cuda.Stream: {self.name}>"
@@ -107,13 +109,15 @@ class Event:
         model.hb.wait_event(model.current() if stream is None else _check(stream), self)
 
     def query(self) -> bool:
-        model = _model()
-        model.hb.synchronize_event(self, implicit=model.tracker.explicit_sync("Event.query()"))
+        self._host_waits("Event.query()")
         return True
 
     def synchronize(self) -> None:
+        self._host_waits("Event.synchronize()")
+
+    def _host_waits(self, api: str) -> None:
         model = _model()
-        model.hb.synchronize_event(self, implicit=model.tracker.explicit_sync("Event.synchronize()"))
+        model.hb.synchronize_event(self, implicit=model.tracker.explicit_sync(api))
 
     def elapsed_time(self, end_event: "Event") -> float:
         """Milliseconds between the two records. CUDA answers only for completed events, so the host has learnt
