@@ -94,6 +94,7 @@ def _traced_tensors(types) -> bool:
     return all(_traced(t) for t in types if t not in _PLAIN)
 
 
+_NO_KWARGS: dict = {}  # shared, never written: ops without keyword arguments (most) allocate none
 _HANDLED = "handled"  # plan of ops a namespace handler models (collectives)
 _SKIPPED = "skipped"  # plan of ops that touch no bytes on any stream
 
@@ -384,14 +385,15 @@ class AccessTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         prior = _set_eval_frame(None)  # first: nothing below may become a frame dynamo tries to compile
         try:
-            if types and _subclasses(types):
-                if not _traced_tensors(types):
-                    # A wrapper subclass (DTensor, FSDP2's sharded parameters, float8): its own dispatch runs the op
-                    # on the plain tensors that hold the bytes, and those ops come back here.
-                    return NotImplemented
-                return func._op(*args, **(kwargs or {}))  # fake/functional tensors while tracing: no memory touched
+            for cls in types:  # a plain loop: most ops carry one or two plain classes
+                if cls not in _PLAIN:
+                    if not _traced_tensors(types):
+                        # A wrapper subclass (DTensor, FSDP2's sharded parameters, float8): its own dispatch runs
+                        # the op on the plain tensors that hold the bytes, and those ops come back here.
+                        return NotImplemented
+                    return func._op(*args, **(kwargs or {}))  # fake/functional tensors while tracing: no memory
             out = func._op(*args, **kwargs) if kwargs else func._op(*args)  # OpOverload.__call__, one frame less
-            if not self.enabled:
+            if getattr(self._paused, "on", False):  # not `enabled`: a property costs a call per op
                 return out
             plan = self._plans.get(func)
             if plan is None:
@@ -409,7 +411,7 @@ class AccessTracker(TorchDispatchMode):
                         if handler is not None:
                             handler(func, args, kwargs or {}, out)
                     else:
-                        self._record(plan, args, kwargs or {}, out)
+                        self._record(plan, args, kwargs or _NO_KWARGS, out)
                 except Exception as exc:  # never inside the user's test: this call goes unchecked, said once
                     self.note(f"{func.name()} is not checked: {type(exc).__name__}: {exc}")
             return out
@@ -431,27 +433,27 @@ class AccessTracker(TorchDispatchMode):
         the bytes each tensor's elements span. Notes writers, and the engine's record_stream of incoming gradients.
         """
         seen, names, last_writer = self.watched, self.names, self.last_writer
+        records = self.engine_records_streams
         for t, write in touched:
             span = byte_range(t)
             if span is None:
                 continue
-            start, end = span
             found = plain_storage(t)
             if found is None:
                 continue
-            key, storage = found
+            key = found[0]
             if key not in seen:
-                self._watch(key, storage)
+                self._watch(key, found[1])
             if write:
                 last_writer[key] = stream
-            elif self.engine_records_streams and last_writer.get(key, stream) != stream \
-                    and _current_autograd_node() is not None:
+            elif records and last_writer.get(key, stream) != stream and _current_autograd_node() is not None:
                 self.hb.record_stream(key, stream)  # read inside a node: taken as one of its incoming gradients
-            accesses.append((key, start, end, write, (t.shape, t.dtype, names.get(key))))
+            accesses.append((key, span[0], span[1], write, (t.shape, t.dtype, names.get(key) if names else None)))
         return accesses
 
     def _record(self, plan, args, kwargs, out) -> None:
-        # The hottest code of the detector: every op that touches memory passes here.
+        # The hottest code of the detector: every op that touches memory passes here. Inlined on purpose (each
+        # helper call, list and tuple per tensor shows in a launch-bound step); `_accesses` is the readable twin.
         name, inputs, fresh_returns, writes_output = plan
         if name == "aten::copy_" and _onto_itself(args):
             return  # ATen returns before launching anything: no access
@@ -465,12 +467,14 @@ class AccessTracker(TorchDispatchMode):
                     touched.append((value, write))
             elif isinstance(value, (list, tuple)):
                 touched.extend((v, write) for v in value if isinstance(v, Tensor) and on_device(v))
-        fresh: list[torch.Tensor] = []
+        fresh = None
         if fresh_returns:
-            results = out if isinstance(out, (tuple, list)) and len(fresh_returns) == len(out) else (out,)
-            for is_fresh, value in zip(fresh_returns, results):
-                if is_fresh:
-                    fresh.extend(t for t in _tensors(value) if on_device(t))
+            if len(fresh_returns) == 1 and isinstance(out, Tensor):
+                fresh = (out,) if fresh_returns[0] and on_device(out) else None
+            else:
+                results = out if isinstance(out, (tuple, list)) and len(fresh_returns) == len(out) else (out,)
+                fresh = [t for is_fresh, value in zip(fresh_returns, results) if is_fresh
+                         for t in _tensors(value) if on_device(t)]
         if not touched and not fresh:
             return
         stream = self.current_stream()
@@ -482,8 +486,27 @@ class AccessTracker(TorchDispatchMode):
                     break
         accesses = self._accesses(touched, stream, []) if touched else []
         allocs: list[tuple] = []
-        for t in fresh:
-            self._fresh(t, stream, writes_output, allocs, accesses)
+        if fresh:
+            watched = self.watched
+            for t in fresh:
+                # a fresh output: its storage is allocated by this op (unless already known), and written by it
+                # unless the op runs no kernel (empty*)
+                span = byte_range(t)
+                if span is None:
+                    continue
+                found = plain_storage(t)
+                if found is None:
+                    continue
+                key, storage = found
+                desc = (t.shape, t.dtype, None)
+                if key not in watched:
+                    self._watch(key, storage)
+                    allocs.append((key, storage.nbytes(), desc))
+                elif self.names:
+                    desc = (desc[0], desc[1], self.names.get(key))
+                if writes_output:
+                    self.last_writer[key] = stream
+                    accesses.append((key, span[0], span[1], True, desc))
         _, races = self.hb.record(stream, self._site(name), accesses, allocs)
         if races:
             self._report(races)
@@ -510,21 +533,6 @@ class AccessTracker(TorchDispatchMode):
     def host_synced(self, sync: host_sync.HostSync, stream: Hashable) -> None:
         """The host waited for `stream` inside a read-back (`sync`: the ``host_sync`` entry that names it)."""
         self.hb.synchronize_stream(stream)
-
-    def _fresh(self, t: torch.Tensor, stream, writes_output: bool, allocs: list, accesses: list) -> None:
-        """A fresh output: its storage is allocated by this op (unless it was already known), and written by it
-        unless the op runs no kernel (empty*)."""
-        if t.numel() == 0:
-            return
-        found = plain_storage(t)
-        if found is None:
-            return
-        key, storage = found
-        if key not in self.watched:
-            self._watch(key, storage)
-            allocs.append((key, storage.nbytes(), (t.shape, t.dtype, None)))
-        if writes_output:
-            self._accesses([(t, True)], stream, accesses)
 
 
 skip_in_dynamo(AccessTracker.__torch_dispatch__, AccessTracker._dead)  # called from C++ inside compiled regions

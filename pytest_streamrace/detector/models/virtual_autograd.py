@@ -54,12 +54,12 @@ class _NewNodes(TorchFunctionMode):
         self.model = model
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if torch.compiler.is_compiling():  # traced, not run: compiled code's nodes are bound when it runs
-            return func(*args, **(kwargs or {}))
-        out = func(*args, **(kwargs or {}))
+        out = func(*args, **kwargs) if kwargs else func(*args)
         if torch.is_grad_enabled():
             nodes = _grad_fns(out)
-            if nodes:
+            # traced, not run, while compiling: compiled code's nodes are bound when it runs (asked last: it costs
+            # more than the rest, and most calls create no node)
+            if nodes and not torch.compiler.is_compiling():
                 self.model.adopt(nodes)
         return out
 
