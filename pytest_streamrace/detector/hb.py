@@ -242,6 +242,12 @@ class HappensBefore:
         with self._lock:
             self._stream(stream).name = name
 
+    @property
+    def frees_can_race(self) -> bool:
+        """Whether a free may yet be judged or traced (its site read): not while one stream at most has been seen,
+        since a storage used on its allocation stream alone has no hazard."""
+        return self._trace or len(self._streams) > 1
+
     def stream_name(self, stream) -> str:
         state = self._streams.get(stream)
         return state.name if state is not None else str(stream)

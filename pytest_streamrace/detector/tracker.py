@@ -188,11 +188,12 @@ class AccessTracker(TorchDispatchMode):
         self.redirect: dict[Hashable, Hashable] = {}  # storage key -> stream of the next op reading it (autograd)
         self.watched: dict[Hashable, weakref.ref | None] = {}  # storages alive and known -> their weak reference
         self._ref_keys: dict[weakref.ref, Hashable] = {}
+        self._on_dead = self._dead  # one bound method for every weak reference, not one each
         self._frees: collections.deque = collections.deque()
         self._lock = threading.RLock()
         self._paused = threading.local()  # per thread: one thread modelling work by hand pauses only itself
         self._capture = None  # the C++ capture (cuda stream model), when it replaces this dispatch mode
-        self._plans: dict = {}  # op -> _plan(...)
+        self._plans: dict = {}  # OpOverload._op -> _plan(...)
         self.notes: list[str] = []  # what could not be modelled and was skipped, once each
         self.on_note: Callable[[str], None] | None = None  # told each new note (a child process passes it on)
         # Real autograd (cuda model): the engine record_stream()s a gradient produced on one stream for the stream
@@ -252,9 +253,9 @@ class AccessTracker(TorchDispatchMode):
             func = getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
         except AttributeError:
             return None
-        plan = self._plans.get(func)
+        plan = self._plans.get(func._op)
         if plan is None:
-            plan = self._plans[func] = _plan(func)
+            plan = self._plans[func._op] = _plan(func)
         if plan is _HANDLED:
             return "handled" if namespace in self.namespace_handlers else None
         if plan is _SKIPPED:
@@ -328,14 +329,16 @@ class AccessTracker(TorchDispatchMode):
     def _watch(self, key: Hashable, storage) -> None:
         ref = None
         if self.track_frees:
-            ref = weakref.ref(storage, self._dead)
+            ref = weakref.ref(storage, self._on_dead)
             self._ref_keys[ref] = key
         self.watched[key] = ref
 
     def _dead(self, ref: weakref.ref) -> None:
         key = self._ref_keys.pop(ref, None)
         if key is not None and self.watched.get(key) is ref:
-            self.note_free(key, Site("free", stack()))
+            # a free's site is read only by a free-while-in-use race or a trace: neither exists while every access
+            # so far ran on one stream, so the stack (a third of a free's cost) is taken only where they can
+            self.note_free(key, Site("free", stack() if self.hb.frees_can_race else ()))
 
     def note_free(self, key: Hashable, site: Site) -> None:
         """The storage's memory went back to the allocator. Queued, not applied: this may run inside a garbage
@@ -392,12 +395,13 @@ class AccessTracker(TorchDispatchMode):
                         # the op on the plain tensors that hold the bytes, and those ops come back here.
                         return NotImplemented
                     return func._op(*args, **(kwargs or {}))  # fake/functional tensors while tracing: no memory
-            out = func._op(*args, **kwargs) if kwargs else func._op(*args)  # OpOverload.__call__, one frame less
+            op = func._op  # the C++ callable: OpOverload.__call__ is one frame more, its __hash__ a Python call
+            out = op(*args, **kwargs) if kwargs else op(*args)
             if getattr(self._paused, "on", False):  # not `enabled`: a property costs a call per op
                 return out
-            plan = self._plans.get(func)
+            plan = self._plans.get(op)
             if plan is None:
-                plan = self._plans[func] = _plan(func)
+                plan = self._plans[op] = _plan(func)
             if plan is _SKIPPED:
                 return out
             # Reading tensors' metadata must not go through torch function modes (torch.device("cuda") as a

@@ -40,9 +40,13 @@ MISMATCH = ("The AccumulateGrad node's stream does not match the stream of the n
             "gradient.")  # torch's own wording (input_buffer.cpp), so filters written for torch's warning apply
 
 
+_grad_enabled = torch.is_grad_enabled  # per call of every torch function: one attribute load less
+
+
 def _grad_fns(out) -> list:
     if isinstance(out, torch.Tensor):
-        return [out.grad_fn] if out.grad_fn is not None else []
+        node = out.grad_fn
+        return [node] if node is not None else []
     if isinstance(out, (tuple, list)):
         return [t.grad_fn for t in out if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     return []
@@ -55,7 +59,7 @@ class _NewNodes(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **kwargs) if kwargs else func(*args)
-        if torch.is_grad_enabled():
+        if _grad_enabled():
             nodes = _grad_fns(out)
             # traced, not run, while compiling: compiled code's nodes are bound when it runs (asked last: it costs
             # more than the rest, and most calls create no node)
