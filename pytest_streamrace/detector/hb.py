@@ -243,6 +243,11 @@ class HappensBefore:
             self._stream(stream).name = name
 
     @property
+    def stream_count(self) -> int:
+        """How many streams have been seen (named, launched on or ordered)."""
+        return len(self._streams)
+
+    @property
     def frees_can_race(self) -> bool:
         """Whether a free may yet be judged or traced (its site read): not while one stream at most has been seen,
         since a storage used on its allocation stream alone has no hazard."""
