@@ -213,7 +213,7 @@ class _Storage:
         self.alloc_site = alloc_site
         self.tensor = tensor
         self.history: list[tuple] = []  # (op, start, end, write, tensor), oldest first
-        self.used_on: set = set()  # streams named by record_stream
+        self.used_on: set | tuple = ()  # streams named by record_stream (a set once one is; most never are)
 
 
 class HappensBefore:
@@ -486,6 +486,8 @@ class HappensBefore:
             st = self._storages.get(storage)
             if st is None:
                 st = self._storages[storage] = _Storage()
+            if not st.used_on:
+                st.used_on = set()
             st.used_on.add(stream)
 
     def free(self, storage: Hashable, site: Site) -> list[Race]:
@@ -501,10 +503,16 @@ class HappensBefore:
             if st is None or st.alloc_stream is None:
                 return []
             stream = st.alloc_stream
-            others = [rec for rec in st.history if rec[0].stream != stream and rec[0].stream not in st.used_on]
             self._seq += 1
+            for rec in st.history:  # the common case, used on its own stream only: no list built
+                if rec[0].stream != stream:
+                    break
+            else:
+                if not self._trace:
+                    return []  # nothing to judge, no op to keep
+            others = [rec for rec in st.history if rec[0].stream != stream and rec[0].stream not in st.used_on]
             if not others and not self._trace:
-                return []  # the common case, used on its own stream only: nothing to judge, no op to keep
+                return []
             state = self._stream(stream)
             safe = _merge(self._host, state.now())  # ordered before any reuse of the block
             hazards = [Access(a_op, storage, a_start, a_end, a_write, TensorInfo.of(a_tensor))

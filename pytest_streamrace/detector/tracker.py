@@ -358,9 +358,12 @@ class AccessTracker(TorchDispatchMode):
     def _freed(self, key: Hashable, site: Site) -> None:
         if self.watched.pop(key, False) is False:
             return  # never touched by a tracked op
-        self.names.pop(key, None)
+        if self.names:
+            self.names.pop(key, None)
         self.last_writer.pop(key, None)
-        self._report(self.hb.free(key, site))
+        races = self.hb.free(key, site)
+        if races:
+            self._report(races)
 
     def detach(self) -> None:
         """Stop watching storages (the session ends): no callback fires into a finished detector."""
