@@ -59,11 +59,11 @@ class _NewNodes(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **kwargs) if kwargs else func(*args)
-        if _grad_enabled():
+        # traced, not run, while compiling: compiled code's nodes are bound when it runs (asked before reading
+        # grad_fn, which dynamo cannot trace)
+        if _grad_enabled() and not torch.compiler.is_compiling():
             nodes = _grad_fns(out)
-            # traced, not run, while compiling: compiled code's nodes are bound when it runs (asked last: it costs
-            # more than the rest, and most calls create no node)
-            if nodes and not torch.compiler.is_compiling():
+            if nodes:
                 self.model.adopt(nodes)
         return out
 
