@@ -83,11 +83,6 @@ def plain_storage(t: torch.Tensor):
     return (key, storage) if key else None
 
 
-def _subclasses(types) -> bool:
-    """Whether an op's arguments include a tensor subclass (plain tensors can carry the Python key too)."""
-    return any(t not in _PLAIN for t in types)
-
-
 def _traced_tensors(types) -> bool:
     """Whether an op's subclass arguments are tracing's own (fake and functional tensors while compiling): their
     dispatch needs their mode, not ours, and runs no kernel on real memory."""
@@ -391,7 +386,7 @@ class AccessTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         prior = _set_eval_frame(None)  # first: nothing below may become a frame dynamo tries to compile
         try:
-            for cls in types:  # a plain loop: most ops carry one or two plain classes
+            for cls in types:  # any subclass? (plain tensors can carry the Python key too) A loop, no generator
                 if cls not in _PLAIN:
                     if not _traced_tensors(types):
                         # A wrapper subclass (DTensor, FSDP2's sharded parameters, float8): its own dispatch runs
@@ -459,8 +454,8 @@ class AccessTracker(TorchDispatchMode):
         return accesses
 
     def _record(self, plan, args, kwargs, out) -> None:
-        # The hottest code of the detector: every op that touches memory passes here. Inlined on purpose (each
-        # helper call, list and tuple per tensor shows in a launch-bound step); `_accesses` is the readable twin.
+        # The hottest code of the detector: every op that touches memory passes here. Kept flat on purpose: a helper
+        # call or a list per tensor shows in a launch-bound step (docs/performance.md).
         name, inputs, fresh_returns, writes_output = plan
         if name == "aten::copy_" and _onto_itself(args):
             return  # ATen returns before launching anything: no access
