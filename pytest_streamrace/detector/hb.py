@@ -213,7 +213,7 @@ class _Storage:
         self.alloc_site = alloc_site
         self.tensor = tensor
         self.history: list[tuple] = []  # (op, start, end, write, tensor), oldest first
-        self.used_on: set = set()  # streams named by record_stream
+        self.used_on: set | tuple = ()  # streams named by record_stream (a set once one is; most never are)
 
 
 class HappensBefore:
@@ -241,6 +241,17 @@ class HappensBefore:
     def add_stream(self, stream: Hashable, name: str) -> None:
         with self._lock:
             self._stream(stream).name = name
+
+    @property
+    def stream_count(self) -> int:
+        """How many streams have been seen (named, launched on or ordered)."""
+        return len(self._streams)
+
+    @property
+    def frees_can_race(self) -> bool:
+        """Whether a free may yet be judged or traced (its site read): not while one stream at most has been seen,
+        since a storage used on its allocation stream alone has no hazard."""
+        return self._trace or len(self._streams) > 1
 
     def stream_name(self, stream) -> str:
         state = self._streams.get(stream)
@@ -475,6 +486,8 @@ class HappensBefore:
             st = self._storages.get(storage)
             if st is None:
                 st = self._storages[storage] = _Storage()
+            if not st.used_on:
+                st.used_on = set()
             st.used_on.add(stream)
 
     def free(self, storage: Hashable, site: Site) -> list[Race]:
@@ -490,10 +503,16 @@ class HappensBefore:
             if st is None or st.alloc_stream is None:
                 return []
             stream = st.alloc_stream
-            others = [rec for rec in st.history if rec[0].stream != stream and rec[0].stream not in st.used_on]
             self._seq += 1
+            for rec in st.history:  # the common case, used on its own stream only: no list built
+                if rec[0].stream != stream:
+                    break
+            else:
+                if not self._trace:
+                    return []  # nothing to judge, no op to keep
+            others = [rec for rec in st.history if rec[0].stream != stream and rec[0].stream not in st.used_on]
             if not others and not self._trace:
-                return []  # the common case, used on its own stream only: nothing to judge, no op to keep
+                return []
             state = self._stream(stream)
             safe = _merge(self._host, state.now())  # ordered before any reuse of the block
             hazards = [Access(a_op, storage, a_start, a_end, a_write, TensorInfo.of(a_tensor))

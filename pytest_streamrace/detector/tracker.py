@@ -83,17 +83,13 @@ def plain_storage(t: torch.Tensor):
     return (key, storage) if key else None
 
 
-def _subclasses(types) -> bool:
-    """Whether an op's arguments include a tensor subclass (plain tensors can carry the Python key too)."""
-    return any(t not in _PLAIN for t in types)
-
-
 def _traced_tensors(types) -> bool:
     """Whether an op's subclass arguments are tracing's own (fake and functional tensors while compiling): their
     dispatch needs their mode, not ours, and runs no kernel on real memory."""
     return all(_traced(t) for t in types if t not in _PLAIN)
 
 
+_NO_KWARGS: dict = {}  # shared, never written: ops without keyword arguments (most) allocate none
 _HANDLED = "handled"  # plan of ops a namespace handler models (collectives)
 _SKIPPED = "skipped"  # plan of ops that touch no bytes on any stream
 
@@ -187,11 +183,12 @@ class AccessTracker(TorchDispatchMode):
         self.redirect: dict[Hashable, Hashable] = {}  # storage key -> stream of the next op reading it (autograd)
         self.watched: dict[Hashable, weakref.ref | None] = {}  # storages alive and known -> their weak reference
         self._ref_keys: dict[weakref.ref, Hashable] = {}
+        self._on_dead = self._dead  # one bound method for every weak reference, not one each
         self._frees: collections.deque = collections.deque()
         self._lock = threading.RLock()
         self._paused = threading.local()  # per thread: one thread modelling work by hand pauses only itself
         self._capture = None  # the C++ capture (cuda stream model), when it replaces this dispatch mode
-        self._plans: dict = {}  # op -> _plan(...)
+        self._plans: dict = {}  # OpOverload._op -> _plan(...)
         self.notes: list[str] = []  # what could not be modelled and was skipped, once each
         self.on_note: Callable[[str], None] | None = None  # told each new note (a child process passes it on)
         # Real autograd (cuda model): the engine record_stream()s a gradient produced on one stream for the stream
@@ -261,9 +258,9 @@ class AccessTracker(TorchDispatchMode):
             func = getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
         except AttributeError:
             return None
-        plan = self._plans.get(func)
+        plan = self._plans.get(func._op)
         if plan is None:
-            plan = self._plans[func] = _plan(func)
+            plan = self._plans[func._op] = _plan(func)
         if plan is _HANDLED:
             return "handled" if namespace in self.namespace_handlers else None
         if plan is _SKIPPED:
@@ -342,14 +339,16 @@ class AccessTracker(TorchDispatchMode):
     def _watch(self, key: Hashable, storage) -> None:
         ref = None
         if self.track_frees:
-            ref = weakref.ref(storage, self._dead)
+            ref = weakref.ref(storage, self._on_dead)
             self._ref_keys[ref] = key
         self.watched[key] = ref
 
     def _dead(self, ref: weakref.ref) -> None:
         key = self._ref_keys.pop(ref, None)
         if key is not None and self.watched.get(key) is ref:
-            self.note_free(key, Site("free", stack()))
+            # a free's site is read only by a free-while-in-use race or a trace: neither exists while every access
+            # so far ran on one stream, so the stack (a third of a free's cost) is taken only where they can
+            self.note_free(key, Site("free", stack() if self.hb.frees_can_race else ()))
 
     def note_free(self, key: Hashable, site: Site) -> None:
         """The storage's memory went back to the allocator. Queued, not applied: this may run inside a garbage
@@ -369,9 +368,12 @@ class AccessTracker(TorchDispatchMode):
     def _freed(self, key: Hashable, site: Site) -> None:
         if self.watched.pop(key, False) is False:
             return  # never touched by a tracked op
-        self.names.pop(key, None)
+        if self.names:
+            self.names.pop(key, None)
         self.last_writer.pop(key, None)
-        self._report(self.hb.free(key, site))
+        races = self.hb.free(key, site)
+        if races:
+            self._report(races)
 
     def detach(self) -> None:
         """Stop watching storages (the session ends): no callback fires into a finished detector."""
@@ -399,18 +401,20 @@ class AccessTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         prior = _set_eval_frame(None)  # first: nothing below may become a frame dynamo tries to compile
         try:
-            if types and _subclasses(types):
-                if not _traced_tensors(types):
-                    # A wrapper subclass (DTensor, FSDP2's sharded parameters, float8): its own dispatch runs the op
-                    # on the plain tensors that hold the bytes, and those ops come back here.
-                    return NotImplemented
-                return func._op(*args, **(kwargs or {}))  # fake/functional tensors while tracing: no memory touched
-            out = func._op(*args, **kwargs) if kwargs else func._op(*args)  # OpOverload.__call__, one frame less
-            if not self.enabled:
+            for cls in types:  # any subclass? (plain tensors can carry the Python key too) A loop, no generator
+                if cls not in _PLAIN:
+                    if not _traced_tensors(types):
+                        # A wrapper subclass (DTensor, FSDP2's sharded parameters, float8): its own dispatch runs
+                        # the op on the plain tensors that hold the bytes, and those ops come back here.
+                        return NotImplemented
+                    return func._op(*args, **(kwargs or {}))  # fake/functional tensors while tracing: no memory
+            op = func._op  # the C++ callable: OpOverload.__call__ is one frame more, its __hash__ a Python call
+            out = op(*args, **kwargs) if kwargs else op(*args)
+            if getattr(self._paused, "on", False):  # not `enabled`: a property costs a call per op
                 return out
-            plan = self._plans.get(func)
+            plan = self._plans.get(op)
             if plan is None:
-                plan = self._plans[func] = _plan(func)
+                plan = self._plans[op] = _plan(func)
             if plan is _SKIPPED:
                 return out
             # Reading tensors' metadata must not go through torch function modes (torch.device("cuda") as a
@@ -424,7 +428,7 @@ class AccessTracker(TorchDispatchMode):
                         if handler is not None:
                             handler(func, args, kwargs or {}, out)
                     else:
-                        self._record(plan, args, kwargs or {}, out)
+                        self._record(plan, args, kwargs or _NO_KWARGS, out)
                 except Exception as exc:  # never inside the user's test: this call goes unchecked, said once
                     self.note(f"{func.name()} is not checked: {type(exc).__name__}: {exc}")
             return out
@@ -446,27 +450,27 @@ class AccessTracker(TorchDispatchMode):
         the bytes each tensor's elements span. Notes writers, and the engine's record_stream of incoming gradients.
         """
         seen, names, last_writer = self.watched, self.names, self.last_writer
+        records = self.engine_records_streams
         for t, write in touched:
             span = byte_range(t)
             if span is None:
                 continue
-            start, end = span
             found = plain_storage(t)
             if found is None:
                 continue
-            key, storage = found
+            key = found[0]
             if key not in seen:
-                self._watch(key, storage)
+                self._watch(key, found[1])
             if write:
                 last_writer[key] = stream
-            elif self.engine_records_streams and last_writer.get(key, stream) != stream \
-                    and _current_autograd_node() is not None:
+            elif records and last_writer.get(key, stream) != stream and _current_autograd_node() is not None:
                 self.hb.record_stream(key, stream)  # read inside a node: taken as one of its incoming gradients
-            accesses.append((key, start, end, write, (t.shape, t.dtype, names.get(key))))
+            accesses.append((key, span[0], span[1], write, (t.shape, t.dtype, names.get(key) if names else None)))
         return accesses
 
     def _record(self, plan, args, kwargs, out) -> None:
-        # The hottest code of the detector: every op that touches memory passes here.
+        # The hottest code of the detector: every op that touches memory passes here. Kept flat on purpose: a helper
+        # call or a list per tensor shows in a launch-bound step (docs/performance.md).
         name, inputs, fresh_returns, writes_output = plan
         if name == "aten::copy_" and _onto_itself(args):
             return  # ATen returns before launching anything: no access
@@ -480,12 +484,14 @@ class AccessTracker(TorchDispatchMode):
                     touched.append((value, write))
             elif isinstance(value, (list, tuple)):
                 touched.extend((v, write) for v in value if isinstance(v, Tensor) and on_device(v))
-        fresh: list[torch.Tensor] = []
+        fresh = None
         if fresh_returns:
-            results = out if isinstance(out, (tuple, list)) and len(fresh_returns) == len(out) else (out,)
-            for is_fresh, value in zip(fresh_returns, results):
-                if is_fresh:
-                    fresh.extend(t for t in _tensors(value) if on_device(t))
+            if len(fresh_returns) == 1 and isinstance(out, Tensor):
+                fresh = (out,) if fresh_returns[0] and on_device(out) else None
+            else:
+                results = out if isinstance(out, (tuple, list)) and len(fresh_returns) == len(out) else (out,)
+                fresh = [t for is_fresh, value in zip(fresh_returns, results) if is_fresh
+                         for t in _tensors(value) if on_device(t)]
         if not touched and not fresh:
             return
         if self._unnamed_sync is not None:
@@ -499,8 +505,27 @@ class AccessTracker(TorchDispatchMode):
                     break
         accesses = self._accesses(touched, stream, []) if touched else []
         allocs: list[tuple] = []
-        for t in fresh:
-            self._fresh(t, stream, writes_output, allocs, accesses)
+        if fresh:
+            watched = self.watched
+            for t in fresh:
+                # a fresh output: its storage is allocated by this op (unless already known), and written by it
+                # unless the op runs no kernel (empty*)
+                span = byte_range(t)
+                if span is None:
+                    continue
+                found = plain_storage(t)
+                if found is None:
+                    continue
+                key, storage = found
+                desc = (t.shape, t.dtype, None)
+                if key not in watched:
+                    self._watch(key, storage)
+                    allocs.append((key, storage.nbytes(), desc))
+                elif self.names:
+                    desc = (desc[0], desc[1], self.names.get(key))
+                if writes_output:
+                    self.last_writer[key] = stream
+                    accesses.append((key, span[0], span[1], True, desc))
         _, races = self.hb.record(stream, self._site(name), accesses, allocs)
         if races:
             self._report(races)
@@ -569,21 +594,6 @@ class AccessTracker(TorchDispatchMode):
         site, self._unnamed_sync = self._unnamed_sync, None
         sync = self.host_syncs.get(op)
         site.op = sync.name if sync is not None else op
-
-    def _fresh(self, t: torch.Tensor, stream, writes_output: bool, allocs: list, accesses: list) -> None:
-        """A fresh output: its storage is allocated by this op (unless it was already known), and written by it
-        unless the op runs no kernel (empty*)."""
-        if t.numel() == 0:
-            return
-        found = plain_storage(t)
-        if found is None:
-            return
-        key, storage = found
-        if key not in self.watched:
-            self._watch(key, storage)
-            allocs.append((key, storage.nbytes(), (t.shape, t.dtype, None)))
-        if writes_output:
-            self._accesses([(t, True)], stream, accesses)
 
 
 skip_in_dynamo(AccessTracker.__torch_dispatch__, AccessTracker._dead)  # called from C++ inside compiled regions

@@ -40,9 +40,13 @@ MISMATCH = ("The AccumulateGrad node's stream does not match the stream of the n
             "gradient.")  # torch's own wording (input_buffer.cpp), so filters written for torch's warning apply
 
 
+_grad_enabled = torch.is_grad_enabled  # per call of every torch function: one attribute load less
+
+
 def _grad_fns(out) -> list:
     if isinstance(out, torch.Tensor):
-        return [out.grad_fn] if out.grad_fn is not None else []
+        node = out.grad_fn
+        return [node] if node is not None else []
     if isinstance(out, (tuple, list)):
         return [t.grad_fn for t in out if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     return []
@@ -54,10 +58,10 @@ class _NewNodes(TorchFunctionMode):
         self.model = model
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        if torch.compiler.is_compiling():  # traced, not run: compiled code's nodes are bound when it runs
-            return func(*args, **(kwargs or {}))
-        out = func(*args, **(kwargs or {}))
-        if torch.is_grad_enabled():
+        out = func(*args, **kwargs) if kwargs else func(*args)
+        # traced, not run, while compiling: compiled code's nodes are bound when it runs (asked before reading
+        # grad_fn, which dynamo cannot trace)
+        if _grad_enabled() and not torch.compiler.is_compiling():
             nodes = _grad_fns(out)
             if nodes:
                 self.model.adopt(nodes)
@@ -79,6 +83,7 @@ class VirtualAutograd:
         self._mode: _NewNodes | None = None
         self._saved: list = []
         self._mismatches: set = set()  # (node stream, producer stream) pairs already warned about
+        self._deferred = False  # whether `adopt` left nodes without their hooks (one stream seen then)
         self.active = False
 
     # graph nodes
@@ -89,8 +94,15 @@ class VirtualAutograd:
         return tag[1] if tag is not None and tag[0] is self._token else None
 
     def adopt(self, nodes: list) -> None:
+        """Bind new graph nodes to the current stream. While the session has seen one stream, the hooks wait: with
+        every node on that stream they would only set the stream already current, and two hooks a node cost more
+        than the op that made it. The first backward after a second stream appears registers them (`_hook_deferred`).
+        """
         stream = self.streams.current()
         stack = list(nodes)
+        hooked = self.hb.stream_count > 1
+        if not hooked:
+            self._deferred = True
         ref = weakref.ref(self)
         while stack:
             node = stack.pop()
@@ -100,17 +112,45 @@ class VirtualAutograd:
             tag = meta.get(_TAG)
             if tag is not None and tag[0] is self._token:
                 continue
-            meta[_TAG] = (self._token, stream)
-            node.register_prehook(_prehook(ref, stream, node.name() == "torch::autograd::AccumulateGrad"))
-            edges = []
-            for next_node, input_nr in node.next_functions:
-                if next_node is None:
-                    edges.append(None)
-                    continue
-                edges.append((id(next_node.metadata), input_nr, self.node_stream(next_node) or stream))
-                stack.append(next_node)
-            if edges:
-                node.register_hook(_posthook(ref, stream, edges))
+            meta[_TAG] = (self._token, stream, hooked)
+            if hooked:
+                self._hook(ref, node, stream)
+            for next_node, _ in node.next_functions:
+                if next_node is not None:
+                    stack.append(next_node)
+
+    def _hook(self, ref, node, stream) -> None:
+        """The pre-hook that enters the node's stream, and the post-hook that follows its gradients."""
+        node.register_prehook(_prehook(ref, stream, node.name() == "torch::autograd::AccumulateGrad"))
+        edges = []
+        for next_node, input_nr in node.next_functions:
+            if next_node is None:
+                edges.append(None)
+                continue
+            edges.append((id(next_node.metadata), input_nr, self.node_stream(next_node) or stream))
+        if edges:
+            node.register_hook(_posthook(ref, stream, edges))
+
+    def _hook_deferred(self, outputs) -> None:
+        """Register the hooks `adopt` deferred on the nodes this backward may run (a second stream exists now)."""
+        ref = weakref.ref(self)
+        roots = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        # tensors, or GradientEdges (node, output number)
+        stack = [r.grad_fn if isinstance(r, torch.Tensor) else getattr(r, "node", None) for r in roots]
+        seen = set()
+        while stack:
+            node = stack.pop()
+            if node is None:
+                continue
+            meta = node.metadata
+            if id(meta) in seen:
+                continue
+            seen.add(id(meta))
+            tag = meta.get(_TAG)
+            if tag is not None and tag[0] is self._token and not tag[2]:
+                meta[_TAG] = (self._token, tag[1], True)
+                self._hook(ref, node, tag[1])
+            stack.extend(next_node for next_node, _ in node.next_functions)
 
     def adopt_outputs(self, out) -> None:
         """A compiled graph ran: bind the autograd nodes its outputs carry (and the new ones behind them) to the
@@ -181,6 +221,8 @@ class VirtualAutograd:
         def wrapper(*args, **kwargs):
             if not self.active:
                 return run_backward(*args, **kwargs)
+            if self._deferred and self.hb.stream_count > 1:
+                self._hook_deferred(args[0] if args else kwargs.get("t_outputs", ()))
             caller = self.streams.current()
             frame = _Backward()
             frames = self._tls.__dict__.setdefault("frames", [])
