@@ -19,7 +19,9 @@ ones sync through ``cudaStreamSynchronize`` there, which torch's GPU trace repor
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 from typing import Callable
 
 Rule = Callable[[tuple, dict, str], bool]  # (args, kwargs, modelled device type) -> whether the host waits
@@ -138,14 +140,13 @@ METHODS: dict[str, HostSync] = {
 IMPLICIT = "an implicit host sync"  # the name of a sync the cuda model could not tie to an op
 
 
-def _in_file(path: str, glob: str) -> bool:
-    """A glob against a whole path or a trailing part of one (``deepspeed/utils/timer.py``)."""
-    from fnmatch import fnmatchcase
-
-    path = path.replace("\\", "/")
+def path_matches(path: str, glob: str) -> bool:
+    """A glob against a whole path or a trailing part of one (``deepspeed/utils/timer.py``); the suppression rules'
+    ``file:`` terms match the same way."""
+    path = path.replace(os.sep, "/")
     return fnmatchcase(path, glob) or fnmatchcase(path, "*/" + glob.lstrip("/"))
 
 
 def incidental(frames, globs) -> bool:
     """Whether a sync whose user frames (innermost first) are `frames` was made from one of the files `globs` name."""
-    return any(_in_file(filename, glob) for filename, _, _ in frames for glob in globs)
+    return any(path_matches(filename, glob) for filename, _, _ in frames for glob in globs)

@@ -56,6 +56,7 @@ from fnmatch import fnmatchcase
 import pytest
 
 from .. import options
+from ..detector.host_sync import path_matches
 
 NEW, SUPPRESSED, BASELINE, EXPECTED = "new", "suppressed", "baseline", "expected"
 _policy_key = pytest.StashKey["Policy"]()
@@ -157,16 +158,11 @@ def _frames(race: dict) -> list[dict]:
     return [f for side in ("earlier", "later") for f in (race.get(side) or {}).get("frames") or ()]
 
 
-def _path_matches(path: str, glob: str) -> bool:
-    path = path.replace(os.sep, "/")
-    return fnmatchcase(path, glob) or fnmatchcase(path, "*/" + glob.lstrip("/"))
-
-
 def _term(key: str, glob: str, race: dict) -> bool:
     if key == "kind":
         return bool(race.get("latent")) if glob == "latent" else race.get("kind") == KINDS[glob]
     if key == "file":
-        return any(_path_matches(str(f.get("file", "")), glob) for f in _frames(race))
+        return any(path_matches(str(f.get("file", "")), glob) for f in _frames(race))
     if key == "function":
         return any(fnmatchcase(str(f.get("function", "")), glob) for f in _frames(race))
     return fnmatchcase(str((race.get("tensor") or {}).get("name") or ""), glob)  # tensor
