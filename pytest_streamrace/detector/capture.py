@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import importlib.resources
+import os
 import re
+
+from .. import env
 
 _extension = None
 _failure: str | None = None
@@ -30,6 +33,9 @@ def load():
     """The compiled extension, or None with `failure()` saying why (no compiler, a torch without the headers)."""
     global _extension, _failure
     if _extension is None and _failure is None:
+        if os.environ.get(env.NATIVE) == "0":  # deliberate (tests of the fallback): no warning
+            _failure = f"{env.NATIVE}=0"
+            return None
         try:
             _ninja_on_path()
             # NDEBUG: torch's headers give RecordFunction debug-only members otherwise, and its layout would not
@@ -54,7 +60,6 @@ def load():
 
 def _ninja_on_path() -> None:
     """torch builds with the `ninja` on PATH; a venv that was not activated has the pip package's out of sight."""
-    import os
     import shutil
 
     if shutil.which("ninja") is None:
