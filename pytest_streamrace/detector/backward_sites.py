@@ -18,9 +18,11 @@ from .hb import Site
 
 class ForwardSites:
     """Forward ops' sites by autograd sequence number, bounded (nodes older than `limit` newer ones are forgotten:
-    their accesses keep ``<unknown>``)."""
+    their accesses keep ``<unknown>``). The bound is what keeps a long test's memory flat: one entry holds a captured
+    stack (about 1 KB), so 16,384 of them cap the table near 16 MB, and a graph of up to that many nodes between a
+    node's forward and its backward still has every backward access named (benchmarks/memory.py)."""
 
-    def __init__(self, limit: int = 1 << 16):
+    def __init__(self, limit: int = 1 << 14):
         self._sites: dict[int, Site] = {}
         self._limit = limit
 
