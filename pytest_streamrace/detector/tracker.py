@@ -187,7 +187,9 @@ class AccessTracker(TorchDispatchMode):
         self._frees: collections.deque = collections.deque()
         self._lock = threading.RLock()
         self._paused = threading.local()  # per thread: one thread modelling work by hand pauses only itself
-        self._capture = None  # the C++ capture (cuda stream model), when it replaces this dispatch mode
+        self._capture = None  # the C++ capture, when it replaces this dispatch mode
+        # the virtual model's streams by the small int the capture records for each (``VirtualStreams.keys``)
+        self.capture_streams: list | None = None
         self._plans: dict = {}  # OpOverload._op -> _plan(...)
         self.notes: list[str] = []  # what could not be modelled and was skipped, once each
         self.on_note: Callable[[str], None] | None = None  # told each new note (a child process passes it on)
@@ -232,9 +234,28 @@ class AccessTracker(TorchDispatchMode):
         return self._capture is not None
 
     def capture_with(self, extension) -> None:
-        """Take ops from the C++ capture instead of this dispatch mode (which then stays uninstalled)."""
+        """Take ops from the C++ capture instead of this dispatch mode (which then stays uninstalled). On host memory
+        the capture holds the storages it sees first until they are drained, and asks for a drain every few hundred
+        records (`_drain_forced`)."""
         self._capture = extension
-        extension.enable(self.device_type == "cuda", self._capture_plan, self._handoff)
+        cuda = self.device_type == "cuda"
+        extension.enable(cuda, self._capture_plan, self._handoff, None if cuda else self._drain_forced)
+
+    def capture_stream(self, index: int) -> None:
+        """This thread's current stream, for the capture: the virtual model's small int for it."""
+        if self._capture is not None:
+            self._capture.set_stream(index)
+
+    def _drain_forced(self) -> None:
+        """The capture's records hold the storages they saw first: applied every few hundred records, on the thread
+        that recorded the last one (from C++, inside an op's end: nothing of this may become a compiled frame)."""
+        prior = _set_eval_frame(None)
+        try:
+            self.drain()
+        except Exception as exc:  # never inside the user's test
+            self.note(f"captured ops are not checked: {type(exc).__name__}: {exc}")
+        finally:
+            _set_eval_frame(prior)
 
     def sync_inside_op(self, stream) -> bool:
         """Whether a host sync the GPU trace reports now happens inside a captured op on this thread; if so it is
@@ -266,7 +287,13 @@ class AccessTracker(TorchDispatchMode):
         if plan is _SKIPPED:
             return None
         _, inputs, fresh, writes_output = plan
-        return [(i, write) for i, _, write in inputs], bool(fresh), writes_output
+        if self.device_type == "cuda":
+            return [(i, write) for i, _, write in inputs], bool(fresh), writes_output
+        # Host memory: a host sync with a rule on the arguments (t[mask], histc without a range) is judged on them,
+        # as the dispatch mode does; the capture keeps them for the drain.
+        sync = self.host_syncs.get(name)
+        return [(i, write) for i, _, write in inputs], bool(fresh), writes_output, sync is not None and \
+            sync.rule is not None
 
     def _handoff(self, name: str, overload: str, args: tuple, out, phase: str) -> None:
         """A c10d op, handed over by the C++ capture on the issuing thread before it runs (phase "start", out None)
@@ -282,11 +309,24 @@ class AccessTracker(TorchDispatchMode):
 
     def _apply_captured(self, records: list) -> None:
         watched, names, last_writer = self.watched, self.names, self.last_writer
+        streams, redirect = self.capture_streams, self.redirect
         for record in records:
-            if record[0] == "free":
-                self._freed(record[1], Site("free", Captured(record[2])))
+            kind = record[0]
+            if kind == "watch":  # a storage first seen by the op before (host memory): its free is learnt from now
+                if watched.get(record[1]) is None:
+                    self._watch(record[1], record[2])
                 continue
-            _, name, stream, in_node, spans, fresh, captured, seq, node, synced = record
+            if kind == "free":
+                self._freed(record[1], Site("free", Captured(record[2]) if record[2] is not None else ()))
+                continue
+            _, name, stream, in_node, spans, fresh, captured, seq, node, synced, arguments = record
+            if streams is not None:
+                stream = streams[stream]
+            if redirect:  # a gradient's add the engine runs on its consumer's stream (virtual autograd)
+                for span in spans:
+                    if span[0] in redirect:
+                        stream = redirect.pop(span[0])
+                        break
             accesses: list[tuple] = []
             for key, start, end, write, shape, dtype in spans:
                 if key not in watched:
@@ -316,13 +356,19 @@ class AccessTracker(TorchDispatchMode):
             _, races = self.hb.record(stream, site, accesses, allocs)
             if races:
                 self._report(races)
-            # No arguments here: a conditional sync (a copy to the host, t[mask]) is the GPU trace's sync from inside
-            # the op (`synced`); an unconditional one, only for an op that touched the device (spans).
+            # On a GPU no arguments here: a conditional sync (a copy to the host, t[mask]) is the GPU trace's sync
+            # from inside the op (`synced`); an unconditional one, only for an op that touched the device (spans).
+            # On host memory every record touched it, and a conditional sync's arguments came along.
             sync = self.host_syncs.get(name)
             if synced:
                 self.host_synced(sync or host_sync.HostSync(name), synced, Captured(captured))
-            elif sync is not None and sync.rule is None and spans:
-                self.host_synced(sync, stream, Captured(captured))
+            elif sync is not None:
+                if arguments is not None:
+                    applies = sync.applies(arguments[0], arguments[1], self.device_type)
+                else:
+                    applies = sync.rule is None and (spans or streams is not None)
+                if applies:
+                    self.host_synced(sync, stream, Captured(captured))
 
     # storages
 
@@ -348,7 +394,11 @@ class AccessTracker(TorchDispatchMode):
         if key is not None and self.watched.get(key) is ref:
             # a free's site is read only by a free-while-in-use race or a trace: neither exists while every access
             # so far ran on one stream, so the stack (a third of a free's cost) is taken only where they can
-            self.note_free(key, Site("free", stack() if self.hb.frees_can_race else ()))
+            capture = self._capture
+            if capture is not None:  # in order with the captured ops, before the address can be handed out again
+                capture.mark_free(key, self.hb.frees_can_race)
+            else:
+                self.note_free(key, Site("free", stack() if self.hb.frees_can_race else ()))
 
     def note_free(self, key: Hashable, site: Site) -> None:
         """The storage's memory went back to the allocator. Queued, not applied: this may run inside a garbage
@@ -361,7 +411,13 @@ class AccessTracker(TorchDispatchMode):
         before it can be handed out again."""
         if self._capture is not None:
             with self._lock:
-                self._apply_captured(self._capture.drain())
+                records = self._capture.drain()
+                while records:
+                    self._apply_captured(records)
+                    if not self.track_frees:
+                        break
+                    records = None  # releases the storages they held (host memory): the frees that follow land now
+                    records = self._capture.drain()
         while self._frees:
             self._freed(*self._frees.popleft())
 
@@ -596,4 +652,4 @@ class AccessTracker(TorchDispatchMode):
         site.op = sync.name if sync is not None else op
 
 
-skip_in_dynamo(AccessTracker.__torch_dispatch__, AccessTracker._dead)  # called from C++ inside compiled regions
+skip_in_dynamo(AccessTracker.__torch_dispatch__, AccessTracker._dead, AccessTracker._drain_forced)  # called from C++ inside compiled regions
