@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import operator
 import re
 import threading
@@ -146,6 +147,20 @@ except ImportError:  # no such hook in this build: torch's own wrapper stays
         return None
 
 
+def _called_from_cpp(method):
+    """A method the C++ capture calls from inside ops, compiled regions included: neither its frame nor any below it
+    may become one dynamo tries to compile (the dispatch mode's own guard, for the capture's entry points)."""
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        prior = _set_eval_frame(None)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _set_eval_frame(prior)
+    return call
+
+
 class AccessTracker(TorchDispatchMode):
     """Turns ATen ops into hb launches and accesses on the stream `current_stream()` names.
 
@@ -246,16 +261,14 @@ class AccessTracker(TorchDispatchMode):
         if self._capture is not None:
             self._capture.set_stream(index)
 
+    @_called_from_cpp
     def _drain_forced(self) -> None:
         """The capture's records hold the storages they saw first: applied every few hundred records, on the thread
-        that recorded the last one (from C++, inside an op's end: nothing of this may become a compiled frame)."""
-        prior = _set_eval_frame(None)
+        that recorded the last one."""
         try:
             self.drain()
         except Exception as exc:  # never inside the user's test
             self.note(f"captured ops are not checked: {type(exc).__name__}: {exc}")
-        finally:
-            _set_eval_frame(prior)
 
     def sync_inside_op(self, stream) -> bool:
         """Whether a host sync the GPU trace reports now happens inside a captured op on this thread; if so it is
@@ -273,6 +286,7 @@ class AccessTracker(TorchDispatchMode):
         between the ops it came between."""
         self._capture.mark_free(key)
 
+    @_called_from_cpp
     def _capture_plan(self, name: str, overload: str):
         namespace, op = name.split("::", 1)
         try:
@@ -295,6 +309,7 @@ class AccessTracker(TorchDispatchMode):
         return [(i, write) for i, _, write in inputs], bool(fresh), writes_output, sync is not None and \
             sync.rule is not None
 
+    @_called_from_cpp
     def _handoff(self, name: str, overload: str, args: tuple, out, phase: str) -> None:
         """A c10d op, handed over by the C++ capture on the issuing thread before it runs (phase "start", out None)
         and as it returns ("end"). The dispatch mode sees it once, after it ran (phase "once")."""
@@ -652,4 +667,4 @@ class AccessTracker(TorchDispatchMode):
         site.op = sync.name if sync is not None else op
 
 
-skip_in_dynamo(AccessTracker.__torch_dispatch__, AccessTracker._dead, AccessTracker._drain_forced)  # called from C++ inside compiled regions
+skip_in_dynamo(AccessTracker.__torch_dispatch__, AccessTracker._dead, AccessTracker._drain_forced)  # from C++  # called from C++ inside compiled regions
