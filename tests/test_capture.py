@@ -31,7 +31,7 @@ def capturing(extension):
     """(hb, tracker) fed by the capture, on CPU tensors, while inside (one stream: the capture's CPU key, 0)."""
     hb = HappensBefore(trace=True)
     tracker = AccessTracker(hb, lambda: 0, "cpu", track_frees=False)
-    tracker.capture_with(extension)
+    tracker.capture_with(extension, every_thread=True)  # as on cuda
     try:
         yield hb, tracker
     finally:

@@ -55,6 +55,11 @@ std::vector<Record> records;
 // keyed by the op's name, which lives in its schema; shared with the ops running one, as `enable` clears the map
 std::unordered_map<const char*, std::shared_ptr<const Plan>> plans;
 at::CallbackHandle handle = 0;
+// Every thread (a global callback), or only the threads a dispatch mode would see (host memory: the virtual model's
+// fallback is one): the enabling thread, those the tracker marks (`observe`, Python threads started in a session) and
+// the threads torch hands their thread-local state (the autograd engine's, at::launch) — not a backend's own workers.
+bool every_thread = true;
+thread_local at::CallbackHandle observed = 0;  // this thread's own callback, when it has one
 std::atomic<bool> on{false};
 bool cuda = false;
 // Python callables, kept by pointer: a static py::object would be released after the interpreter is gone.
@@ -334,7 +339,32 @@ void clear_all() {
   known.clear();
 }
 
-void enable(bool on_cuda, py::object plan, py::object handoff, py::object drain) {
+// A thread's own callback. Not on a thread that inherited it with torch's thread-local state from inside an op
+// (gloo's workers): that is the op's own work, which a dispatch mode (inactive inside the ops it handles) does not see.
+// Not while a global callback runs either.
+std::unique_ptr<at::ObserverContext> on_start_observed(const at::RecordFunction& fn) {
+  if (every_thread || observed == 0) return nullptr;
+  return on_start(fn);
+}
+
+at::RecordFunctionCallback callback(bool global) {
+  return at::RecordFunctionCallback(global ? on_start : on_start_observed, on_end).needsInputs(true)
+      .needsOutputs(true).scopes({at::RecordScope::FUNCTION});
+}
+
+// This thread's ops are captured from now on (once enabled for some threads only); false if they were already.
+bool observe() {
+  if (every_thread || observed != 0) return false;
+  observed = at::addThreadLocalCallback(callback(false));
+  return true;
+}
+
+void unobserve() {
+  if (observed != 0) at::removeCallback(observed);
+  observed = 0;
+}
+
+void enable(bool on_cuda, py::object plan, py::object handoff, py::object drain, bool all_threads) {
   cuda = on_cuda;
   delete plan_fn;
   delete handoff_fn;
@@ -345,13 +375,15 @@ void enable(bool on_cuda, py::object plan, py::object handoff, py::object drain)
   generation.fetch_add(1);  // every thread back on the default stream
   clear_all();
   on.store(true);
-  handle = at::addGlobalCallback(at::RecordFunctionCallback(on_start, on_end)
-                                     .needsInputs(true).needsOutputs(true).scopes({at::RecordScope::FUNCTION}));
+  every_thread = all_threads;
+  if (every_thread) handle = at::addGlobalCallback(callback(true));
+  else observe();
 }
 
 void disable() {
   on.store(false);
-  at::removeCallback(handle);
+  if (every_thread) at::removeCallback(handle);
+  else unobserve();  // other threads keep theirs: they record into the next session, as a forwarding mode would
   clear_all();
   delete plan_fn;  // called from Python: the GIL is held; outside the lock, as releasing them may run Python
   delete handoff_fn;
@@ -441,7 +473,10 @@ py::list drain() {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Stack, std::shared_ptr<Stack>>(m, "Stack").def("frames", &Stack::frames);
-  m.def("enable", &enable, py::arg("cuda"), py::arg("plan"), py::arg("handoff"), py::arg("drain") = py::none());
+  m.def("enable", &enable, py::arg("cuda"), py::arg("plan"), py::arg("handoff"), py::arg("drain") = py::none(),
+        py::arg("every_thread") = true);
+  m.def("observe", &observe);
+  m.def("unobserve", &unobserve);
   m.def("disable", &disable);
   m.def("set_recording", &set_recording);
   m.def("set_stream", &set_stream);

@@ -248,13 +248,22 @@ class AccessTracker(TorchDispatchMode):
     def capturing(self) -> bool:
         return self._capture is not None
 
-    def capture_with(self, extension) -> None:
+    def capture_with(self, extension, every_thread: bool | None = None) -> None:
         """Take ops from the C++ capture instead of this dispatch mode (which then stays uninstalled). On host memory
         the capture holds the storages it sees first until they are drained, and asks for a drain every few hundred
-        records (`_drain_forced`)."""
+        records (`_drain_forced`); and it sees the threads the dispatch mode would see (`observe_thread`), unless
+        `every_thread` (the default on cuda, where a global callback has always been what ran)."""
         self._capture = extension
         cuda = self.device_type == "cuda"
-        extension.enable(cuda, self._capture_plan, self._handoff, None if cuda else self._drain_forced)
+        extension.enable(cuda, self._capture_plan, self._handoff, None if cuda else self._drain_forced,
+                         cuda if every_thread is None else every_thread)
+
+    def observe_thread(self):
+        """Capture this thread's ops from now on, where the capture does not see every thread: the undo (None when
+        there is nothing to undo)."""
+        if self._capture is not None and self._capture.observe():
+            return self._capture.unobserve
+        return None
 
     def capture_stream(self, index: int) -> None:
         """This thread's current stream, for the capture: the virtual model's small int for it."""
