@@ -2,8 +2,9 @@
 
 A TorchDispatchMode sits below autograd, so it sees forward ops, the ops autograd's backward runs and the ops inside
 hooks alike. Where the C++ capture builds, the same ops come from it instead (``capture``; drained in order at
-every synchronization point), classified by the same plans; the mode is the fallback. Which argument is read or written comes from the op's
-schema (alias annotations), not from a list of ops, so new and custom ops are classified too. Accesses are byte
+every synchronization point), classified by the same plans; the mode is the fallback. Which argument is read or
+written comes from the op's schema (alias annotations), not from a list of ops, so new and custom ops are classified
+too. Accesses are byte
 ranges of storages — the span a view really touches — so overlapping views at other offsets conflict and disjoint
 slices of one buffer do not.
 """
