@@ -125,7 +125,7 @@ def reuse(race):
     # for the old one, a new storage's write on the default stream would race with the old one's on the side stream.
     side = side_stream()
     reused = 0
-    for size in (64, 256, 1024, 4096):
+    for size in (1 << 16, 1 << 23, 1 << 24):  # the large ones are mapped afresh by malloc: at the same address
         with torch.cuda.stream(side):
             known = torch.ones(size)
         torch.cuda.current_stream()  # a drain: `known` is watched from here, its free arrives in order
