@@ -48,16 +48,19 @@ struct Record {
   std::shared_ptr<const Plan> plan; std::vector<c10::IValue> args;  // the arguments, where the plan keeps them
 };
 
-struct Pending : at::ObserverContext { Record record; std::shared_ptr<const Plan> plan; std::vector<c10::IValue> inputs; };
+struct Pending : at::ObserverContext {
+  Record record; std::shared_ptr<const Plan> plan; std::vector<c10::IValue> inputs;
+};
 
 std::mutex mutex;  // records and plans
 std::vector<Record> records;
 // keyed by the op's name, which lives in its schema; shared with the ops running one, as `enable` clears the map
 std::unordered_map<const char*, std::shared_ptr<const Plan>> plans;
 at::CallbackHandle handle = 0;
-// Every thread (a global callback), or only the threads a dispatch mode would see (host memory: the virtual model's
-// fallback is one): the enabling thread, those the tracker marks (`observe`, Python threads started in a session) and
-// the threads torch hands their thread-local state (the autograd engine's, at::launch) — not a backend's own workers.
+// Every thread (a global callback), or (host memory: the virtual model, whose fallback is a dispatch mode) a callback
+// per thread, on the threads that mode would see: the enabling thread and those the tracker marks (`observe`: Python
+// threads started in a session). Not threads that inherit the callback with torch's thread-local state: a backend's
+// workers inside an op (gloo copying a result out), which the mode did not see; at::launch's, which it did.
 bool every_thread = true;
 thread_local at::CallbackHandle observed = 0;  // this thread's own callback, when it has one
 std::atomic<bool> on{false};
@@ -438,7 +441,8 @@ py::object arguments_of(const Record& r) {
 
 void watch_held(py::list& out, const std::vector<Span>& spans) {
   for (const auto& t : spans)
-    if (t.held) out.append(py::make_tuple("watch", t.storage, py::reinterpret_steal<py::object>(THPStorage_Wrap(t.held))));
+    if (t.held)
+      out.append(py::make_tuple("watch", t.storage, py::reinterpret_steal<py::object>(THPStorage_Wrap(t.held))));
 }
 
 // ("free", ptr, stack or None), ("op", name, stream, in_node, accesses, fresh, stack, seq, node name or None, synced
