@@ -290,7 +290,8 @@ class Detector:
 
     def subscribe(self, on_race=None, on_note=None) -> None:
         """Be told of races as they are found (`on_race(races)`) and of each new note (`on_note(text)`), from now on;
-        a child process passes both on to its parent."""
+        a child process passes both on to its parent. Ops from the C++ capture are judged in batches: at the next
+        stream, event or synchronize call, read of `races`, or every few hundred ops."""
         tracker = self._require_active()
         tracker.on_race, tracker.on_note = on_race, on_note
 
