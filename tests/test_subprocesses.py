@@ -400,10 +400,12 @@ def test_next_child_is_clean():
 '''
 
 
-def test_what_a_child_could_not_model_is_said_in_its_test(pytester, tmpdir_marker):
+def test_what_a_child_could_not_model_is_said_in_its_test(pytester, tmpdir_marker, monkeypatch):
     """A child's detector skips what it cannot model as the test's own does: with a note, shown with the test that
     started the child (its rank named), not lost in the child and not raised into it."""
     from test_hints import UNDESCRIBABLE
+
+    monkeypatch.setenv("STREAMRACE_NATIVE", "0")  # the fault is injected into the dispatch mode's Python
 
     pytester.makepyfile(test_note=UNMODELLED_CHILD, undescribable=UNDESCRIBABLE)
     result = pytester.runpytest_subprocess("--streamrace", "-rA", "-p", "no:cacheprovider")

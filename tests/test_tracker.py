@@ -164,7 +164,7 @@ def test_the_stacks_kept_per_op_hold_no_locals():
     with Detector(trace=True) as d:
         dead = local_work()
         assert dead() is None
-        (add,) = [op for op in d.hb.timeline if op.site.op == "aten::add_"]
+        (add,) = [op for op in d.timeline if op.site.op == "aten::add_"]
         assert add.site.frames[0][2] == "local_work"
 
 

@@ -5,9 +5,12 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/profiler/combined_traceback.h>
+#include <torch/csrc/Storage.h>
 #include <atomic>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
+#include <unordered_set>
 
 namespace {
 
@@ -25,7 +28,15 @@ struct Stack {
   }
 };
 
-struct Span { int64_t storage, start, end; bool write; std::vector<int64_t> shape; std::string dtype; int64_t nbytes; };
+// held (host memory only): the storage, first seen here, kept alive until drained (see `hold`)
+struct Span { int64_t storage, start, end; bool write; std::vector<int64_t> shape; std::string dtype; int64_t nbytes;
+              c10::Storage held; };
+
+// What to do with an op, decided once (by the tracker's plan) per op overload.
+struct Plan { bool below_autograd = false, record = false, handoff = false, fresh = false, writes_output = false,
+                   copy = false, keep_args = false; std::vector<std::pair<size_t, bool>> args;
+              std::vector<std::pair<std::string, bool>> names; };  // keep_args: (name, keyword-only) per argument
+
 struct Record {
   bool free = false; const char* op = nullptr; int64_t stream = 0; bool in_node = false;
   std::vector<Span> accesses, fresh; std::shared_ptr<Stack> stack; int64_t freed = 0;
@@ -33,25 +44,48 @@ struct Record {
   int64_t seq = -1; std::string node;
   // a stream the host waited for inside this op (a read-back: a copy to the host, t[mask]); 0: none
   int64_t synced = 0;
+  int64_t touched = 0;  // tensors of the modelled device among its arguments and fresh outputs, empty ones included
+  std::shared_ptr<const Plan> plan; std::vector<c10::IValue> args;  // the arguments, where the plan keeps them
 };
 
-// What to do with an op, decided once (by the tracker's plan) per op overload.
-struct Plan { bool below_autograd = false, record = false, handoff = false, fresh = false, writes_output = false,
-                   copy = false; std::vector<std::pair<size_t, bool>> args; };
-struct Pending : at::ObserverContext { Record record; const Plan* plan; std::vector<c10::IValue> inputs; };
+struct Pending : at::ObserverContext {
+  Record record; std::shared_ptr<const Plan> plan; std::vector<c10::IValue> inputs;
+};
 
 std::mutex mutex;  // records and plans
 std::vector<Record> records;
-std::unordered_map<const char*, Plan> plans;  // keyed by the op's name, which lives in its schema
+// keyed by the op's name, which lives in its schema; shared with the ops running one, as `enable` clears the map
+std::unordered_map<const char*, std::shared_ptr<const Plan>> plans;
 at::CallbackHandle handle = 0;
+// Every thread (a global callback), or (host memory: the virtual model, whose fallback is a dispatch mode) a callback
+// per thread, on the threads that mode would see: the enabling thread and those the tracker marks (`observe`: Python
+// threads started in a session). Not threads that inherit the callback with torch's thread-local state: a backend's
+// workers inside an op (gloo copying a result out), which the mode did not see; at::launch's, which it did.
+bool every_thread = true;
+thread_local at::CallbackHandle observed = 0;  // this thread's own callback, when it has one
 std::atomic<bool> on{false};
 bool cuda = false;
 // Python callables, kept by pointer: a static py::object would be released after the interpreter is gone.
 py::object* plan_fn = nullptr;
 py::object* handoff_fn = nullptr;
+py::object* drain_fn = nullptr;  // host memory: applies the records, called every `kDrainEvery` records
 thread_local int depth = 0;  // ops below autograd running on this thread
 thread_local bool paused = false;  // this thread's work is modelled by hand (set_recording): others still record
 thread_local Record* in_flight = nullptr;  // the record of the op this thread is running, until on_end pushes it
+
+// Host memory (the virtual model). The current stream is the model's: a small int per stream that Python sets per
+// thread (`set_stream`); 0, the default stream, on a thread that never set one in this session (`generation`).
+std::atomic<uint64_t> generation{0};
+thread_local int64_t stream_here = 0;
+thread_local uint64_t stream_generation = 0;
+// Frees: the tracker learns them through a weak reference to the storage, made when it first gets the storage. A
+// storage first seen by a record is held by it until drained (so its address is not reused before the tracker
+// watches it); `known` are the addresses handed over and not freed since (`mark_free`). Records hold their storages,
+// so a drain is forced every `kDrainEvery` of them.
+std::mutex known_mutex;
+std::unordered_set<int64_t> known;
+constexpr size_t kDrainEvery = 256;
+thread_local bool draining = false;
 
 std::shared_ptr<Stack> stack_here() {
   auto s = std::make_shared<Stack>();
@@ -66,15 +100,16 @@ bool reaches_kernel(const c10::OperatorHandle& op) {  // what reaches the dispat
   return false;
 }
 
-const Plan* plan_for(const at::RecordFunction& fn) {
+std::shared_ptr<const Plan> plan_for(const at::RecordFunction& fn) {
   {
     std::lock_guard<std::mutex> guard(mutex);
     auto found = plans.find(fn.name());
-    if (found != plans.end()) return &found->second;
+    if (found != plans.end()) return found->second;
   }
   auto name = fn.operator_name();
   if (!name) return nullptr;  // a named range, not an op
-  Plan plan;
+  auto made = std::make_shared<Plan>();
+  Plan& plan = *made;
   auto op = c10::Dispatcher::singleton().findOp(*name);
   plan.below_autograd = op && reaches_kernel(*op);
   plan.copy = name->name == "aten::copy_";
@@ -93,33 +128,51 @@ const Plan* plan_for(const at::RecordFunction& fn) {
       plan.fresh = t[1].cast<bool>();
       plan.writes_output = t[2].cast<bool>();
       plan.record = true;
+      plan.keep_args = t.size() > 3 && t[3].cast<bool>();  // a host sync that depends on them (host memory)
+      if (plan.keep_args)
+        for (const auto& a : op->schema().arguments()) plan.names.push_back({a.name(), a.kwarg_only()});
     }
   }
   std::lock_guard<std::mutex> guard(mutex);
-  return &plans.emplace(fn.name(), std::move(plan)).first->second;
+  return plans.emplace(fn.name(), std::move(made)).first->second;
 }
 
-void add(std::vector<Span>& out, const at::Tensor& t, bool write, bool fresh) try {
-  if (!t.defined() || !t.has_storage() || t.numel() == 0) return;
+bool on_device(const at::Tensor& t) { return cuda ? t.device().is_cuda() : t.device().is_cpu(); }
+
+// Host memory: a storage whose address the tracker does not watch yet is held by the record (see `known`).
+void hold(Span& span, const at::Tensor& t) {
+  {
+    std::lock_guard<std::mutex> guard(known_mutex);
+    if (!known.insert(span.storage).second) return;
+  }
+  span.held = t.storage();
+}
+
+void add(Record& r, std::vector<Span>& out, const at::Tensor& t, bool write, bool fresh) try {
+  if (!t.defined()) return;
   const auto* impl = t.unsafeGetTensorImpl();
   // a Python scalar boxed for the kernel; a tensor subclass nested in a list argument (whose op is not recorded)
   if (impl->is_wrapped_number() || impl->key_set().has(c10::DispatchKey::Python)) return;
-  if (t.device().is_cuda() != cuda) return;  // host memory: not the modelled device
+  if (!on_device(t)) return;  // not the modelled device (host memory under cuda)
+  ++r.touched;
+  if (!t.has_storage() || t.numel() == 0) return;
   int64_t size = t.element_size(), start = t.storage_offset() * size, last = 0;
   if (t.is_contiguous()) last = t.numel() - 1;
   else for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
   auto key = reinterpret_cast<int64_t>(t.storage().data());
   if (key == 0) return;
-  out.push_back({key, start, start + (last + 1) * size, write, t.sizes().vec(),
-                 std::string(c10::getDtypeNames(t.scalar_type()).first), fresh ? (int64_t)t.storage().nbytes() : -1});
+  Span span{key, start, start + (last + 1) * size, write, t.sizes().vec(),
+            std::string(c10::getDtypeNames(t.scalar_type()).first), fresh ? (int64_t)t.storage().nbytes() : -1, {}};
+  if (!cuda) hold(span, t);
+  out.push_back(std::move(span));
 } catch (const std::exception&) {
   return;  // no plain storage to read (functionalization wrappers and the like)
 }
 
-void add_value(std::vector<Span>& out, const c10::IValue& v, bool write, bool fresh) {
-  if (v.isTensor()) add(out, v.toTensor(), write, fresh);
-  else if (v.isTensorList()) for (const at::Tensor& t : v.toTensorList()) add(out, t, write, fresh);
-  else if (v.isList()) for (const auto& e : v.toListRef()) if (e.isTensor()) add(out, e.toTensor(), write, fresh);
+void add_value(Record& r, std::vector<Span>& out, const c10::IValue& v, bool write, bool fresh) {
+  if (v.isTensor()) add(r, out, v.toTensor(), write, fresh);
+  else if (v.isTensorList()) for (const at::Tensor& t : v.toTensorList()) add(r, out, t, write, fresh);
+  else if (v.isList()) for (const auto& e : v.toListRef()) if (e.isTensor()) add(r, out, e.toTensor(), write, fresh);
 }
 
 bool is_subclass(const c10::IValue& v) {
@@ -185,7 +238,7 @@ void hand_over(const at::RecordFunction& fn, const std::vector<c10::IValue>& inp
 
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (depth > 0 || paused || !on.load()) return nullptr;
-  const Plan* plan = plan_for(fn);
+  auto plan = plan_for(fn);
   if (plan == nullptr || !plan->below_autograd || on_subclass(fn)) return nullptr;
   if (plan->copy && copies_onto_itself(fn)) return nullptr;
   ++depth;
@@ -202,6 +255,8 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     if (cuda) {
       const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
       r.stream = reinterpret_cast<int64_t>(impl->getStream(impl->getDevice()).native_handle());
+    } else if (stream_generation == generation.load(std::memory_order_relaxed)) {
+      r.stream = stream_here;
     }
     auto node = torch::autograd::get_current_node();
     r.in_node = node != nullptr;
@@ -213,7 +268,11 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     }
     auto inputs = fn.inputs();
     for (const auto& [index, write] : plan->args)
-      if (index < inputs.size()) add_value(r.accesses, inputs[index], write, false);
+      if (index < inputs.size()) add_value(r, r.accesses, inputs[index], write, false);
+    if (plan->keep_args) {
+      r.plan = plan;
+      r.args.assign(inputs.begin(), inputs.end());
+    }
     r.stack = stack_here();
     if (cuda && plan->copy && into_pageable_host(fn)) r.synced = r.stream;
     in_flight = &r;
@@ -221,11 +280,29 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   return pending;
 }
 
+// Host memory: the tracker applies the records now, on this thread (their storages are held until then).
+void drain_now() {
+  if (draining) return;
+  py::gil_scoped_acquire gil;
+  if (drain_fn == nullptr || !on.load()) return;
+  py::object fn = *drain_fn;  // a reference of our own: `disable` may release the stored one meanwhile
+  draining = true;
+  bool was_paused = paused;
+  paused = true;  // whatever the tracker runs is not the program's
+  try {
+    fn();
+  } catch (py::error_already_set& error) {
+    error.discard_as_unraisable("streamrace: applying captured ops");
+  }
+  paused = was_paused;
+  draining = false;
+}
+
 void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
   if (context == nullptr) return;
   --depth;
   auto* pending = static_cast<Pending*>(context);
-  const Plan* plan = pending->plan;
+  const Plan* plan = pending->plan.get();
   if (plan->handoff) {
     hand_over(fn, pending->inputs, "end");
     return;
@@ -234,9 +311,15 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
   in_flight = nullptr;
   Record& r = pending->record;
   if (plan->fresh)
-    for (const auto& v : fn.outputs()) add_value(r.fresh, v, plan->writes_output, true);
-  std::lock_guard<std::mutex> guard(mutex);
-  records.push_back(std::move(r));
+    for (const auto& v : fn.outputs()) add_value(r, r.fresh, v, plan->writes_output, true);
+  if (!cuda && r.touched == 0) return;  // no tensor of the modelled device: no launch, as under the dispatch mode
+  bool full;
+  {
+    std::lock_guard<std::mutex> guard(mutex);
+    records.push_back(std::move(r));
+    full = records.size() >= kDrainEvery;
+  }
+  if (full && !cuda) drain_now();
 }
 
 py::tuple shape_of(const Span& t) {
@@ -247,36 +330,77 @@ py::tuple shape_of(const Span& t) {
 
 }  // namespace
 
-void enable(bool on_cuda, py::object plan, py::object handoff) {
-  cuda = on_cuda;
-  delete plan_fn;
-  delete handoff_fn;
-  plan_fn = new py::object(plan);
-  handoff_fn = new py::object(handoff);
+// Records and addresses dropped outside the locks: a storage a record held may die, and its weak reference call back.
+void clear_all() {
+  std::vector<Record> dropped;
   {
     std::lock_guard<std::mutex> guard(mutex);
     plans.clear();
-    records.clear();
+    dropped.swap(records);
   }
+  std::lock_guard<std::mutex> guard(known_mutex);
+  known.clear();
+}
+
+// A thread's own callback. Not on a thread that inherited it with torch's thread-local state from inside an op
+// (gloo's workers): that is the op's own work, which a dispatch mode (inactive inside the ops it handles) does not see.
+// Not while a global callback runs either.
+std::unique_ptr<at::ObserverContext> on_start_observed(const at::RecordFunction& fn) {
+  if (every_thread || observed == 0) return nullptr;
+  return on_start(fn);
+}
+
+at::RecordFunctionCallback callback(bool global) {
+  return at::RecordFunctionCallback(global ? on_start : on_start_observed, on_end).needsInputs(true)
+      .needsOutputs(true).scopes({at::RecordScope::FUNCTION});
+}
+
+// This thread's ops are captured from now on (once enabled for some threads only); false if they were already.
+bool observe() {
+  if (every_thread || observed != 0) return false;
+  observed = at::addThreadLocalCallback(callback(false));
+  return true;
+}
+
+void unobserve() {
+  if (observed != 0) at::removeCallback(observed);
+  observed = 0;
+}
+
+void enable(bool on_cuda, py::object plan, py::object handoff, py::object drain, bool all_threads) {
+  cuda = on_cuda;
+  delete plan_fn;
+  delete handoff_fn;
+  delete drain_fn;
+  plan_fn = new py::object(plan);
+  handoff_fn = new py::object(handoff);
+  drain_fn = drain.is_none() ? nullptr : new py::object(drain);
+  generation.fetch_add(1);  // every thread back on the default stream
+  clear_all();
   on.store(true);
-  handle = at::addGlobalCallback(at::RecordFunctionCallback(on_start, on_end)
-                                     .needsInputs(true).needsOutputs(true).scopes({at::RecordScope::FUNCTION}));
+  every_thread = all_threads;
+  if (every_thread) handle = at::addGlobalCallback(callback(true));
+  else observe();
 }
 
 void disable() {
   on.store(false);
-  at::removeCallback(handle);
-  {
-    std::lock_guard<std::mutex> guard(mutex);
-    records.clear();
-    plans.clear();
-  }
+  if (every_thread) at::removeCallback(handle);
+  else unobserve();  // other threads keep theirs: they record into the next session, as a forwarding mode would
+  clear_all();
   delete plan_fn;  // called from Python: the GIL is held; outside the lock, as releasing them may run Python
   delete handoff_fn;
-  plan_fn = handoff_fn = nullptr;
+  delete drain_fn;
+  plan_fn = handoff_fn = drain_fn = nullptr;
 }
 
 void set_recording(bool value) { paused = !value; }
+
+// The virtual model's current stream on this thread (its small int for the stream; 0: the default stream).
+void set_stream(int64_t stream) {
+  stream_here = stream;
+  stream_generation = generation.load(std::memory_order_relaxed);
+}
 
 // The host waits for `stream` inside the op this thread is running (torch reports the sync from within the op, before
 // the op is recorded): kept on the op's record, so the wait lands right after the op. False when no op is in flight.
@@ -286,18 +410,44 @@ bool sync_inside_op(int64_t stream) {
   return true;
 }
 
-void mark_free(int64_t ptr) {
+// A storage freed (the allocator's callback, or a storage's weak reference): queued in order with the ops. Its address
+// may be handed out again from now on, to a storage the tracker does not watch yet. stack: whether to take one.
+void mark_free(int64_t ptr, bool stack) {
   Record r;
   r.free = true;
   r.freed = ptr;
-  r.stack = stack_here();
+  if (stack) r.stack = stack_here();
+  {
+    std::lock_guard<std::mutex> guard(known_mutex);
+    known.erase(ptr);
+  }
   std::lock_guard<std::mutex> guard(mutex);
   records.push_back(std::move(r));
 }
 
-// ("free", ptr, stack) or ("op", name, stream, in_node, accesses, fresh, stack, seq, node name or None, synced stream
-// or 0); a tensor is
-// (storage, start, end, write, shape, dtype[, nbytes]).
+// (args, kwargs) of an op whose plan keeps them, as the dispatch mode would hand them over
+py::object arguments_of(const Record& r) {
+  if (!r.plan) return py::none();
+  py::list positional;
+  py::dict keywords;
+  const auto& names = r.plan->names;
+  for (size_t i = 0; i < r.args.size(); ++i) {
+    py::object value = torch::jit::toPyObject(r.args[i]);
+    if (i < names.size() && names[i].second) keywords[py::str(names[i].first)] = value;
+    else positional.append(value);
+  }
+  return py::make_tuple(py::tuple(positional), keywords);
+}
+
+void watch_held(py::list& out, const std::vector<Span>& spans) {
+  for (const auto& t : spans)
+    if (t.held)
+      out.append(py::make_tuple("watch", t.storage, py::reinterpret_steal<py::object>(THPStorage_Wrap(t.held))));
+}
+
+// ("free", ptr, stack or None), ("op", name, stream, in_node, accesses, fresh, stack, seq, node name or None, synced
+// stream or 0, (args, kwargs) or None), or ("watch", ptr, storage) right after the op that first saw a storage (host
+// memory); a tensor is (storage, start, end, write, shape, dtype[, nbytes]).
 py::list drain() {
   std::vector<Record> taken;
   {
@@ -306,7 +456,7 @@ py::list drain() {
   }
   py::list out;
   for (auto& r : taken) {
-    py::object stack = py::cast(r.stack);
+    py::object stack = r.stack ? py::cast(r.stack) : py::object(py::none());
     if (r.free) {
       out.append(py::make_tuple("free", r.freed, stack));
       continue;
@@ -317,17 +467,24 @@ py::list drain() {
     for (const auto& t : r.fresh)
       fresh.append(py::make_tuple(t.storage, t.start, t.end, t.write, shape_of(t), t.dtype, t.nbytes));
     py::object node = r.node.empty() ? py::object(py::none()) : py::object(py::str(r.node));
-    out.append(py::make_tuple("op", r.op, r.stream, r.in_node, accesses, fresh, stack, r.seq, node, r.synced));
+    out.append(py::make_tuple("op", r.op, r.stream, r.in_node, accesses, fresh, stack, r.seq, node, r.synced,
+                              arguments_of(r)));
+    watch_held(out, r.accesses);
+    watch_held(out, r.fresh);
   }
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Stack, std::shared_ptr<Stack>>(m, "Stack").def("frames", &Stack::frames);
-  m.def("enable", &enable);
+  m.def("enable", &enable, py::arg("cuda"), py::arg("plan"), py::arg("handoff"), py::arg("drain") = py::none(),
+        py::arg("every_thread") = true);
+  m.def("observe", &observe);
+  m.def("unobserve", &unobserve);
   m.def("disable", &disable);
   m.def("set_recording", &set_recording);
+  m.def("set_stream", &set_stream);
   m.def("sync_inside_op", &sync_inside_op);
-  m.def("mark_free", &mark_free);
+  m.def("mark_free", &mark_free, py::arg("ptr"), py::arg("stack") = true);
   m.def("drain", &drain);
 }

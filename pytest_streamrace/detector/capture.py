@@ -1,4 +1,4 @@
-"""Ops captured in C++, for the cuda model: what the dispatch mode hands the tracker, without entering Python per op.
+"""Ops captured in C++ (both stream models): what the dispatch mode hands the tracker, without entering Python per op.
 
 A TorchDispatchMode costs a launch-bound training step 1.6-1.7x before it does anything (measured on H200 hosts,
 docs/gpu-validation.md). This extension registers a global RecordFunction callback instead and records, per op that
@@ -11,6 +11,11 @@ The tracker drains the records in order at every point where order matters (stre
 reading races); frees arrive as markers in the same buffer. c10d ops are handed to Python on the issuing thread, as
 the dispatch mode did (their model needs the process group, the Work object and the stream of that moment), twice:
 before they run, and as they return. ``x.copy_(y)`` of a view onto the same bytes launches nothing and is no access.
+
+On host memory (the virtual model) the current stream is the model's, set per thread (``set_stream``); the callback
+is per thread, on the threads a dispatch mode would see (``observe``); a storage first seen by a record is held by it
+until drained, and a watched storage's free is queued in order (``mark_free``), so an address handed out again before a
+drain is never taken for the old storage; the arguments of ops whose host sync depends on them come along.
 
 The C++ is ``capture.cpp`` beside this module, shipped as package data and built on first use with torch's C++
 extension loader (a compiler is needed; about 20-40 s, cached).

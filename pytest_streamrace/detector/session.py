@@ -1,9 +1,9 @@
 """One race-detection session: the happens-before core, the access tracker and the stream models (``models``).
 
 The backend a user picks (``--streamrace-backend``, ``Detector(backend=...)``) names the stream model of torch.cuda's
-streams: "virtual" emulates them on CPU, "cuda" observes real ones. Ops reach the tracker through a TorchDispatchMode
-(virtual), or, on cuda, through the C++ capture (``capture``), which costs a launch-bound step a fraction of what
-entering Python per op does.
+streams: "virtual" emulates them on CPU, "cuda" observes real ones. Ops reach the tracker through the C++ capture
+(``capture``), which costs a launch-bound step a fraction of what entering Python per op does, or, where it does not
+build (no compiler, ``STREAMRACE_NATIVE=0``), through a TorchDispatchMode, with the same verdicts.
 
 ``with Detector(backend="virtual") as d: ...`` installs everything, and removes every patch and mode on exit so
 torch is exactly as before. Everything installed is a *patch* (``patching.Patch``: install/uninstall), kept in one
@@ -33,7 +33,7 @@ class _Mode:
 
 
 class _Capture:
-    """The C++ capture feeding the tracker for the session (the cuda model's replacement for the dispatch mode)."""
+    """The C++ capture feeding the tracker for the session (in place of the dispatch mode)."""
 
     def __init__(self, tracker, extension):
         self.tracker, self.extension = tracker, extension
@@ -68,7 +68,8 @@ class Detector:
         self.hb = HappensBefore(trace=trace)
         self.tracker = None
         self.streams = None  # the stream model of torch.cuda's streams: VirtualStreams or CudaStreams
-        self.capture_failure: str | None = None  # why the cuda stream model fell back to the dispatch mode
+        self.capture_failure: str | None = None  # why ops come from the dispatch mode, not the C++ capture
+        self.op_source: str | None = None  # where ops came from: "capture" (C++) or "dispatch mode"
         self.latent, self.incidental = latent, tuple(incidental)
         self._patches: list = []
 
@@ -149,9 +150,9 @@ class Detector:
         for patch in patches:
             self.install(patch)
         # last in, first out: our own setup is not traced
-        self.install(self._cuda_capture() if self.backend == "cuda" else _Mode(self.tracker))
+        self.install(self._op_source())
 
-    def _cuda_capture(self):
+    def _op_source(self):
         """Ops captured in C++ (``capture``) where the extension builds; else the dispatch mode, and
         `capture_failure` says why."""
         from . import capture
@@ -159,7 +160,9 @@ class Detector:
         extension = capture.load()
         self.capture_failure = capture.failure()
         if extension is None:
+            self.op_source = "dispatch mode"
             return _Mode(self.tracker)
+        self.op_source = "capture"
         return _Capture(self.tracker, extension)
 
     def _current(self):
@@ -189,6 +192,8 @@ class Detector:
     @property
     def timeline(self):
         """Every launch (and free) in order, for Chrome traces; empty unless trace=True."""
+        if self.tracker is not None:
+            self.tracker.drain()
         return self.hb.timeline
 
     @property
@@ -203,6 +208,8 @@ class Detector:
     def allocation_frames(self, storage) -> tuple:
         """The user frames of the allocation this session saw for `storage` (an untyped storage); () when it did not
         see it (it sees allocations made while it runs, on its device)."""
+        if self.tracker is not None:
+            self.tracker.drain()
         site = self.hb.alloc_site(storage.data_ptr())
         return tuple(site.frames) if site is not None else ()
 
@@ -226,6 +233,7 @@ class Detector:
         import torch
 
         tracker = self._require_active()
+        tracker.drain()  # storages are known by address: the ops captured so far land first
         if isinstance(obj, torch.nn.Module):
             prefix = f"{name}." if name else ""
             for qualified, tensor in [*obj.named_parameters(), *obj.named_buffers()]:
@@ -282,7 +290,8 @@ class Detector:
 
     def subscribe(self, on_race=None, on_note=None) -> None:
         """Be told of races as they are found (`on_race(races)`) and of each new note (`on_note(text)`), from now on;
-        a child process passes both on to its parent."""
+        a child process passes both on to its parent. Ops from the C++ capture are judged in batches: at the next
+        stream, event or synchronize call, read of `races`, or every few hundred ops."""
         tracker = self._require_active()
         tracker.on_race, tracker.on_note = on_race, on_note
 

@@ -6,8 +6,10 @@ running Python) pushes forwarding modes onto the new thread's mode stacks for th
 mode for the tracker, a function mode for the virtual autograd model, only those the session uses — and a thread-pool
 work item run on a worker started before the session pushes them around that item. The forwarding modes
 hand each op to the session active *now* (none: the op just runs), so a thread that outlives its test neither reports
-into a finished session nor misses the next one. The cuda backend's C++ capture is a global callback and sees every
-thread already; only its fallback, the dispatch mode, needs pushing there.
+into a finished session nor misses the next one. Where the C++ capture replaces the dispatch mode, the virtual
+backend's is a callback per thread, which such a thread gets instead (``tracker.observe_thread``), so it sees the
+threads a dispatch mode would (not a backend's own worker threads: gloo copying a result out); the cuda backend's is a
+global callback that sees every thread already.
 
 Streams: the current stream is per thread (the virtual model keeps it thread-local; CUDA does too), and a new thread
 starts on the default stream. ``start`` / ``join`` / ``Future.result`` order the host, never the device: nothing here
@@ -35,7 +37,8 @@ def _never() -> bool:
     return False
 
 
-_capturing = _never  # whether the active session's C++ capture sees every thread already (then no dispatch mode)
+_capturing = _never  # whether the active session's ops come from the C++ capture (then no dispatch mode)
+_observe = None  # the active session's tracker.observe_thread (the capture, on threads it does not see yet)
 _function = None  # the active session's __torch_function__ (virtual autograd), when it has one
 _observed = threading.local()  # .depth > 0 while this thread has the forwarding modes pushed
 
@@ -72,6 +75,10 @@ def _enter() -> tuple:
         if _dispatch is not None and not _capturing():
             torch._C._push_on_torch_dispatch_stack(_DISPATCH)
             pushed.append(torch._C._pop_torch_dispatch_stack)
+        elif _dispatch is not None:
+            undo = _observe()
+            if undo is not None:
+                pushed.append(undo)
         if _function is not None:
             torch._C._push_on_torch_function_stack(_FUNCTION)
             pushed.append(torch._C._pop_torch_function_stack)
@@ -103,9 +110,9 @@ def _observing(original):
 
 
 class Threads:
-    """The patch: new threads (and pool work items) carry the session's modes: the tracker's dispatch (unless the C++
-    capture sees every thread by itself) and `function()`, the virtual autograd model's function mode, if any (read
-    at install: it exists only once that model is installed)."""
+    """The patch: new threads (and pool work items) carry the session's modes: the tracker's dispatch (or the C++
+    capture's callback, where it replaces the mode) and `function()`, the virtual autograd model's function mode, if
+    any (read at install: it exists only once that model is installed)."""
 
     def __init__(self, tracker, function=None):
         self.tracker = tracker
@@ -120,13 +127,14 @@ class Threads:
         return out + [self]
 
     def install(self) -> None:
-        global _dispatch, _function, _capturing
+        global _dispatch, _function, _capturing, _observe
         mode = self.function() if self.function is not None else None
         _function = mode.__torch_function__ if mode is not None else None
         _dispatch = self.tracker.__torch_dispatch__
         _capturing = lambda: self.tracker.capturing  # noqa: E731 (the capture is installed after this patch)
+        _observe = self.tracker.observe_thread
 
     def uninstall(self) -> None:
-        global _dispatch, _function, _capturing
-        _dispatch = _function = None
+        global _dispatch, _function, _capturing, _observe
+        _dispatch = _function = _observe = None
         _capturing = _never

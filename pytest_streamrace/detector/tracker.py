@@ -1,9 +1,10 @@
 """Every ATen op as a launch on the current stream plus reads and writes of the bytes it touches.
 
 A TorchDispatchMode sits below autograd, so it sees forward ops, the ops autograd's backward runs and the ops inside
-hooks alike. In the cuda stream model the same ops come from the C++ capture instead (``capture``; drained in order at
-every synchronization point), classified by the same plans. Which argument is read or written comes from the op's
-schema (alias annotations), not from a list of ops, so new and custom ops are classified too. Accesses are byte
+hooks alike. Where the C++ capture builds, the same ops come from it instead (``capture``; drained in order at
+every synchronization point), classified by the same plans; the mode is the fallback. Which argument is read or
+written comes from the op's schema (alias annotations), not from a list of ops, so new and custom ops are classified
+too. Accesses are byte
 ranges of storages — the span a view really touches — so overlapping views at other offsets conflict and disjoint
 slices of one buffer do not.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import operator
 import re
 import threading
@@ -146,6 +148,20 @@ except ImportError:  # no such hook in this build: torch's own wrapper stays
         return None
 
 
+def _called_from_cpp(method):
+    """A method the C++ capture calls from inside ops, compiled regions included: neither its frame nor any below it
+    may become one dynamo tries to compile (the dispatch mode's own guard, for the capture's entry points)."""
+
+    @functools.wraps(method)
+    def call(*args, **kwargs):
+        prior = _set_eval_frame(None)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            _set_eval_frame(prior)
+    return call
+
+
 class AccessTracker(TorchDispatchMode):
     """Turns ATen ops into hb launches and accesses on the stream `current_stream()` names.
 
@@ -187,7 +203,9 @@ class AccessTracker(TorchDispatchMode):
         self._frees: collections.deque = collections.deque()
         self._lock = threading.RLock()
         self._paused = threading.local()  # per thread: one thread modelling work by hand pauses only itself
-        self._capture = None  # the C++ capture (cuda stream model), when it replaces this dispatch mode
+        self._capture = None  # the C++ capture, when it replaces this dispatch mode
+        # the virtual model's streams by the small int the capture records for each (``VirtualStreams.keys``)
+        self.capture_streams: list | None = None
         self._plans: dict = {}  # OpOverload._op -> _plan(...)
         self.notes: list[str] = []  # what could not be modelled and was skipped, once each
         self.on_note: Callable[[str], None] | None = None  # told each new note (a child process passes it on)
@@ -231,10 +249,36 @@ class AccessTracker(TorchDispatchMode):
     def capturing(self) -> bool:
         return self._capture is not None
 
-    def capture_with(self, extension) -> None:
-        """Take ops from the C++ capture instead of this dispatch mode (which then stays uninstalled)."""
+    def capture_with(self, extension, every_thread: bool | None = None) -> None:
+        """Take ops from the C++ capture instead of this dispatch mode (which then stays uninstalled). On host memory
+        the capture holds the storages it sees first until they are drained, and asks for a drain every few hundred
+        records (`_drain_forced`); and it sees the threads the dispatch mode would see (`observe_thread`), unless
+        `every_thread` (the default on cuda, where a global callback has always been what ran)."""
         self._capture = extension
-        extension.enable(self.device_type == "cuda", self._capture_plan, self._handoff)
+        cuda = self.device_type == "cuda"
+        extension.enable(cuda, self._capture_plan, self._handoff, None if cuda else self._drain_forced,
+                         cuda if every_thread is None else every_thread)
+
+    def observe_thread(self):
+        """Capture this thread's ops from now on, where the capture does not see every thread: the undo (None when
+        there is nothing to undo)."""
+        if self._capture is not None and self._capture.observe():
+            return self._capture.unobserve
+        return None
+
+    def capture_stream(self, index: int) -> None:
+        """This thread's current stream, for the capture: the virtual model's small int for it."""
+        if self._capture is not None:
+            self._capture.set_stream(index)
+
+    @_called_from_cpp
+    def _drain_forced(self) -> None:
+        """The capture's records hold the storages they saw first: applied every few hundred records, on the thread
+        that recorded the last one."""
+        try:
+            self.drain()
+        except Exception as exc:  # never inside the user's test
+            self.note(f"captured ops are not checked: {type(exc).__name__}: {exc}")
 
     def sync_inside_op(self, stream) -> bool:
         """Whether a host sync the GPU trace reports now happens inside a captured op on this thread; if so it is
@@ -252,6 +296,7 @@ class AccessTracker(TorchDispatchMode):
         between the ops it came between."""
         self._capture.mark_free(key)
 
+    @_called_from_cpp
     def _capture_plan(self, name: str, overload: str):
         namespace, op = name.split("::", 1)
         try:
@@ -266,8 +311,15 @@ class AccessTracker(TorchDispatchMode):
         if plan is _SKIPPED:
             return None
         _, inputs, fresh, writes_output = plan
-        return [(i, write) for i, _, write in inputs], bool(fresh), writes_output
+        if self.device_type == "cuda":
+            return [(i, write) for i, _, write in inputs], bool(fresh), writes_output
+        # Host memory: a host sync with a rule on the arguments (t[mask], histc without a range) is judged on them,
+        # as the dispatch mode does; the capture keeps them for the drain.
+        sync = self.host_syncs.get(name)
+        return [(i, write) for i, _, write in inputs], bool(fresh), writes_output, sync is not None and \
+            sync.rule is not None
 
+    @_called_from_cpp
     def _handoff(self, name: str, overload: str, args: tuple, out, phase: str) -> None:
         """A c10d op, handed over by the C++ capture on the issuing thread before it runs (phase "start", out None)
         and as it returns ("end"). The dispatch mode sees it once, after it ran (phase "once")."""
@@ -282,47 +334,70 @@ class AccessTracker(TorchDispatchMode):
 
     def _apply_captured(self, records: list) -> None:
         watched, names, last_writer = self.watched, self.names, self.last_writer
+        streams, redirect = self.capture_streams, self.redirect
         for record in records:
-            if record[0] == "free":
-                self._freed(record[1], Site("free", Captured(record[2])))
-                continue
-            _, name, stream, in_node, spans, fresh, captured, seq, node, synced = record
-            accesses: list[tuple] = []
-            for key, start, end, write, shape, dtype in spans:
-                if key not in watched:
-                    watched[key] = None
-                if write:
-                    last_writer[key] = stream
-                elif self.engine_records_streams and in_node and last_writer.get(key, stream) != stream:
-                    self.hb.record_stream(key, stream)  # read inside a node: one of its incoming gradients
-                accesses.append((key, start, end, write, (shape, dtype, names.get(key))))
-            allocs: list[tuple] = []
-            for key, start, end, write, shape, dtype, nbytes in fresh:
-                desc = (shape, dtype, None)
-                if key not in watched:
-                    watched[key] = None
-                    allocs.append((key, nbytes, desc))
-                if write:
-                    last_writer[key] = stream
-                    accesses.append((key, start, end, True, desc))
-            if self._unnamed_sync is not None:
-                self._name_sync(name)
-            if in_node:  # the engine's threads have no frames of the program's: name the node's forward op
-                site = Site(name, self.forward_sites.backward(Captured(captured), seq, node))
-            else:
-                site = Site(name, Captured(captured))
-                if seq >= 0:
-                    self.forward_sites.forward(seq, site)
-            _, races = self.hb.record(stream, site, accesses, allocs)
-            if races:
-                self._report(races)
-            # No arguments here: a conditional sync (a copy to the host, t[mask]) is the GPU trace's sync from inside
-            # the op (`synced`); an unconditional one, only for an op that touched the device (spans).
-            sync = self.host_syncs.get(name)
-            if synced:
-                self.host_synced(sync or host_sync.HostSync(name), synced, Captured(captured))
-            elif sync is not None and sync.rule is None and spans:
-                self.host_synced(sync, stream, Captured(captured))
+            try:
+                kind = record[0]
+                if kind == "watch":  # a storage first seen by the op before (host memory): its free is learnt from now
+                    if watched.get(record[1]) is None:
+                        self._watch(record[1], record[2])
+                    continue
+                if kind == "free":
+                    self._freed(record[1], Site("free", Captured(record[2]) if record[2] is not None else ()))
+                    continue
+                _, name, stream, in_node, spans, fresh, captured, seq, node, synced, arguments = record
+                if streams is not None:
+                    stream = streams[stream]
+                if redirect:  # a gradient's add the engine runs on its consumer's stream (virtual autograd)
+                    for span in spans:
+                        if span[0] in redirect:
+                            stream = redirect.pop(span[0])
+                            break
+                accesses: list[tuple] = []
+                for key, start, end, write, shape, dtype in spans:
+                    if key not in watched:
+                        watched[key] = None
+                    if write:
+                        last_writer[key] = stream
+                    elif self.engine_records_streams and in_node and last_writer.get(key, stream) != stream:
+                        self.hb.record_stream(key, stream)  # read inside a node: one of its incoming gradients
+                    accesses.append((key, start, end, write, (shape, dtype, names.get(key))))
+                allocs: list[tuple] = []
+                for key, start, end, write, shape, dtype, nbytes in fresh:
+                    desc = (shape, dtype, None)
+                    if key not in watched:
+                        watched[key] = None
+                        allocs.append((key, nbytes, desc))
+                    if write:
+                        last_writer[key] = stream
+                        accesses.append((key, start, end, True, desc))
+                if self._unnamed_sync is not None:
+                    self._name_sync(name)
+                if in_node:  # the engine's threads have no frames of the program's: name the node's forward op
+                    site = Site(name, self.forward_sites.backward(Captured(captured), seq, node))
+                else:
+                    site = Site(name, Captured(captured))
+                    if seq >= 0:
+                        self.forward_sites.forward(seq, site)
+                _, races = self.hb.record(stream, site, accesses, allocs)
+                if races:
+                    self._report(races)
+                # On a GPU no arguments here: a conditional sync (a copy to the host, t[mask]) is the GPU trace's sync
+                # from inside the op (`synced`); an unconditional one, only for an op that touched the device (spans).
+                # On host memory every record touched it, and a conditional sync's arguments came along.
+                sync = self.host_syncs.get(name)
+                if synced:
+                    self.host_synced(sync or host_sync.HostSync(name), synced, Captured(captured))
+                elif sync is not None:
+                    if arguments is not None:
+                        applies = sync.applies(arguments[0], arguments[1], self.device_type)
+                    else:
+                        applies = sync.rule is None and (spans or streams is not None)
+                    if applies:
+                        self.host_synced(sync, stream, Captured(captured))
+            except Exception as exc:  # never inside the user's test: this op goes unchecked, said once
+                self.note(f"{record[1] if record[0] == 'op' else record[0]} is not checked: "
+                          f"{type(exc).__name__}: {exc}")
 
     # storages
 
@@ -348,7 +423,11 @@ class AccessTracker(TorchDispatchMode):
         if key is not None and self.watched.get(key) is ref:
             # a free's site is read only by a free-while-in-use race or a trace: neither exists while every access
             # so far ran on one stream, so the stack (a third of a free's cost) is taken only where they can
-            self.note_free(key, Site("free", stack() if self.hb.frees_can_race else ()))
+            capture = self._capture
+            if capture is not None:  # in order with the captured ops, before the address can be handed out again
+                capture.mark_free(key, self.hb.frees_can_race)
+            else:
+                self.note_free(key, Site("free", stack() if self.hb.frees_can_race else ()))
 
     def note_free(self, key: Hashable, site: Site) -> None:
         """The storage's memory went back to the allocator. Queued, not applied: this may run inside a garbage
@@ -361,7 +440,13 @@ class AccessTracker(TorchDispatchMode):
         before it can be handed out again."""
         if self._capture is not None:
             with self._lock:
-                self._apply_captured(self._capture.drain())
+                records = self._capture.drain()
+                while records:
+                    self._apply_captured(records)
+                    if not self.track_frees:
+                        break
+                    records = None  # releases the storages they held (host memory): the frees that follow land now
+                    records = self._capture.drain()
         while self._frees:
             self._freed(*self._frees.popleft())
 
@@ -596,4 +681,5 @@ class AccessTracker(TorchDispatchMode):
         site.op = sync.name if sync is not None else op
 
 
-skip_in_dynamo(AccessTracker.__torch_dispatch__, AccessTracker._dead)  # called from C++ inside compiled regions
+# called from C++ inside compiled regions (_drain_forced stands for every @_called_from_cpp: one wrapper's code)
+skip_in_dynamo(AccessTracker.__torch_dispatch__, AccessTracker._dead, AccessTracker._drain_forced)

@@ -103,10 +103,9 @@ class RaceChecks:
             raise pytest.UsageError(f"streamrace: {exc}") from None
         self.tally = tally.Tally(self.policy)
         self.children.latent, self.children.incidental = self.policy.latent != "off", self.policy.incidental
-        if self.backend == "cuda":  # build (or load) the op capture once, before any test's clock starts
-            from ..detector import capture
+        from ..detector import capture
 
-            capture.load()
+        capture.load()  # build (or load) the op capture once, before any test's clock starts
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item):

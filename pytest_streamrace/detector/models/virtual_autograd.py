@@ -163,6 +163,7 @@ class VirtualAutograd:
     def enter_node(self, stream, grads, accumulate: bool = False) -> None:
         """A bound node is about to run: its stream becomes current, after the streams that wrote its inputs.
         `accumulate`: the node is an AccumulateGrad (a stream mismatch with its gradient's producer warns)."""
+        self.tracker.drain()  # the ops before it (captured ones included) land first: their writers are read here
         self.streams.set_current(stream)
         frames = getattr(self._tls, "frames", None)
         if frames:
@@ -191,6 +192,7 @@ class VirtualAutograd:
         frames = getattr(self._tls, "frames", None)
         if not frames:
             return
+        self.tracker.drain()  # the node's ops land before the redirect and the waits below
         buffers = frames[-1].buffers
         for edge, grad in zip(edges, grad_inputs):
             if edge is None or not isinstance(grad, torch.Tensor):
@@ -231,6 +233,7 @@ class VirtualAutograd:
                 return run_backward(*args, **kwargs)
             finally:
                 frames.pop()
+                self.tracker.drain()  # the backward's ops land before its redirects go and the caller waits
                 self.tracker.redirect.clear()
                 if frames:  # a backward inside a node (checkpointing) belongs to the outer one
                     frames[-1].used.update(frame.used)

@@ -230,7 +230,11 @@ def _opaque_to_dynamo(_dynamo=None) -> None:
 
 
 class VirtualStreams:
-    """The per-session state (default stream, each thread's current stream) and the torch.cuda patches."""
+    """The per-session state (default stream, each thread's current stream) and the torch.cuda patches.
+
+    Where the tracker takes ops from the C++ capture, each thread's current stream is also the capture's state: a
+    small int per stream (`keys[i]` is the stream, 0 the default one), set with it. A thread that never set one is on
+    the default stream, in both."""
 
     def __init__(self, hb, tracker):
         self.hb = hb
@@ -241,12 +245,25 @@ class VirtualStreams:
         self.default.device = torch.device("cpu")
         self.default.name = "default stream"
         hb.add_stream(self.default, self.default.name)
+        self.keys: list[Stream] = [self.default]
+        self._indices: dict[Stream, int] = {self.default: 0}
+        self._lock = threading.Lock()
+        tracker.capture_streams = self.keys
 
     def current(self) -> Stream:
         return getattr(self._tls, "stream", self.default)
 
     def set_current(self, stream: Stream) -> None:
         self._tls.stream = stream
+        if self.tracker.capturing:
+            index = self._indices.get(stream)
+            if index is None:
+                with self._lock:
+                    index = self._indices.get(stream)
+                    if index is None:
+                        self.keys.append(stream)
+                        index = self._indices[stream] = len(self.keys) - 1
+            self.tracker.capture_stream(index)
 
     def patches(self) -> list:
         """What must be replaced in torch while the model is active (AttrPatch objects)."""
