@@ -323,6 +323,7 @@ py::list drain() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_core(m);  // hb_core.cpp, compiled into this module (capture.load)
   py::class_<Stack, std::shared_ptr<Stack>>(m, "Stack").def("frames", &Stack::frames);
   m.def("enable", &enable);
   m.def("disable", &disable);

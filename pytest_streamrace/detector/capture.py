@@ -13,7 +13,8 @@ the dispatch mode did (their model needs the process group, the Work object and 
 before they run, and as they return. ``x.copy_(y)`` of a view onto the same bytes launches nothing and is no access.
 
 The C++ is ``capture.cpp`` beside this module, shipped as package data and built on first use with torch's C++
-extension loader (a compiler is needed; about 20-40 s, cached).
+extension loader (a compiler is needed; about 20-40 s, cached). The same module holds the happens-before core in C++
+(``hb_core.cpp``, submodule ``hb``; ``hb_native``), so the capture can feed it without Python in between.
 """
 
 from __future__ import annotations
@@ -45,16 +46,17 @@ def load():
 
             # one build per torch version (compiled against its headers and ABI) and per source: checkouts with other
             # sources share the extensions folder without rebuilding each other's
-            code = source()
-            digest = hashlib.sha1(code.encode()).hexdigest()[:10]
+            sources = [core_source(), source()]  # the core first: capture.cpp's module binds it (bind_core)
+            digest = hashlib.sha1("\0".join(sources).encode()).hexdigest()[:10]
             name = f"streamrace_capture_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{digest}"
-            _extension = load_inline(name, code, extra_cflags=["-O2", "-DNDEBUG"])
+            _extension = load_inline(name, sources, extra_cflags=["-O2", "-DNDEBUG"])
         except Exception as exc:  # a failed build must leave the slower dispatch mode working, and say why
             _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
             import warnings
 
             warnings.warn(f"streamrace: the cuda backend's C++ op capture did not build ({_failure}); tracking ops "
-                          "with the slower dispatch mode", RuntimeWarning, stacklevel=2)
+                          "with the slower dispatch mode and the pure-Python happens-before core", RuntimeWarning,
+                          stacklevel=2)
     return _extension
 
 
@@ -73,6 +75,11 @@ def _ninja_on_path() -> None:
 def source() -> str:
     """The extension's C++ source (``capture.cpp``, package data)."""
     return importlib.resources.files(__package__).joinpath("capture.cpp").read_text(encoding="utf-8")
+
+
+def core_source() -> str:
+    """The happens-before core's C++ source (``hb_core.cpp``, package data), built into the same module."""
+    return importlib.resources.files(__package__).joinpath("hb_core.cpp").read_text(encoding="utf-8")
 
 
 def failure() -> str | None:

@@ -103,10 +103,11 @@ class RaceChecks:
             raise pytest.UsageError(f"streamrace: {exc}") from None
         self.tally = tally.Tally(self.policy)
         self.children.latent, self.children.incidental = self.policy.latent != "off", self.policy.incidental
-        if self.backend == "cuda":  # build (or load) the op capture once, before any test's clock starts
-            from ..detector import capture
+        # build (or load) the C++ extension once, before any test's clock starts: the op capture (cuda) and the
+        # happens-before core (both backends)
+        from ..detector import capture
 
-            capture.load()
+        capture.load()
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item):
