@@ -9,7 +9,10 @@ timeline.
 """
 
 import gc
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 
@@ -191,3 +194,13 @@ def test_random_programs_cover_every_kind_and_repeats():
     assert kinds == {"read-after-write", "write-after-read", "write-after-write", "free-while-in-use"}
     assert latent_kinds == {"read-after-write", "write-after-read", "write-after-write"}
     assert counted and named_syncs
+
+
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_detector_takes_the_native_core_unless_turned_off(native):
+    if native == "1":
+        native_factory()  # skips where the extension does not build
+    script = "from pytest_streamrace.detector.session import Detector; print(type(Detector().hb).__name__)"
+    env = {**os.environ, "STREAMRACE_NATIVE": native}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert out.stdout.split() == ["NativeHappensBefore" if native == "1" else "HappensBefore"], out.stderr[-2000:]

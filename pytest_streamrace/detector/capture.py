@@ -49,7 +49,8 @@ def load():
             sources = [core_source(), source()]  # the core first: capture.cpp's module binds it (bind_core)
             digest = hashlib.sha1("\0".join(sources).encode()).hexdigest()[:10]
             name = f"streamrace_capture_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{digest}"
-            _extension = load_inline(name, sources, extra_cflags=["-O2", "-DNDEBUG"])
+            _extension = load_inline(name, sources, extra_cflags=["-O2", "-DNDEBUG"],
+                                     build_directory=_build_directory(name, torch))
         except Exception as exc:  # a failed build must leave the slower dispatch mode working, and say why
             _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
             import warnings
@@ -58,6 +59,28 @@ def load():
                           "with the slower dispatch mode and the pure-Python happens-before core", RuntimeWarning,
                           stacklevel=2)
     return _extension
+
+
+def _build_directory(name: str, torch) -> str:
+    """torch's own cache folder for the build, found from the user's home in the password database rather than
+    $HOME: test harnesses (pytester) point $HOME at a fresh folder per test, and every process there would build the
+    extension again (a minute each). TORCH_EXTENSIONS_DIR, when set, is used as torch uses it."""
+    import sys
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        try:
+            import pwd
+
+            home = pwd.getpwuid(os.getuid()).pw_dir
+        except (ImportError, KeyError):
+            home = os.path.expanduser("~")
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
+        device = "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
+        root = os.path.join(cache, "torch_extensions", f"py{sys.version_info.major}{sys.version_info.minor}_{device}")
+    path = os.path.join(root, name)
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def _ninja_on_path() -> None:

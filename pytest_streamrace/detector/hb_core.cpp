@@ -492,16 +492,9 @@ class PyCore {
   }
 
   int64_t storage_id(py::handle key) {
-    if (PyLong_Check(key.ptr())) {
-      int overflow = 0;
-      long long v = PyLong_AsLongLongAndOverflow(key.ptr(), &overflow);
-      if (!overflow && v >= 0) return v;
-      if (v == -1 && PyErr_Occurred()) throw py::error_already_set();
-    }
-    PyObject* found = PyDict_GetItemWithError(storage_ids_.ptr(), key.ptr());
-    if (found != nullptr) return PyLong_AsLongLong(found);
-    if (PyErr_Occurred()) throw py::error_already_set();
-    int64_t id = -static_cast<int64_t>(storage_keys_.size()) - 1;
+    int64_t id;
+    if (known_storage(key, id)) return id;
+    id = -static_cast<int64_t>(storage_keys_.size()) - 1;
     storage_keys_.push_back(py::reinterpret_borrow<py::object>(key));
     storage_ids_[key] = id;
     return id;
@@ -768,26 +761,27 @@ void bind_core(py::module_& m) {
       });
   py::class_<PyCore>(hb, "Core")
       .def(py::init<bool, py::object>(), py::arg("trace"), py::arg("judge"))
-      .def("add_stream", &PyCore::add_stream)
-      .def("stream_name", &PyCore::stream_name)
+      .def("add_stream", &PyCore::add_stream, py::arg("stream"), py::arg("name"))
+      .def("stream_name", &PyCore::stream_name, py::arg("stream"))
       .def_property_readonly("stream_count", &PyCore::stream_count)
       .def_property_readonly("frees_can_race", &PyCore::frees_can_race)
-      .def("snapshot", &PyCore::snapshot)
+      .def("snapshot", &PyCore::snapshot, py::arg("stream"))
       .def("wait_snapshot", &PyCore::wait_snapshot, py::arg("stream"), py::arg("snapshot").none(true))
-      .def("wait_stream", &PyCore::wait_stream)
+      .def("wait_stream", &PyCore::wait_stream, py::arg("waiter"), py::arg("target"))
       .def("synchronize_stream", &PyCore::synchronize_stream, py::arg("stream"), py::arg("implicit") = py::none())
       .def("synchronize_snapshot", &PyCore::synchronize_snapshot, py::arg("snapshot"),
            py::arg("implicit") = py::none())
       .def("synchronize_device", &PyCore::synchronize_device, py::arg("implicit") = py::none())
-      .def("launch", &PyCore::launch)
-      .def("access", &PyCore::access)
+      .def("launch", &PyCore::launch, py::arg("stream"), py::arg("site"))
+      .def("access", &PyCore::access, py::arg("op"), py::arg("storage"), py::arg("start"), py::arg("end"),
+           py::arg("write"), py::arg("tensor"))
       .def("record", &PyCore::record, py::arg("stream"), py::arg("site"), py::arg("accesses") = py::tuple(),
            py::arg("allocs") = py::tuple())
       .def("alloc", &PyCore::alloc, py::arg("storage"), py::arg("nbytes"), py::arg("stream"), py::arg("site"),
            py::arg("tensor") = py::none())
-      .def("record_stream", &PyCore::record_stream)
-      .def("free", &PyCore::free)
+      .def("record_stream", &PyCore::record_stream, py::arg("storage"), py::arg("stream"))
+      .def("free", &PyCore::free, py::arg("storage"), py::arg("site"))
       .def_property_readonly("timeline", &PyCore::timeline)
-      .def("alloc_site", &PyCore::alloc_site)
+      .def("alloc_site", &PyCore::alloc_site, py::arg("storage"))
       .def("history_size", &PyCore::history_size, py::arg("storage") = py::none());
 }
