@@ -204,3 +204,19 @@ def test_detector_takes_the_native_core_unless_turned_off(native):
     env = {**os.environ, "STREAMRACE_NATIVE": native}
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert out.stdout.split() == ["NativeHappensBefore" if native == "1" else "HappensBefore"], out.stderr[-2000:]
+
+
+def test_both_cores_keep_the_same_bounded_record_of_implicit_syncs():
+    """hb.py remembers the newest 4096 implicit syncs: a latent race whose sync is older is named after the oldest
+    one kept. The C++ core must keep the same bound (its memory stays flat in a long test), hence the same name."""
+    make_native = native_factory()
+    hidden = []
+    for hb in (HappensBefore(), make_native(False)):
+        hb.access(hb.launch("s1", Site("aten::copy_", (("t.py", 1, "f"),))), "x", 0, 8, True, ((2,), "f32", None))
+        for i in range(5000):
+            hb.launch("s1", Site("aten::add", (("t.py", 2, "f"),)))
+            hb.synchronize_stream("s1", implicit=Site("aten::item", (("t.py", 10_000 + i, "f"),)))
+        hb.access(hb.launch("s2", Site("aten::mul", (("t.py", 3, "f"),))), "x", 0, 8, False, ((2,), "f32", None))
+        (latent,) = hb.latent_races
+        hidden.append(latent.hidden_by)
+    assert hidden[0] == hidden[1] == Site("aten::item", (("t.py", 10_000 + 5000 - 4096, "f"),))
