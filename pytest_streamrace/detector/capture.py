@@ -55,9 +55,12 @@ def load():
             _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
             import warnings
 
-            warnings.warn(f"streamrace: the cuda backend's C++ op capture did not build ({_failure}); tracking ops "
-                          "with the slower dispatch mode and the pure-Python happens-before core", RuntimeWarning,
-                          stacklevel=2)
+            try:
+                warnings.warn(f"streamrace: the cuda backend's C++ op capture did not build ({_failure}); tracking "
+                              "ops with the slower dispatch mode and the pure-Python happens-before core",
+                              RuntimeWarning, stacklevel=2)
+            except Warning:  # warnings made errors (-W error): the fallback must still run, every backend loads this
+                pass
     return _extension
 
 

@@ -24,7 +24,13 @@
 namespace py = pybind11;
 
 // hidden, as pybind11's own types are (a module's internals are its own)
-namespace __attribute__((visibility("hidden"))) streamrace_hb {
+#if defined(__GNUC__)
+#define STREAMRACE_HIDDEN __attribute__((visibility("hidden")))
+#else
+#define STREAMRACE_HIDDEN
+#endif
+
+namespace STREAMRACE_HIDDEN streamrace_hb {
 
 // What the core keeps for its caller and never reads: no payload (Python None), an owned Python object, or a C++
 // caller's handle (low bit set: PyObject pointers are aligned), turned into Python by `resolve_native` for reports.
