@@ -220,3 +220,32 @@ def test_both_cores_keep_the_same_bounded_record_of_implicit_syncs():
         (latent,) = hb.latent_races
         hidden.append(latent.hidden_by)
     assert hidden[0] == hidden[1] == Site("aten::item", (("t.py", 10_000 + 5000 - 4096, "f"),))
+
+
+def test_native_core_state_stays_flat_over_10000_steps():
+    """What the C++ core keeps (payload references: every op, access and sync it remembers holds one) stops growing
+    in a long loop of allocations, accesses on two streams, events, implicit syncs, record_stream and frees."""
+    hb = native_factory()(False)
+    site, sync, desc = Site("aten::mm", (("a.py", 1, "f"),)), Site("aten::item", (("a.py", 2, "f"),)), ((8,), "f", None)
+
+    def steps(n):
+        for i in range(n):
+            key = 10**6 + (i % 64) * 4096
+            hb.alloc(key, 2048, "s1", site, desc)
+            hb.record("s1", site, [(key, 0, 2048, True, desc), (5, 0, 64, False, desc)])
+            hb.record("s2", site, [(key, 0, 1024, False, desc), (5, 0, 64, True, desc)])
+            event = Event()
+            hb.record_event(event, "s2")
+            hb.wait_event("s1", event)
+            if i % 2 == 0:
+                hb.synchronize_stream("s2", implicit=sync)
+            hb.record_stream(key, "s2")
+            hb.free(key, site)
+
+    steps(1000)
+    gc.collect()
+    held = (sys.getrefcount(site), sys.getrefcount(desc), hb.history_size())
+    steps(10_000)
+    gc.collect()
+    assert (sys.getrefcount(site), sys.getrefcount(desc), hb.history_size()) == held
+    assert sys.getrefcount(sync) <= 4096 + 10  # the implicit syncs remembered: hb.py's bound
