@@ -13,7 +13,7 @@ def native_core():
     from pytest_streamrace.detector.hb_native import NativeHappensBefore
 
     if capture.load() is None:
-        pytest.skip(f"the C++ extension does not build here: {capture.failure()}")
+        pytest.skip(f"the C++ extension is not available here: {capture.failure()}")
     return NativeHappensBefore
 
 

@@ -29,7 +29,7 @@ def native_factory():
 
     extension = capture.load()
     if extension is None:
-        pytest.skip(f"the C++ extension does not build here: {capture.failure()}")
+        pytest.skip(f"the C++ extension is not available here: {capture.failure()}")
     return lambda trace: NativeHappensBefore(trace=trace, extension=extension)
 
 
