@@ -26,6 +26,18 @@ def extension():
     return ext
 
 
+@pytest.fixture(autouse=True, params=["python", "native"])
+def core(request, monkeypatch):
+    """`capturing` feeds hb.py's core, then the C++ one (hb_native) where the extension builds."""
+    if request.param == "native":
+        from pytest_streamrace.detector.hb_native import NativeHappensBefore
+
+        if capture.load() is None:
+            pytest.skip(f"the C++ extension is not available here: {capture.failure()}")
+        monkeypatch.setitem(globals(), "HappensBefore", NativeHappensBefore)
+    return request.param
+
+
 @contextlib.contextmanager
 def capturing(extension):
     """(hb, tracker) fed by the capture, on CPU tensors, while inside (one stream: the capture's CPU key, 0)."""

@@ -1,8 +1,28 @@
-"""The happens-before rules, each with a racy and a clean twin, on synthetic stream/storage ids (no torch)."""
+"""The happens-before rules, each with a racy and a clean twin, on synthetic stream/storage ids (no torch).
+
+Every test runs against both cores: hb.py and the C++ one (hb_native, where the extension builds)."""
 
 import pytest
 
 from pytest_streamrace.detector.hb import FREE, RAW, WAR, WAW, HappensBefore, Site, TensorInfo, happens_before
+
+
+def native_core():
+    """NativeHappensBefore, or a skip saying why the extension is not there."""
+    from pytest_streamrace.detector import capture
+    from pytest_streamrace.detector.hb_native import NativeHappensBefore
+
+    if capture.load() is None:
+        pytest.skip(f"the C++ extension is not available here: {capture.failure()}")
+    return NativeHappensBefore
+
+
+@pytest.fixture(autouse=True, params=["python", "native"])
+def core(request, monkeypatch):
+    """The tests below build `HappensBefore()`: each runs once with hb.py's class, once with the C++ core's."""
+    if request.param == "native":
+        monkeypatch.setitem(globals(), "HappensBefore", native_core())
+    return request.param
 
 T = TensorInfo((256,), "float32", "buf")
 BUF = "buf"  # a storage key

@@ -476,6 +476,7 @@ py::list drain() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  bind_core(m);  // hb_core.cpp, compiled into this module (capture.load)
   py::class_<Stack, std::shared_ptr<Stack>>(m, "Stack").def("frames", &Stack::frames);
   m.def("enable", &enable, py::arg("cuda"), py::arg("plan"), py::arg("handoff"), py::arg("drain") = py::none(),
         py::arg("every_thread") = true);

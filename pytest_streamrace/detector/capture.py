@@ -18,7 +18,8 @@ until drained, and a watched storage's free is queued in order (``mark_free``), 
 drain is never taken for the old storage; the arguments of ops whose host sync depends on them come along.
 
 The C++ is ``capture.cpp`` beside this module, shipped as package data and built on first use with torch's C++
-extension loader (a compiler is needed; about 20-40 s, cached).
+extension loader (a compiler is needed; about 20-40 s, cached). The same module holds the happens-before core in C++
+(``hb_core.cpp``, submodule ``hb``; ``hb_native``), so the capture can feed it without Python in between.
 """
 
 from __future__ import annotations
@@ -50,17 +51,44 @@ def load():
 
             # one build per torch version (compiled against its headers and ABI) and per source: checkouts with other
             # sources share the extensions folder without rebuilding each other's
-            code = source()
-            digest = hashlib.sha1(code.encode()).hexdigest()[:10]
+            sources = [core_source(), source()]  # the core first: capture.cpp's module binds it (bind_core)
+            digest = hashlib.sha1("\0".join(sources).encode()).hexdigest()[:10]
             name = f"streamrace_capture_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{digest}"
-            _extension = load_inline(name, code, extra_cflags=["-O2", "-DNDEBUG"])
+            _extension = load_inline(name, sources, extra_cflags=["-O2", "-DNDEBUG"],
+                                     build_directory=_build_directory(name, torch))
         except Exception as exc:  # a failed build must leave the slower dispatch mode working, and say why
             _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
             import warnings
 
-            warnings.warn(f"streamrace: the cuda backend's C++ op capture did not build ({_failure}); tracking ops "
-                          "with the slower dispatch mode", RuntimeWarning, stacklevel=2)
+            try:
+                warnings.warn(f"streamrace: the cuda backend's C++ op capture did not build ({_failure}); tracking "
+                              "ops with the slower dispatch mode and the pure-Python happens-before core",
+                              RuntimeWarning, stacklevel=2)
+            except Warning:  # warnings made errors (-W error): the fallback must still run, every backend loads this
+                pass
     return _extension
+
+
+def _build_directory(name: str, torch) -> str:
+    """torch's own cache folder for the build, found from the user's home in the password database rather than
+    $HOME: test harnesses (pytester) point $HOME at a fresh folder per test, and every process there would build the
+    extension again (a minute each). TORCH_EXTENSIONS_DIR, when set, is used as torch uses it."""
+    import sys
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if not root:
+        try:
+            import pwd
+
+            home = pwd.getpwuid(os.getuid()).pw_dir
+        except (ImportError, KeyError):
+            home = os.path.expanduser("~")
+        cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(home, ".cache")
+        device = "cpu" if torch.version.cuda is None else f"cu{torch.version.cuda.replace('.', '')}"
+        root = os.path.join(cache, "torch_extensions", f"py{sys.version_info.major}{sys.version_info.minor}_{device}")
+    path = os.path.join(root, name)
+    os.makedirs(path, exist_ok=True)
+    return path
 
 
 def _ninja_on_path() -> None:
@@ -78,6 +106,11 @@ def _ninja_on_path() -> None:
 def source() -> str:
     """The extension's C++ source (``capture.cpp``, package data)."""
     return importlib.resources.files(__package__).joinpath("capture.cpp").read_text(encoding="utf-8")
+
+
+def core_source() -> str:
+    """The happens-before core's C++ source (``hb_core.cpp``, package data), built into the same module."""
+    return importlib.resources.files(__package__).joinpath("hb_core.cpp").read_text(encoding="utf-8")
 
 
 def failure() -> str | None:

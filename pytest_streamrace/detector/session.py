@@ -45,6 +45,20 @@ class _Capture:
         self.tracker.stop_capture()
 
 
+def _core(trace: bool):
+    """The happens-before core: in C++ where the extension loads (``capture``), else hb.py's (same verdicts)."""
+    from . import capture
+
+    extension = capture.load()
+    if extension is not None:
+        from .hb_native import NativeHappensBefore
+
+        return NativeHappensBefore(trace=trace, extension=extension)
+    from .hb import HappensBefore
+
+    return HappensBefore(trace=trace)
+
+
 def active() -> "Detector | None":
     """The detector active in this process, if any."""
     return _handle.session()
@@ -62,10 +76,8 @@ class Detector:
     def __init__(self, backend: str = "virtual", trace: bool = False, latent: bool = True, incidental=()):
         if backend not in STREAM_MODELS:
             raise ValueError(f"streamrace: unknown backend {backend!r}; expected one of {', '.join(STREAM_MODELS)}")
-        from .hb import HappensBefore
-
         self.backend = backend
-        self.hb = HappensBefore(trace=trace)
+        self.hb = _core(trace)
         self.tracker = None
         self.streams = None  # the stream model of torch.cuda's streams: VirtualStreams or CudaStreams
         self.capture_failure: str | None = None  # why ops come from the dispatch mode, not the C++ capture

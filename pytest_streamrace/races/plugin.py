@@ -103,9 +103,11 @@ class RaceChecks:
             raise pytest.UsageError(f"streamrace: {exc}") from None
         self.tally = tally.Tally(self.policy)
         self.children.latent, self.children.incidental = self.policy.latent != "off", self.policy.incidental
+        # build (or load) the C++ extension once, before any test's clock starts: the op capture (cuda) and the
+        # happens-before core (both backends)
         from ..detector import capture
 
-        capture.load()  # build (or load) the op capture once, before any test's clock starts
+        capture.load()
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item):

@@ -1,0 +1,158 @@
+"""The happens-before core in C++ (``hb_core.cpp``, in the capture's extension) with ``hb.HappensBefore``'s API.
+
+Same rules, verdicts and bounds as hb.py, which stays the fallback where the extension does not build (``capture``).
+The per-op calls (`record`, `launch`, `access`, `alloc`, `free`, ...) go straight into C++. Python keeps what needs
+Python: events by key (weakly, as hb.py does: an event's snapshot goes with the event object), and the races — the core
+hands each unordered pair over as a candidate, and a race's identity reads frames (``hb.identity``), so they are named,
+deduplicated and counted here exactly as hb.py does. Ops are the core's ``Op`` objects: `stream`, `epoch`, `seq`,
+`site`, `clock` and `strict` read as on ``hb.Op``.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Hashable
+
+from .hb import FREE, RAW, WAR, WAW, Access, Race, Site, TensorInfo
+
+_KINDS = (RAW, WAR, WAW, FREE)  # hb_core.cpp's Kind
+
+
+class _Races:
+    """The races and latent races found so far (hb.py's `_races` and `_latent`). Kept apart from the core object,
+    which calls `judge`: a reference back to NativeHappensBefore would be a cycle through a C++ object (never
+    collected)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()  # taken inside the core's lock, never the other way round
+        self.races: dict[tuple, Race] = {}
+        self.latent: dict[tuple, Race] = {}
+
+    def judge(self, batch: list[tuple]) -> list[Race]:
+        """The candidates of one access or allocation (hb.py's `found`) -> the races not reported before."""
+        found: dict[tuple, Race] = {}
+        with self.lock:
+            for (latent, kind, a_op, storage, a_start, a_end, a_write, a_tensor, op, start, end, write, tensor,
+                 alloc_site, hidden_by) in batch:
+                kind = _KINDS[kind]
+                earlier = Access(a_op, storage, a_start, a_end, a_write, TensorInfo.of(a_tensor))
+                if kind == FREE:
+                    later = Access(op, storage, start, end, True,
+                                   TensorInfo.of(tensor) if tensor is not None else earlier.tensor)
+                    race = Race(FREE, earlier, later, alloc_site)
+                    found.setdefault(race.key(), race)
+                    continue
+                later = Access(op, storage, start, end, write, TensorInfo.of(tensor))
+                if not latent:
+                    race = Race(kind, earlier, later, alloc_site)
+                    found.setdefault(race.key(), race)
+                    continue
+                race = Race(kind, earlier, later, alloc_site,
+                            hidden_by=hidden_by if hidden_by is not None else Site("an implicit host sync"))
+                seen = self.latent.get(race.key())
+                if seen is None:
+                    self.latent[race.key()] = race
+                else:
+                    seen.count += 1
+            new = []
+            for key, race in found.items():
+                seen = self.races.get(key)
+                if seen is None:
+                    self.races[key] = race
+                    new.append(race)
+                else:
+                    seen.count += 1
+            return new
+
+
+class NativeHappensBefore:
+    """``hb.HappensBefore`` over the C++ core of `extension` (default: ``capture.load()``, which must succeed)."""
+
+    def __init__(self, trace: bool = False, extension=None):
+        if extension is None:
+            from . import capture
+
+            extension = capture.load()
+            if extension is None:
+                raise RuntimeError(f"streamrace: the C++ extension is not available ({capture.failure()})")
+        self._found = _Races()
+        core = self._core = extension.hb.Core(trace, self._found.judge)
+        self._events: dict = {}  # events that cannot be weakly referenced (ints, handles) -> snapshot
+        self._weak_events: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # dropped with the event object
+        self._event_lock = threading.Lock()
+        # the per-op calls: bound C++ methods, no Python frame between the caller and the core
+        self.record = core.record
+        self.launch = core.launch
+        self.access = core.access
+        self.alloc = core.alloc
+        self.free = core.free
+        self.record_stream = core.record_stream
+        self.wait_stream = core.wait_stream
+        self.synchronize_stream = core.synchronize_stream
+        self.synchronize_device = core.synchronize_device
+        self.add_stream = core.add_stream
+        self.stream_name = core.stream_name
+        self.alloc_site = core.alloc_site
+        self.history_size = core.history_size
+
+    @property
+    def stream_count(self) -> int:
+        """How many streams have been seen (named, launched on or ordered)."""
+        return self._core.stream_count
+
+    @property
+    def frees_can_race(self) -> bool:
+        """Whether a free may yet be judged or traced (see hb.HappensBefore.frees_can_race)."""
+        return self._core.frees_can_race
+
+    # events: snapshots kept by event key here, as hb.py keeps them
+
+    def record_event(self, event: Hashable, stream: Hashable) -> None:
+        with self._event_lock:
+            snapshot = self._core.snapshot(stream)
+            try:
+                self._weak_events[event] = snapshot
+            except TypeError:
+                self._events[event] = snapshot
+
+    def _snapshot(self, event):
+        try:
+            return self._weak_events.get(event)
+        except TypeError:
+            return self._events.get(event)
+
+    def wait_event(self, stream: Hashable, event: Hashable) -> None:
+        with self._event_lock:
+            self._core.wait_snapshot(stream, self._snapshot(event))
+
+    def synchronize_event(self, event: Hashable, implicit: Site | None = None) -> None:
+        with self._event_lock:
+            snapshot = self._snapshot(event)
+            if snapshot is not None:
+                self._core.synchronize_snapshot(snapshot, implicit)
+
+    # results
+
+    @property
+    def races(self) -> list[Race]:
+        """All races so far, deduplicated by (kind, earlier location, later location), in order of discovery."""
+        with self._found.lock:
+            return list(self._found.races.values())
+
+    @property
+    def latent_races(self) -> list[Race]:
+        """Pairs ordered today only by an implicit host sync (Race.hidden_by names it), in order of discovery."""
+        with self._found.lock:
+            return list(self._found.latent.values())
+
+    def forget_races(self) -> None:
+        """Report races seen so far again when they recur (a pool worker starting work for another test)."""
+        with self._found.lock:
+            self._found.races.clear()
+            self._found.latent.clear()
+
+    @property
+    def timeline(self) -> list:
+        """Every launch (and free) in order; empty unless trace=True."""
+        return self._core.timeline
