@@ -61,7 +61,7 @@ def load():
             import warnings
 
             try:
-                warnings.warn(f"streamrace: the cuda backend's C++ op capture did not build ({_failure}); tracking "
+                warnings.warn(f"streamrace: the C++ op capture and core did not build ({_failure}); tracking "
                               "ops with the slower dispatch mode and the pure-Python happens-before core",
                               RuntimeWarning, stacklevel=2)
             except Warning:  # warnings made errors (-W error): the fallback must still run, every backend loads this
