@@ -216,6 +216,63 @@ class _Storage:
         self.used_on: set | tuple = ()  # streams named by record_stream (a set once one is; most never are)
 
 
+class Events:
+    """Event -> snapshot, dropped with the event object where it can be weakly referenced (ints and handles cannot).
+    Both cores keep events this way; the caller holds its lock."""
+
+    __slots__ = ("_strong", "_weak")
+
+    def __init__(self):
+        self._strong: dict[Any, Any] = {}
+        self._weak: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def put(self, event, snapshot) -> None:
+        try:
+            self._weak[event] = snapshot
+        except TypeError:
+            self._strong[event] = snapshot
+
+    def get(self, event):
+        try:
+            return self._weak.get(event)
+        except TypeError:
+            return self._strong.get(event)
+
+
+class Found:
+    """The races and latent races found so far, deduplicated by `Race.key` with counts: one book for both cores, so
+    they name and count alike. The caller holds its lock."""
+
+    __slots__ = ("races", "latent")
+
+    def __init__(self):
+        self.races: dict[tuple, Race] = {}
+        self.latent: dict[tuple, Race] = {}
+
+    def collect(self, found: dict[tuple, Race]) -> list[Race]:
+        """One access's (or allocation's) races by key -> those not reported before; the others are counted."""
+        new = []
+        for key, race in found.items():
+            seen = self.races.get(key)
+            if seen is None:
+                self.races[key] = race
+                new.append(race)
+            else:
+                seen.count += 1
+        return new
+
+    def add_latent(self, race: Race) -> None:
+        seen = self.latent.get(race.key())
+        if seen is None:
+            self.latent[race.key()] = race
+        else:
+            seen.count += 1
+
+    def clear(self) -> None:
+        self.races.clear()
+        self.latent.clear()
+
+
 class HappensBefore:
     """Ordering of streams, events and the host, and the races between accesses it leaves unordered."""
 
@@ -223,8 +280,7 @@ class HappensBefore:
         self._trace = trace
         self._lock = threading.Lock()  # autograd may call in from its device threads
         self._streams: dict[Any, _Stream] = {}
-        self._events: dict[Any, dict] = {}  # events that cannot be weakly referenced (ints, handles)
-        self._weak_events: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # dropped with the event object
+        self._events = Events()
         self._host: dict = {}
         self._host_strict: dict = self._host  # the host's knowledge through explicit syncs only
         self._host_version = 0
@@ -232,8 +288,7 @@ class HappensBefore:
         self._implicit: deque = deque(maxlen=4096)
         self._seq = 0
         self._storages: dict[Any, _Storage] = {}
-        self._races: dict[tuple, Race] = {}
-        self._latent: dict[tuple, Race] = {}
+        self._found = Found()
         self._timeline: list[Op] = []
 
     # streams
@@ -267,21 +322,11 @@ class HappensBefore:
 
     def record_event(self, event: Hashable, stream: Hashable) -> None:
         with self._lock:
-            snapshot = self._stream(stream).snapshot()
-            try:
-                self._weak_events[event] = snapshot
-            except TypeError:
-                self._events[event] = snapshot
-
-    def _snapshot(self, event) -> tuple[dict, dict] | None:
-        try:
-            return self._weak_events.get(event)
-        except TypeError:
-            return self._events.get(event)
+            self._events.put(event, self._stream(stream).snapshot())
 
     def wait_event(self, stream: Hashable, event: Hashable) -> None:
         with self._lock:
-            self._wait(self._stream(stream), self._snapshot(event))
+            self._wait(self._stream(stream), self._events.get(event))
 
     def wait_stream(self, waiter: Hashable, target: Hashable) -> None:
         with self._lock:
@@ -300,7 +345,7 @@ class HappensBefore:
 
     def synchronize_event(self, event: Hashable, implicit: Site | None = None) -> None:
         with self._lock:
-            snapshot = self._snapshot(event)
+            snapshot = self._events.get(event)
             if snapshot is not None:
                 self._host_learns(snapshot, implicit)
 
@@ -426,11 +471,7 @@ class HappensBefore:
         race = Race(kind, Access(a_op, storage, a_start, a_end, a_write, TensorInfo.of(a_tensor)),
                     Access(op, storage, start, end, write, TensorInfo.of(tensor)), alloc_site,
                     hidden_by=self._hiding_sync(a_op, op))
-        seen = self._latent.get(race.key())
-        if seen is None:
-            self._latent[race.key()] = race
-        else:
-            seen.count += 1
+        self._found.add_latent(race)
 
     def _hiding_sync(self, earlier: Op, later: Op) -> Site:
         """The first implicit sync between the two ops that taught the host the earlier one's epoch."""
@@ -440,15 +481,7 @@ class HappensBefore:
         return Site("an implicit host sync")
 
     def _collect(self, found: dict[tuple, Race]) -> list[Race]:
-        new = []
-        for key, race in found.items():
-            seen = self._races.get(key)
-            if seen is None:
-                self._races[key] = race
-                new.append(race)
-            else:
-                seen.count += 1
-        return new
+        return self._found.collect(found)
 
     # memory
 
@@ -531,19 +564,18 @@ class HappensBefore:
     def races(self) -> list[Race]:
         """All races so far, deduplicated by (kind, earlier location, later location), in order of discovery."""
         with self._lock:
-            return list(self._races.values())
+            return list(self._found.races.values())
 
     @property
     def latent_races(self) -> list[Race]:
         """Pairs ordered today only by an implicit host sync (Race.hidden_by names it), in order of discovery."""
         with self._lock:
-            return list(self._latent.values())
+            return list(self._found.latent.values())
 
     def forget_races(self) -> None:
         """Report races seen so far again when they recur (a pool worker starting work for another test)."""
         with self._lock:
-            self._races.clear()
-            self._latent.clear()
+            self._found.clear()
 
     @property
     def timeline(self) -> list[Op]:

@@ -11,23 +11,23 @@ deduplicated and counted here exactly as hb.py does. Ops are the core's ``Op`` o
 from __future__ import annotations
 
 import threading
-import weakref
 from typing import Hashable
 
-from .hb import FREE, RAW, WAR, WAW, Access, Race, Site, TensorInfo
+from .hb import FREE, RAW, WAR, WAW, Access, Events, Found, Race, Site, TensorInfo
 
 _KINDS = (RAW, WAR, WAW, FREE)  # hb_core.cpp's Kind
 
 
-class _Races:
-    """The races and latent races found so far (hb.py's `_races` and `_latent`). Kept apart from the core object,
-    which calls `judge`: a reference back to NativeHappensBefore would be a cycle through a C++ object (never
-    collected)."""
+class _Races(Found):
+    """The races and latent races found so far (hb.Found, as hb.py keeps them), with the candidates the core hands
+    over turned into them. Kept apart from the core object, which calls `judge`: a reference back to
+    NativeHappensBefore would be a cycle through a C++ object (never collected)."""
+
+    __slots__ = ("lock",)
 
     def __init__(self):
+        super().__init__()
         self.lock = threading.Lock()  # taken inside the core's lock, never the other way round
-        self.races: dict[tuple, Race] = {}
-        self.latent: dict[tuple, Race] = {}
 
     def judge(self, batch: list[tuple]) -> list[Race]:
         """The candidates of one access or allocation (hb.py's `found`) -> the races not reported before."""
@@ -48,22 +48,9 @@ class _Races:
                     race = Race(kind, earlier, later, alloc_site)
                     found.setdefault(race.key(), race)
                     continue
-                race = Race(kind, earlier, later, alloc_site,
-                            hidden_by=hidden_by if hidden_by is not None else Site("an implicit host sync"))
-                seen = self.latent.get(race.key())
-                if seen is None:
-                    self.latent[race.key()] = race
-                else:
-                    seen.count += 1
-            new = []
-            for key, race in found.items():
-                seen = self.races.get(key)
-                if seen is None:
-                    self.races[key] = race
-                    new.append(race)
-                else:
-                    seen.count += 1
-            return new
+                self.add_latent(Race(kind, earlier, later, alloc_site,
+                                     hidden_by=hidden_by if hidden_by is not None else Site("an implicit host sync")))
+            return self.collect(found)
 
 
 class NativeHappensBefore:
@@ -78,8 +65,7 @@ class NativeHappensBefore:
                 raise RuntimeError(f"streamrace: the C++ extension is not available ({capture.failure()})")
         self._found = _Races()
         core = self._core = extension.hb.Core(trace, self._found.judge)
-        self._events: dict = {}  # events that cannot be weakly referenced (ints, handles) -> snapshot
-        self._weak_events: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # dropped with the event object
+        self._events = Events()  # event -> the core's snapshot, as hb.py keeps them
         self._event_lock = threading.Lock()
         # the per-op calls: bound C++ methods, no Python frame between the caller and the core
         self.record = core.record
@@ -110,25 +96,15 @@ class NativeHappensBefore:
 
     def record_event(self, event: Hashable, stream: Hashable) -> None:
         with self._event_lock:
-            snapshot = self._core.snapshot(stream)
-            try:
-                self._weak_events[event] = snapshot
-            except TypeError:
-                self._events[event] = snapshot
-
-    def _snapshot(self, event):
-        try:
-            return self._weak_events.get(event)
-        except TypeError:
-            return self._events.get(event)
+            self._events.put(event, self._core.snapshot(stream))
 
     def wait_event(self, stream: Hashable, event: Hashable) -> None:
         with self._event_lock:
-            self._core.wait_snapshot(stream, self._snapshot(event))
+            self._core.wait_snapshot(stream, self._events.get(event))
 
     def synchronize_event(self, event: Hashable, implicit: Site | None = None) -> None:
         with self._event_lock:
-            snapshot = self._snapshot(event)
+            snapshot = self._events.get(event)
             if snapshot is not None:
                 self._core.synchronize_snapshot(snapshot, implicit)
 
@@ -149,8 +125,7 @@ class NativeHappensBefore:
     def forget_races(self) -> None:
         """Report races seen so far again when they recur (a pool worker starting work for another test)."""
         with self._found.lock:
-            self._found.races.clear()
-            self._found.latent.clear()
+            self._found.clear()
 
     @property
     def timeline(self) -> list:

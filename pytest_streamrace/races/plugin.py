@@ -103,7 +103,7 @@ class RaceChecks:
             raise pytest.UsageError(f"streamrace: {exc}") from None
         self.tally = tally.Tally(self.policy)
         self.children.latent, self.children.incidental = self.policy.latent != "off", self.policy.incidental
-        # build (or load) the C++ extension once, before any test's clock starts: the op capture (cuda) and the
+        # build (or load) the C++ extension once, before any test's clock starts: the op capture and the
         # happens-before core (both backends)
         from ..detector import capture
 
