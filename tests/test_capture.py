@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from pytest_streamrace.detector import capture
+from pytest_streamrace.detector import hb as hb_py
 from pytest_streamrace.detector.hb import HappensBefore
 from pytest_streamrace.detector.tracker import AccessTracker
 from tagged_lines import line
@@ -70,7 +71,7 @@ def _ops(captured: bool, extension=None) -> list[tuple]:
     """(op, [(start, end, write, shape, dtype)]) per op the tracker launched, the storages kept alive throughout (so
     no address is reused: frees are the allocator callback's business, and CPU has none)."""
     seen: list[tuple] = []
-    hb = HappensBefore()
+    hb = hb_py.HappensBefore()  # hb.py's: the C++ core's records come from the capture's feed, not through record
     original = hb.record
 
     def record(stream, site, accesses=(), allocs=()):

@@ -36,6 +36,7 @@ def test_ops_come_from_the_expected_source():
         assert active().op_source == "dispatch mode" and type(mode).__name__ == "AccessTracker"
     else:
         assert active().op_source == "capture" and mode is None, mode
+        assert active().tracker._feed is not None  # applied to the C++ core in C++ (capture.cpp's Feed)
 
 
 def streams(wait):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from itertools import islice
 
+from .frames import Captured
 from .hb import Site
 
 
@@ -39,6 +40,16 @@ class ForwardSites:
         """The frames of an access made inside node `node` (number `seq`): its own user frames, or else the forward
         op's, lazily (named when read)."""
         return _InBackward(frames, self._sites.get(seq), node or "a backward node")
+
+
+def site_of(op: str, stack, forward: Site | None, node: str | None) -> Site:
+    """The Site of an op the C++ feed applied (capture.cpp), made when a report or a trace first reads it: `stack` is
+    the capture's (None: no frames), and inside an autograd node (`node`) the forward op's site names it as
+    `ForwardSites.backward` does."""
+    frames = Captured(stack) if stack is not None else ()
+    if node is None:
+        return Site(op, frames)
+    return Site(op, _InBackward(frames, forward, node))
 
 
 class _InBackward:

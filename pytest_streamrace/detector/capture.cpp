@@ -7,6 +7,7 @@
 #include <torch/csrc/profiler/combined_traceback.h>
 #include <torch/csrc/Storage.h>
 #include <atomic>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <unordered_map>
@@ -29,12 +30,22 @@ struct Stack {
 };
 
 // held (host memory only): the storage, first seen here, kept alive until drained (see `hold`)
-struct Span { int64_t storage, start, end; bool write; std::vector<int64_t> shape; std::string dtype; int64_t nbytes;
+struct Span { int64_t storage, start, end; bool write; std::vector<int64_t> shape; c10::ScalarType dtype; int64_t nbytes;
               c10::Storage held; };
+
+// "float", "long", ...: as a tensor's description names its dtype (hb.TensorInfo)
+py::str dtype_name(c10::ScalarType dtype) {
+  static std::mutex names_mutex;
+  static std::unordered_map<int, py::object>* names = new std::unordered_map<int, py::object>();  // never freed
+  std::lock_guard<std::mutex> guard(names_mutex);
+  auto& name = (*names)[static_cast<int>(dtype)];
+  if (!name) name = py::str(c10::getDtypeNames(dtype).first);
+  return name;
+}
 
 // What to do with an op, decided once (by the tracker's plan) per op overload.
 struct Plan { bool below_autograd = false, record = false, handoff = false, fresh = false, writes_output = false,
-                   copy = false, keep_args = false; std::vector<std::pair<size_t, bool>> args;
+                   copy = false, keep_args = false, sync = false; std::vector<std::pair<size_t, bool>> args;
               std::vector<std::pair<std::string, bool>> names; };  // keep_args: (name, keyword-only) per argument
 
 struct Record {
@@ -44,6 +55,7 @@ struct Record {
   int64_t seq = -1; std::string node;
   // a stream the host waited for inside this op (a read-back: a copy to the host, t[mask]); 0: none
   int64_t synced = 0;
+  bool sync = false;  // the op is a host sync's (tracker.host_syncs): the tracker judges whether it applies
   int64_t touched = 0;  // tensors of the modelled device among its arguments and fresh outputs, empty ones included
   std::shared_ptr<const Plan> plan; std::vector<c10::IValue> args;  // the arguments, where the plan keeps them
 };
@@ -128,7 +140,8 @@ std::shared_ptr<const Plan> plan_for(const at::RecordFunction& fn) {
       plan.fresh = t[1].cast<bool>();
       plan.writes_output = t[2].cast<bool>();
       plan.record = true;
-      plan.keep_args = t.size() > 3 && t[3].cast<bool>();  // a host sync that depends on them (host memory)
+      plan.keep_args = t[3].cast<bool>();  // a host sync that depends on them (host memory)
+      plan.sync = t[4].cast<bool>();
       if (plan.keep_args)
         for (const auto& a : op->schema().arguments()) plan.names.push_back({a.name(), a.kwarg_only()});
     }
@@ -161,8 +174,8 @@ void add(Record& r, std::vector<Span>& out, const at::Tensor& t, bool write, boo
   else for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
   auto key = reinterpret_cast<int64_t>(t.storage().data());
   if (key == 0) return;
-  Span span{key, start, start + (last + 1) * size, write, t.sizes().vec(),
-            std::string(c10::getDtypeNames(t.scalar_type()).first), fresh ? (int64_t)t.storage().nbytes() : -1, {}};
+  Span span{key, start, start + (last + 1) * size, write, t.sizes().vec(), t.scalar_type(),
+            fresh ? (int64_t)t.storage().nbytes() : -1, {}};
   if (!cuda) hold(span, t);
   out.push_back(std::move(span));
 } catch (const std::exception&) {
@@ -252,6 +265,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (plan->record) {
     Record& r = pending->record;
     r.op = fn.name();
+    r.sync = plan->sync;
     if (cuda) {
       const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
       r.stream = reinterpret_cast<int64_t>(impl->getStream(impl->getDevice()).native_handle());
@@ -463,9 +477,9 @@ py::list drain() {
     }
     py::list accesses, fresh;
     for (const auto& t : r.accesses)
-      accesses.append(py::make_tuple(t.storage, t.start, t.end, t.write, shape_of(t), t.dtype));
+      accesses.append(py::make_tuple(t.storage, t.start, t.end, t.write, shape_of(t), dtype_name(t.dtype)));
     for (const auto& t : r.fresh)
-      fresh.append(py::make_tuple(t.storage, t.start, t.end, t.write, shape_of(t), t.dtype, t.nbytes));
+      fresh.append(py::make_tuple(t.storage, t.start, t.end, t.write, shape_of(t), dtype_name(t.dtype), t.nbytes));
     py::object node = r.node.empty() ? py::object(py::none()) : py::object(py::str(r.node));
     out.append(py::make_tuple("op", r.op, r.stream, r.in_node, accesses, fresh, stack, r.seq, node, r.synced,
                               arguments_of(r)));
@@ -474,6 +488,299 @@ py::list drain() {
   }
   return out;
 }
+
+
+// ---- the records applied straight to the C++ core (`Feed`): tracker._apply_captured's rules, no Python per op
+
+namespace feed {
+
+using streamrace_hb::NativePayload;
+using streamrace_hb::Payload;
+using streamrace_hb::PyCore;
+
+py::object* site_factory = nullptr;  // backward_sites.site_of: (op, stack or None, forward site or None, node or None)
+
+// An op's site: named (a Python Site) only when a report or a trace reads it.
+struct Site : NativePayload {
+  std::string op;
+  std::shared_ptr<Stack> stack;
+  Payload forward;  // inside an autograd node: the site of the forward op that created it (may be empty)
+  std::string node;  // inside an autograd node: its name
+  py::object named;
+  py::object to_python() override {
+    if (!named) {
+      py::object stack_object = stack ? py::cast(stack) : py::object(py::none());
+      py::object node_name = node.empty() ? py::object(py::none()) : py::object(py::str(node));
+      named = (*site_factory)(op, stack_object, forward.to_python(), node_name);
+    }
+    return named;
+  }
+};
+
+// An access's tensor: (shape, dtype, name or None), as tracker._accesses describes it.
+struct Tensor : NativePayload {
+  std::vector<int64_t> shape;
+  c10::ScalarType dtype;
+  py::object name;
+  py::object to_python() override {
+    py::tuple dims(shape.size());
+    for (size_t i = 0; i < shape.size(); ++i) dims[i] = shape[i];
+    return py::make_tuple(dims, dtype_name(dtype), name ? name : py::object(py::none()));
+  }
+};
+
+// Forward ops' sites by autograd sequence number (backward_sites.ForwardSites, bounded the same way).
+class ForwardSites {
+ public:
+  void forward(int64_t seq, const Payload& site) {
+    auto found = sites_.find(seq);
+    if (found != sites_.end()) {
+      found->second = site;  // keeps its place, as a dict's key does
+      return;
+    }
+    sites_.emplace(seq, site);
+    order_.push_back(seq);
+    if (sites_.size() > kLimit)
+      for (size_t i = 0; i < kLimit / 4; ++i) {
+        sites_.erase(order_.front());
+        order_.pop_front();
+      }
+  }
+  Payload backward(int64_t seq) const {
+    auto found = sites_.find(seq);
+    return found == sites_.end() ? Payload() : found->second;
+  }
+
+ private:
+  static constexpr size_t kLimit = 1 << 14;
+  std::unordered_map<int64_t, Payload> sites_;
+  std::deque<int64_t> order_;  // first insertion order
+};
+
+py::object int_key(int64_t key) { return py::reinterpret_steal<py::object>(PyLong_FromLongLong(key)); }
+
+// dict.pop(key, None) is not None
+bool pop(PyObject* dict, PyObject* key) {
+  PyObject* found = PyDict_GetItemWithError(dict, key);
+  if (found == nullptr) {
+    if (PyErr_Occurred()) throw py::error_already_set();
+    return false;
+  }
+  if (PyDict_DelItem(dict, key) < 0) throw py::error_already_set();
+  return true;
+}
+
+PyObject* get(PyObject* dict, PyObject* key) {  // borrowed; nullptr when missing
+  PyObject* found = PyDict_GetItemWithError(dict, key);
+  if (found == nullptr && PyErr_Occurred()) throw py::error_already_set();
+  return found;
+}
+
+void set(PyObject* dict, PyObject* key, PyObject* value) {
+  if (PyDict_SetItem(dict, key, value) < 0) throw py::error_already_set();
+}
+
+// The tracker's captured ops applied to its C++ core: the same rules as tracker._apply_captured, which stays the path
+// for hb.py's core. The tracker's tables (watched storages and their weak references, names, last writers, autograd's
+// redirects) stay its Python dicts, read and written here through the C API; Python is called for a host sync's rule,
+// for races and notes.
+class Feed {
+ public:
+  Feed(py::object core, py::object tracker) : core_object_(std::move(core)), core_(core_object_.cast<PyCore&>()) {
+    watched_ = tracker.attr("watched");
+    ref_keys_ = tracker.attr("_ref_keys");
+    on_dead_ = tracker.attr("_on_dead");
+    names_ = tracker.attr("names");
+    last_writer_ = tracker.attr("last_writer");
+    redirect_ = tracker.attr("redirect");
+    track_frees_ = tracker.attr("track_frees").cast<bool>();
+    captured_sync_ = tracker.attr("_captured_sync");
+    report_ = tracker.attr("_report");
+    note_ = tracker.attr("note");
+    if (site_factory == nullptr)
+      site_factory = new py::object(py::module_::import("pytest_streamrace.detector.backward_sites").attr("site_of"));
+  }
+
+  // Drains the capture into the core (until no frees follow on host memory). streams: the virtual model's streams
+  // by their small int (None on cuda: a stream is its handle). Returns the first op's name when `name_first` (the
+  // tracker names an unnamed implicit sync after it), else None.
+  py::object apply(py::object streams, bool engine_records_streams, bool name_first) {
+    streams_ = std::move(streams);
+    engine_records_streams_ = engine_records_streams;
+    py::object first = py::none();
+    for (;;) {
+      std::vector<Record> taken;
+      {
+        std::lock_guard<std::mutex> guard(mutex);
+        taken.swap(records);
+      }
+      if (taken.empty()) break;
+      for (auto& r : taken) {
+        if (name_first && !r.free) {
+          first = py::str(r.op);
+          name_first = false;
+        }
+        guarded(r, [&] { apply_one(r); });
+        guarded(r, [&] {  // even when the op went unchecked: its storages' frees are still learnt
+          for (const Span& span : r.accesses) watch(span);
+          for (const Span& span : r.fresh) watch(span);
+        });
+      }
+      taken.clear();  // the storages they held (host memory): frees that follow are queued now
+      if (!track_frees_) break;
+    }
+    streams_ = py::none();
+    return first;
+  }
+
+ private:
+  template <class F>
+  void guarded(const Record& r, F&& step) {  // never inside the user's test: this op goes unchecked, said once
+    try {
+      step();
+    } catch (py::error_already_set& error) {
+      note(r, py::str(error.type().attr("__name__")), py::str(error.value()));
+    } catch (const std::exception& error) {
+      note(r, py::str("RuntimeError"), py::str(error.what()));
+    }
+  }
+
+  void note(const Record& r, py::str type, py::str message) {
+    std::string what = r.free ? "free" : r.op;
+    note_(py::str("{} is not checked: {}: {}").format(what, type, message));
+  }
+
+  // The core's id (and the tracker's key) of a stream the capture recorded.
+  std::pair<int32_t, PyObject*> stream(int64_t recorded) {
+    auto found = streams_by_record_.find(recorded);
+    if (found != streams_by_record_.end()) return {found->second.first, found->second.second.ptr()};
+    py::object key = streams_.is_none() ? int_key(recorded) : py::object(streams_[py::int_(recorded)]);
+    int32_t id = core_.locked_stream_id(key);
+    auto& entry = streams_by_record_[recorded];
+    entry = {id, key};
+    return {id, key.ptr()};
+  }
+
+  int32_t stream_id(PyObject* key) { return core_.locked_stream_id(key); }
+
+  Payload site(const Record& r) {
+    auto* made = new Site();
+    Payload payload = Payload::native(made);
+    made->op = r.free ? "free" : r.op;
+    made->stack = r.stack;
+    if (r.in_node) {
+      made->node = r.node.empty() ? "a backward node" : r.node;
+      made->forward = forward_.backward(r.seq);
+    }
+    return payload;
+  }
+
+  Payload tensor(Span& span, PyObject* key, bool named) {
+    auto* made = new Tensor();
+    Payload payload = Payload::native(made);
+    made->shape = std::move(span.shape);
+    made->dtype = span.dtype;
+    if (named && PyDict_GET_SIZE(names_.ptr()) > 0) {
+      PyObject* name = get(names_.ptr(), key);
+      if (name != nullptr) made->name = py::reinterpret_borrow<py::object>(name);
+    }
+    return payload;
+  }
+
+  void watch(const Span& span) {  // tracker._apply_captured's "watch": a storage first seen, its free learnt from now
+    if (!span.held) return;
+    py::object key = int_key(span.storage);
+    PyObject* known = get(watched_.ptr(), key.ptr());
+    if (known != nullptr && known != Py_None) return;
+    py::object storage = py::reinterpret_steal<py::object>(THPStorage_Wrap(span.held));
+    py::object ref = py::none();
+    if (track_frees_) {
+      ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(storage.ptr(), on_dead_.ptr()));
+      if (!ref) throw py::error_already_set();
+      set(ref_keys_.ptr(), ref.ptr(), key.ptr());
+    }
+    set(watched_.ptr(), key.ptr(), ref.ptr());
+  }
+
+  void apply_one(Record& r) {
+    if (r.free) {  // tracker._freed
+      py::object key = int_key(r.freed);
+      if (!pop(watched_.ptr(), key.ptr())) return;  // never touched by a tracked op
+      if (PyDict_GET_SIZE(names_.ptr()) > 0) pop(names_.ptr(), key.ptr());
+      pop(last_writer_.ptr(), key.ptr());
+      core_.free(r.freed, site(r));
+      return;
+    }
+    auto [id, stream_key] = stream(r.stream);
+    py::object keep_key = py::reinterpret_borrow<py::object>(stream_key);
+    std::vector<py::object> keys;
+    keys.reserve(r.accesses.size());
+    for (const Span& span : r.accesses) keys.push_back(int_key(span.storage));
+    if (PyDict_GET_SIZE(redirect_.ptr()) > 0)  // a gradient's add the engine runs on its consumer's stream
+      for (const auto& key : keys) {
+        PyObject* target = get(redirect_.ptr(), key.ptr());
+        if (target != nullptr) {
+          keep_key = py::reinterpret_borrow<py::object>(target);
+          pop(redirect_.ptr(), key.ptr());
+          id = stream_id(keep_key.ptr());
+          break;
+        }
+      }
+    PyObject* stream_object = keep_key.ptr();
+    std::vector<PyCore::Touch> touches;
+    std::vector<PyCore::Alloc> allocs;
+    touches.reserve(r.accesses.size() + r.fresh.size());
+    for (size_t i = 0; i < r.accesses.size(); ++i) {
+      Span& span = r.accesses[i];
+      PyObject* key = keys[i].ptr();
+      if (get(watched_.ptr(), key) == nullptr) set(watched_.ptr(), key, Py_None);
+      if (span.write) {
+        set(last_writer_.ptr(), key, stream_object);
+      } else if (engine_records_streams_ && r.in_node) {  // read inside a node: one of its incoming gradients
+        PyObject* writer = get(last_writer_.ptr(), key);
+        if (writer != nullptr) {
+          int same = PyObject_RichCompareBool(writer, stream_object, Py_EQ);
+          if (same < 0) throw py::error_already_set();
+          if (!same) core_.record_stream(span.storage, id);
+        }
+      }
+      touches.push_back({span.storage, span.start, span.end, span.write, tensor(span, key, true)});
+    }
+    for (Span& span : r.fresh) {
+      py::object key = int_key(span.storage);
+      Payload desc = tensor(span, key.ptr(), false);
+      if (get(watched_.ptr(), key.ptr()) == nullptr) {
+        set(watched_.ptr(), key.ptr(), Py_None);
+        allocs.push_back({span.storage, span.nbytes, desc});
+      }
+      if (span.write) {
+        set(last_writer_.ptr(), key.ptr(), stream_object);
+        touches.push_back({span.storage, span.start, span.end, true, std::move(desc)});
+      }
+    }
+    Payload op_site = site(r);
+    if (!r.in_node && r.seq >= 0) forward_.forward(r.seq, op_site);
+    py::list races;
+    core_.record(id, op_site, allocs, touches, races);
+    if (py::len(races) > 0) report_(races);
+    // a host sync's rule (and a sync reported from inside the op) is the tracker's: tracker._captured_sync
+    if (r.synced != 0 || r.sync) {
+      py::object stack = r.stack ? py::cast(r.stack) : py::object(py::none());
+      captured_sync_(py::str(r.op), keep_key, r.synced, stack, arguments_of(r),
+                     !r.accesses.empty() || !streams_.is_none());
+    }
+  }
+
+  py::object core_object_;
+  PyCore& core_;
+  py::object watched_, ref_keys_, on_dead_, names_, last_writer_, redirect_, captured_sync_, report_, note_;
+  bool track_frees_ = false, engine_records_streams_ = false;
+  py::object streams_ = py::none();
+  std::unordered_map<int64_t, std::pair<int32_t, py::object>> streams_by_record_;
+  ForwardSites forward_;
+};
+
+}  // namespace feed
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_core(m);  // hb_core.cpp, compiled into this module (capture.load)
@@ -488,4 +795,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sync_inside_op", &sync_inside_op);
   m.def("mark_free", &mark_free, py::arg("ptr"), py::arg("stack") = true);
   m.def("drain", &drain);
+  py::class_<feed::Feed>(m, "Feed")
+      .def(py::init<py::object, py::object>(), py::arg("core"), py::arg("tracker"))
+      .def("apply", &feed::Feed::apply, py::arg("streams"), py::arg("engine_records_streams"), py::arg("name_first"));
 }

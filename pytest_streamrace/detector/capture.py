@@ -19,7 +19,9 @@ drain is never taken for the old storage; the arguments of ops whose host sync d
 
 The C++ is ``capture.cpp`` beside this module, shipped as package data and built on first use with torch's C++
 extension loader (a compiler is needed; about 20-40 s, cached). The same module holds the happens-before core in C++
-(``hb_core.cpp``, submodule ``hb``; ``hb_native``), so the capture can feed it without Python in between.
+(``hb_core.cpp``, submodule ``hb``; ``hb_native``), and the capture feeds it without Python per op (``Feed``: the
+tracker's ``_apply_captured`` in C++, over the tracker's own tables; Python is entered for host syncs, races and
+notes, and on host memory to watch the storages first seen).
 """
 
 from __future__ import annotations

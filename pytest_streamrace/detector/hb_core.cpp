@@ -7,12 +7,14 @@
 // merge that adds nothing returns its first argument, so pointer identity here is dict identity in hb.py, and the
 // strict twin of a clock is the same pointer while the two views agree. What the core only carries for its caller
 // (an op's site, an access's tensor description, a stream's key, an implicit sync's site) is a Payload: a Python
-// object today, a caller's own handle for a C++ caller. Races are found here and handed to a Sink as candidates,
-// one batch per access or allocation; the caller names and deduplicates them (that reads frames: Python's job).
+// object from Python, a NativePayload from a C++ caller (capture.cpp's Feed). Races are found here and handed to a
+// Sink as candidates, one batch per access or allocation; the caller names and deduplicates them (that reads frames:
+// Python's job).
 // Every call comes with the GIL held.
 
 #include <pybind11/pybind11.h>
 
+#include <atomic>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -32,8 +34,16 @@ namespace py = pybind11;
 
 namespace STREAMRACE_HIDDEN streamrace_hb {
 
+// What a C++ caller hands the core as a payload: reference-counted, turned into Python only when a report or a test
+// reads it (an op's site named from its captured stack, a tensor's description).
+struct NativePayload {
+  std::atomic<int64_t> refs{0};
+  virtual ~NativePayload() = default;
+  virtual py::object to_python() = 0;
+};
+
 // What the core keeps for its caller and never reads: no payload (Python None), an owned Python object, or a C++
-// caller's handle (low bit set: PyObject pointers are aligned), turned into Python by `resolve_native` for reports.
+// caller's NativePayload (low bit set: both pointers are aligned).
 class Payload {
  public:
   Payload() noexcept = default;
@@ -45,14 +55,13 @@ class Payload {
     }
     return p;
   }
-  static Payload native(uint64_t handle) {
+  static Payload native(NativePayload* object) {  // takes a reference: a fresh object is owned from here on
     Payload p;
-    p.word_ = (static_cast<uintptr_t>(handle) << 1) | 1u;
+    object->refs.fetch_add(1, std::memory_order_relaxed);
+    p.word_ = reinterpret_cast<uintptr_t>(object) | 1u;
     return p;
   }
-  Payload(const Payload& o) noexcept : word_(o.word_) {
-    if (is_object()) Py_INCREF(object());
-  }
+  Payload(const Payload& o) noexcept : word_(o.word_) { acquire(); }
   Payload(Payload&& o) noexcept : word_(o.word_) { o.word_ = 0; }
   Payload& operator=(Payload o) noexcept {
     std::swap(word_, o.word_);
@@ -60,25 +69,29 @@ class Payload {
   }
   ~Payload() {
     if (is_object()) Py_DECREF(object());
+    else if (is_native() && native_object()->refs.fetch_sub(1, std::memory_order_acq_rel) == 1)
+      delete native_object();
   }
   bool empty() const { return word_ == 0; }
-  py::object to_python() const;
+  NativePayload* native_object() const {
+    return is_native() ? reinterpret_cast<NativePayload*>(word_ & ~uintptr_t{1}) : nullptr;
+  }
+  py::object to_python() const {
+    if (word_ == 0) return py::none();
+    if (is_object()) return py::reinterpret_borrow<py::object>(object());
+    return native_object()->to_python();
+  }
 
  private:
+  void acquire() const {
+    if (is_object()) Py_INCREF(object());
+    else if (is_native()) native_object()->refs.fetch_add(1, std::memory_order_relaxed);
+  }
   bool is_object() const { return word_ != 0 && (word_ & 1u) == 0; }
+  bool is_native() const { return (word_ & 1u) != 0; }
   PyObject* object() const { return reinterpret_cast<PyObject*>(word_); }
   uintptr_t word_ = 0;
 };
-
-// Set by a C++ caller that passes handles as payloads: the Python object a handle stands for (a Site, a description).
-py::object (*resolve_native)(uint64_t) = nullptr;
-
-py::object Payload::to_python() const {
-  if (word_ == 0) return py::none();
-  if (is_object()) return py::reinterpret_borrow<py::object>(object());
-  if (resolve_native == nullptr) throw std::runtime_error("streamrace: a native payload with no resolver");
-  return resolve_native(word_ >> 1);
-}
 
 // A vector clock: per stream id, the epoch known complete (missing components are 0). Never mutated once shared.
 struct Clock {
@@ -639,6 +652,43 @@ class PyCore {
     return out;
   }
 
+  // The same for a C++ caller (capture.cpp's Feed): a stream's id, storages by data pointer, payloads of its own.
+  struct Alloc {
+    int64_t storage, nbytes;
+    Payload tensor;
+  };
+  struct Touch {
+    int64_t storage, start, end;
+    bool write;
+    Payload tensor;
+  };
+  void record(int32_t id, const Payload& site, const std::vector<Alloc>& allocs, const std::vector<Touch>& touches,
+              py::list& races) {
+    Guard g(mutex_);
+    OpPtr op = core_.launch(id, site);
+    created(id);
+    Judge sink(this, races);
+    for (const Alloc& a : allocs) core_.alloc(a.storage, a.nbytes, id, site, a.tensor, sink);
+    for (const Touch& t : touches) core_.access(op, t.storage, t.start, t.end, t.write, t.tensor, sink);
+  }
+
+  int32_t locked_stream_id(py::handle key) {
+    Guard g(mutex_);
+    return stream_id(key);
+  }
+
+  py::object stream_key_of(int32_t id) const { return core_.stream_key(id).to_python(); }
+
+  void record_stream(int64_t storage, int32_t id) {
+    Guard g(mutex_);
+    core_.record_stream(storage, id);
+  }
+
+  void free(int64_t storage, Payload site) {
+    Guard g(mutex_);
+    core_.free(storage, std::move(site));
+  }
+
   void record_stream(py::handle storage, py::handle stream) {
     Guard g(mutex_);
     core_.record_stream(storage_id(storage), stream_id(stream));
@@ -781,12 +831,13 @@ void bind_core(py::module_& m) {
       .def("launch", &PyCore::launch, py::arg("stream"), py::arg("site"))
       .def("access", &PyCore::access, py::arg("op"), py::arg("storage"), py::arg("start"), py::arg("end"),
            py::arg("write"), py::arg("tensor"))
-      .def("record", &PyCore::record, py::arg("stream"), py::arg("site"), py::arg("accesses") = py::tuple(),
-           py::arg("allocs") = py::tuple())
+      .def("record", py::overload_cast<py::handle, py::handle, py::handle, py::handle>(&PyCore::record),
+           py::arg("stream"), py::arg("site"), py::arg("accesses") = py::tuple(), py::arg("allocs") = py::tuple())
       .def("alloc", &PyCore::alloc, py::arg("storage"), py::arg("nbytes"), py::arg("stream"), py::arg("site"),
            py::arg("tensor") = py::none())
-      .def("record_stream", &PyCore::record_stream, py::arg("storage"), py::arg("stream"))
-      .def("free", &PyCore::free, py::arg("storage"), py::arg("site"))
+      .def("record_stream", py::overload_cast<py::handle, py::handle>(&PyCore::record_stream), py::arg("storage"),
+           py::arg("stream"))
+      .def("free", py::overload_cast<py::handle, py::handle>(&PyCore::free), py::arg("storage"), py::arg("site"))
       .def_property_readonly("timeline", &PyCore::timeline)
       .def("alloc_site", &PyCore::alloc_site, py::arg("storage"))
       .def("history_size", &PyCore::history_size, py::arg("storage") = py::none());

@@ -204,6 +204,7 @@ class AccessTracker(TorchDispatchMode):
         self._lock = threading.RLock()
         self._paused = threading.local()  # per thread: one thread modelling work by hand pauses only itself
         self._capture = None  # the C++ capture, when it replaces this dispatch mode
+        self._feed = None  # the capture's records applied straight to the C++ core (capture.cpp's Feed), when it is one
         # the virtual model's streams by the small int the capture records for each (``VirtualStreams.keys``)
         self.capture_streams: list | None = None
         self._plans: dict = {}  # OpOverload._op -> _plan(...)
@@ -255,6 +256,8 @@ class AccessTracker(TorchDispatchMode):
         records (`_drain_forced`); and it sees the threads the dispatch mode would see (`observe_thread`), unless
         `every_thread` (the default on cuda, where a global callback has always been what ran)."""
         self._capture = extension
+        core = getattr(self.hb, "_core", None)  # hb_native's C++ core: the records go straight into it
+        self._feed = extension.Feed(core, self) if isinstance(core, extension.hb.Core) else None
         cuda = self.device_type == "cuda"
         extension.enable(cuda, self._capture_plan, self._handoff, None if cuda else self._drain_forced,
                          cuda if every_thread is None else every_thread)
@@ -289,12 +292,12 @@ class AccessTracker(TorchDispatchMode):
         if self._capture is not None:
             self.drain()
             self._capture.disable()
-            self._capture = None
+            self._capture = self._feed = None  # the feed holds the tracker's tables and methods: no cycle is left
 
     def note_free_captured(self, key: Hashable) -> None:
         """A free seen by the allocator while ops are captured: queued in the capture's buffer, so it lands
-        between the ops it came between."""
-        self._capture.mark_free(key)
+        between the ops it came between. Its stack only where a free may yet race or be traced (as `_dead`)."""
+        self._capture.mark_free(key, self.hb.frees_can_race)
 
     @_called_from_cpp
     def _capture_plan(self, name: str, overload: str):
@@ -311,13 +314,11 @@ class AccessTracker(TorchDispatchMode):
         if plan is _SKIPPED:
             return None
         _, inputs, fresh, writes_output = plan
-        if self.device_type == "cuda":
-            return [(i, write) for i, _, write in inputs], bool(fresh), writes_output
         # Host memory: a host sync with a rule on the arguments (t[mask], histc without a range) is judged on them,
-        # as the dispatch mode does; the capture keeps them for the drain.
+        # as the dispatch mode does; the capture keeps them for the drain. On a GPU the sync is the GPU trace's.
         sync = self.host_syncs.get(name)
-        return [(i, write) for i, _, write in inputs], bool(fresh), writes_output, sync is not None and \
-            sync.rule is not None
+        keep_args = self.device_type != "cuda" and sync is not None and sync.rule is not None
+        return [(i, write) for i, _, write in inputs], bool(fresh), writes_output, keep_args, sync is not None
 
     @_called_from_cpp
     def _handoff(self, name: str, overload: str, args: tuple, out, phase: str) -> None:
@@ -333,6 +334,8 @@ class AccessTracker(TorchDispatchMode):
             handler(func, args, {}, out, phase)
 
     def _apply_captured(self, records: list) -> None:
+        """The capture's records applied to hb.py's core (capture.cpp's Feed applies them to the C++ core, by these
+        rules): the reference the C++ feed is tested against (tests/test_capture.py runs both)."""
         watched, names, last_writer = self.watched, self.names, self.last_writer
         streams, redirect = self.capture_streams, self.redirect
         for record in records:
@@ -382,22 +385,26 @@ class AccessTracker(TorchDispatchMode):
                 _, races = self.hb.record(stream, site, accesses, allocs)
                 if races:
                     self._report(races)
-                # On a GPU no arguments here: a conditional sync (a copy to the host, t[mask]) is the GPU trace's sync
-                # from inside the op (`synced`); an unconditional one, only for an op that touched the device (spans).
-                # On host memory every record touched it, and a conditional sync's arguments came along.
-                sync = self.host_syncs.get(name)
-                if synced:
-                    self.host_synced(sync or host_sync.HostSync(name), synced, Captured(captured))
-                elif sync is not None:
-                    if arguments is not None:
-                        applies = sync.applies(arguments[0], arguments[1], self.device_type)
-                    else:
-                        applies = sync.rule is None and (spans or streams is not None)
-                    if applies:
-                        self.host_synced(sync, stream, Captured(captured))
+                self._captured_sync(name, stream, synced, captured, arguments, bool(spans) or streams is not None)
             except Exception as exc:  # never inside the user's test: this op goes unchecked, said once
                 self.note(f"{record[1] if record[0] == 'op' else record[0]} is not checked: "
                           f"{type(exc).__name__}: {exc}")
+
+    def _captured_sync(self, name: str, stream, synced: int, captured, arguments, touched: bool) -> None:
+        """The host sync a captured op made, if any. On a GPU no arguments come along: a conditional sync (a copy to
+        the host, t[mask]) is the GPU trace's sync from inside the op (`synced`: its stream); an unconditional one
+        counts only for an op that touched the device (`touched`). On host memory every record touched it, and a
+        conditional sync's arguments came along."""
+        sync = self.host_syncs.get(name)
+        if synced:
+            self.host_synced(sync or host_sync.HostSync(name), synced, Captured(captured))
+        elif sync is not None:
+            if arguments is not None:
+                applies = sync.applies(arguments[0], arguments[1], self.device_type)
+            else:
+                applies = sync.rule is None and touched
+            if applies:
+                self.host_synced(sync, stream, Captured(captured))
 
     # storages
 
@@ -438,7 +445,13 @@ class AccessTracker(TorchDispatchMode):
         """Apply the frees seen since the last call: report uses not ordered before them, forget the storages.
         Every entry point (an op, a stream call, reading races) drains first, so a freed address is forgotten
         before it can be handed out again."""
-        if self._capture is not None:
+        if self._feed is not None:
+            with self._lock:
+                first = self._feed.apply(self.capture_streams, self.engine_records_streams,
+                                         self._unnamed_sync is not None)
+                if first is not None and self._unnamed_sync is not None:
+                    self._name_sync(first)
+        elif self._capture is not None:
             with self._lock:
                 records = self._capture.drain()
                 while records:
