@@ -24,6 +24,12 @@ def rss_mb() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
 
 
+def forward_sites(tracker) -> int:
+    """Forward ops' sites kept to name backward accesses: the C++ feed's table, else the tracker's."""
+    feed = tracker._feed
+    return feed.forward_sites if feed is not None else len(tracker.forward_sites._sites)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=10_000)
@@ -69,7 +75,7 @@ def main() -> None:
                 detector.tracker.drain()
                 hb = detector.hb
                 rows.append((i, rss_mb(), hb.history_size(), len(detector.tracker.watched),
-                             len(detector.tracker.forward_sites._sites), time.perf_counter() - start))
+                             forward_sites(detector.tracker), time.perf_counter() - start))
         races = detector.races
 
     print(f"torch {torch.__version__}; backend {args.backend}; {args.steps} steps")

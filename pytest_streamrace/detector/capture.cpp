@@ -546,6 +546,7 @@ class ForwardSites {
         order_.pop_front();
       }
   }
+  size_t size() const { return sites_.size(); }
   Payload backward(int64_t seq) const {
     auto found = sites_.find(seq);
     return found == sites_.end() ? Payload() : found->second;
@@ -771,6 +772,11 @@ class Feed {
     }
   }
 
+
+ public:
+  size_t forward_sites() const { return forward_.size(); }
+
+ private:
   py::object core_object_;
   PyCore& core_;
   py::object watched_, ref_keys_, on_dead_, names_, last_writer_, redirect_, captured_sync_, report_, note_;
@@ -797,5 +803,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("drain", &drain);
   py::class_<feed::Feed>(m, "Feed")
       .def(py::init<py::object, py::object>(), py::arg("core"), py::arg("tracker"))
-      .def("apply", &feed::Feed::apply, py::arg("streams"), py::arg("engine_records_streams"), py::arg("name_first"));
+      .def("apply", &feed::Feed::apply, py::arg("streams"), py::arg("engine_records_streams"), py::arg("name_first"))
+      .def_property_readonly("forward_sites", &feed::Feed::forward_sites);
 }
