@@ -80,7 +80,7 @@ bool cuda = false;
 // Python callables, kept by pointer: a static py::object would be released after the interpreter is gone.
 py::object* plan_fn = nullptr;
 py::object* handoff_fn = nullptr;
-py::object* drain_fn = nullptr;  // host memory: applies the records, called every `kDrainEvery` records
+py::object* drain_fn = nullptr;  // applies the records, called every `kDrainEvery` records
 thread_local int depth = 0;  // ops below autograd running on this thread
 thread_local bool paused = false;  // this thread's work is modelled by hand (set_recording): others still record
 thread_local Record* in_flight = nullptr;  // the record of the op this thread is running, until on_end pushes it
@@ -99,7 +99,10 @@ std::unordered_set<int64_t> known;
 constexpr size_t kDrainEvery = 256;
 thread_local bool draining = false;
 
+// None on a thread with no Python thread state (a C++ worker): it has no frames to take, and taking them would create
+// and drop a thread state per op. (torch's autograd device threads keep one: their stacks are taken, and empty.)
 std::shared_ptr<Stack> stack_here() {
+  if (PyGILState_GetThisThreadState() == nullptr) return nullptr;
   auto s = std::make_shared<Stack>();
   s->traceback = torch::CapturedTraceback::gather(/*python=*/true, /*script=*/false, /*cpp=*/false);
   return s;
@@ -333,7 +336,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
     records.push_back(std::move(r));
     full = records.size() >= kDrainEvery;
   }
-  if (full && !cuda) drain_now();
+  if (full) drain_now();
 }
 
 py::tuple shape_of(const Span& t) {

@@ -128,6 +128,8 @@ class Captured:
         self.stack = stack
 
     def resolve(self, limit: int = 5) -> tuple[tuple[str, int, str], ...]:
+        if self.stack is None:  # taken on a thread that never ran Python (capture.cpp's stack_here): no frames
+            return ()
         return _user_only(self.stack.frames(), limit)
 
 

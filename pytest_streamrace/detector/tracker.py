@@ -251,15 +251,16 @@ class AccessTracker(TorchDispatchMode):
         return self._capture is not None
 
     def capture_with(self, extension, every_thread: bool | None = None) -> None:
-        """Take ops from the C++ capture instead of this dispatch mode (which then stays uninstalled). On host memory
-        the capture holds the storages it sees first until they are drained, and asks for a drain every few hundred
-        records (`_drain_forced`); and it sees the threads the dispatch mode would see (`observe_thread`), unless
-        `every_thread` (the default on cuda, where a global callback has always been what ran)."""
+        """Take ops from the C++ capture instead of this dispatch mode (which then stays uninstalled). The capture
+        asks for a drain every few hundred records (`_drain_forced`), so its buffer stays bounded in a loop that never
+        syncs; on host memory its records hold the storages they saw first until then. It sees the threads the
+        dispatch mode would see (`observe_thread`), unless `every_thread` (the default on cuda, where a global
+        callback has always been what ran)."""
         self._capture = extension
         core = getattr(self.hb, "_core", None)  # hb_native's C++ core: the records go straight into it
         self._feed = extension.Feed(core, self) if isinstance(core, extension.hb.Core) else None
         cuda = self.device_type == "cuda"
-        extension.enable(cuda, self._capture_plan, self._handoff, None if cuda else self._drain_forced,
+        extension.enable(cuda, self._capture_plan, self._handoff, self._drain_forced,
                          cuda if every_thread is None else every_thread)
 
     def observe_thread(self):
@@ -276,8 +277,8 @@ class AccessTracker(TorchDispatchMode):
 
     @_called_from_cpp
     def _drain_forced(self) -> None:
-        """The capture's records hold the storages they saw first: applied every few hundred records, on the thread
-        that recorded the last one."""
+        """The capture's records, applied every few hundred records on the thread that recorded the last one (they
+        hold memory, and on host memory the storages they saw first)."""
         try:
             self.drain()
         except Exception as exc:  # never inside the user's test
