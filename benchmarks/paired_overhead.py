@@ -24,6 +24,25 @@ import statistics
 import time
 
 
+def launch_bound_step(device: str):
+    """One training step of the launch-bound MLP (8x64, batch 8) on `device`: many small ops, little math."""
+    import torch
+
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(8):
+        layers += [torch.nn.Linear(64, 64), torch.nn.ReLU()]
+    model = torch.nn.Sequential(*layers).to(device)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 64, device=device)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        model(x).pow(2).mean().backward()
+        opt.step()
+    return step
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
@@ -41,19 +60,8 @@ def main() -> None:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(8):
-        layers += [torch.nn.Linear(64, 64), torch.nn.ReLU()]
     device = "cuda" if cuda else "cpu"
-    model = torch.nn.Sequential(*layers).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(8, 64, device=device)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        model(x).pow(2).mean().backward()
-        opt.step()
+    step = launch_bound_step(device)
 
     def timed(context):
         with context() as detector:

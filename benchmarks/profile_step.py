@@ -19,23 +19,11 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     args = parser.parse_args()
 
-    import torch
+    from paired_overhead import launch_bound_step  # this folder is on the path of a script run from it
 
     from pytest_streamrace.detector.session import Detector
 
-    device = "cuda" if args.backend == "cuda" else "cpu"
-    torch.manual_seed(0)
-    layers = []
-    for _ in range(8):
-        layers += [torch.nn.Linear(64, 64), torch.nn.ReLU()]
-    model = torch.nn.Sequential(*layers).to(device)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(8, 64, device=device)
-
-    def step():
-        opt.zero_grad(set_to_none=True)
-        model(x).pow(2).mean().backward()
-        opt.step()
+    step = launch_bound_step("cuda" if args.backend == "cuda" else "cpu")
 
     with Detector(backend=args.backend) as detector:
         for _ in range(20):

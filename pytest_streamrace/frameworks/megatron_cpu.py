@@ -24,6 +24,11 @@ import tempfile
 CUDA_TYPES = ("cuda",)
 
 
+def private_extensions_dir() -> str:
+    """The per-user cache `prepare_import` points TORCH_EXTENSIONS_DIR at."""
+    return os.path.join(tempfile.gettempdir(), f"streamrace-torch-extensions-{os.getuid()}")
+
+
 def prepare_import() -> None:
     """Call before importing megatron-core. TORCH_EXTENSIONS_DIR (unless set) becomes a per-user cache, so its
     import-time JIT build neither writes into ~/.cache nor collides with other checkouts; with a GPU,
@@ -31,8 +36,7 @@ def prepare_import() -> None:
     "invalid literal for int()" — a ValueError megatron does not catch."""
     import torch
 
-    os.environ.setdefault("TORCH_EXTENSIONS_DIR",
-                          os.path.join(tempfile.gettempdir(), f"streamrace-torch-extensions-{os.getuid()}"))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", private_extensions_dir())
     if torch.cuda.is_available() and not os.environ.get("TORCH_CUDA_ARCH_LIST"):
         major, minor = torch.cuda.get_device_capability()
         os.environ["TORCH_CUDA_ARCH_LIST"] = f"{major}.{minor}"
