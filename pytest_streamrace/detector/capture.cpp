@@ -593,7 +593,7 @@ class Feed {
   Feed(py::object core, py::object tracker) : core_object_(std::move(core)), core_(core_object_.cast<PyCore&>()) {
     watched_ = tracker.attr("watched");
     ref_keys_ = tracker.attr("_ref_keys");
-    on_dead_ = tracker.attr("_on_dead");
+    on_dead_ = dead_callback(core_object_, watched_, ref_keys_);
     names_ = tracker.attr("names");
     last_writer_ = tracker.attr("last_writer");
     redirect_ = tracker.attr("redirect");
@@ -603,6 +603,26 @@ class Feed {
     note_ = tracker.attr("note");
     if (site_factory == nullptr)
       site_factory = new py::object(py::module_::import("pytest_streamrace.detector.backward_sites").attr("site_of"));
+  }
+
+  // tracker._dead in C++, for the weak references made here: a watched storage died, its free is queued in order with
+  // the ops (with a stack only where frees can race). It outlives the feed (a storage may die after the session):
+  // what it needs it holds, and the tables it reads are cleared when the session ends (tracker.detach).
+  static py::object dead_callback(py::object core, py::object watched, py::object ref_keys) {
+    return py::cpp_function([core, watched, ref_keys](py::handle ref) {
+      try {
+        PyObject* found = get(ref_keys.ptr(), ref.ptr());
+        if (found == nullptr) return;
+        py::object key = py::reinterpret_borrow<py::object>(found);
+        if (PyDict_DelItem(ref_keys.ptr(), ref.ptr()) < 0) throw py::error_already_set();
+        if (get(watched.ptr(), key.ptr()) != ref.ptr() || !on.load()) return;
+        int64_t ptr = PyLong_AsLongLong(key.ptr());
+        if (ptr == -1 && PyErr_Occurred()) throw py::error_already_set();
+        mark_free(ptr, core.cast<PyCore&>().frees_can_race());
+      } catch (py::error_already_set& error) {  // printed as Python does for errors it cannot raise
+        error.discard_as_unraisable("streamrace: a storage's free");
+      }
+    });
   }
 
   // Drains the capture into the core (until no frees follow on host memory). streams: the virtual model's streams
