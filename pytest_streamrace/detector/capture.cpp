@@ -33,11 +33,9 @@ struct Stack {
 struct Span { int64_t storage, start, end; bool write; std::vector<int64_t> shape; c10::ScalarType dtype; int64_t nbytes;
               c10::Storage held; };
 
-// "float", "long", ...: as a tensor's description names its dtype (hb.TensorInfo)
+// "float", "long", ...: as a tensor's description names its dtype (hb.TensorInfo). Called with the GIL held.
 py::str dtype_name(c10::ScalarType dtype) {
-  static std::mutex names_mutex;
-  static std::unordered_map<int, py::object>* names = new std::unordered_map<int, py::object>();  // never freed
-  std::lock_guard<std::mutex> guard(names_mutex);
+  static auto* names = new std::unordered_map<int, py::object>();  // never freed: outlives the interpreter
   auto& name = (*names)[static_cast<int>(dtype)];
   if (!name) name = py::str(c10::getDtypeNames(dtype).first);
   return name;
@@ -492,7 +490,6 @@ py::list drain() {
   return out;
 }
 
-
 // ---- the records applied straight to the C++ core (`Feed`): tracker._apply_captured's rules, no Python per op
 
 namespace feed {
@@ -657,6 +654,8 @@ class Feed {
     return first;
   }
 
+  size_t forward_sites() const { return forward_.size(); }
+
  private:
   template <class F>
   void guarded(const Record& r, F&& step) {  // never inside the user's test: this op goes unchecked, said once
@@ -684,8 +683,6 @@ class Feed {
     entry = {id, key};
     return {id, key.ptr()};
   }
-
-  int32_t stream_id(PyObject* key) { return core_.locked_stream_id(key); }
 
   Payload site(const Record& r) {
     auto* made = new Site();
@@ -746,7 +743,7 @@ class Feed {
         if (target != nullptr) {
           keep_key = py::reinterpret_borrow<py::object>(target);
           pop(redirect_.ptr(), key.ptr());
-          id = stream_id(keep_key.ptr());
+          id = core_.locked_stream_id(keep_key);
           break;
         }
       }
@@ -795,11 +792,6 @@ class Feed {
     }
   }
 
-
- public:
-  size_t forward_sites() const { return forward_.size(); }
-
- private:
   py::object core_object_;
   PyCore& core_;
   py::object watched_, ref_keys_, on_dead_, names_, last_writer_, redirect_, captured_sync_, report_, note_;

@@ -73,9 +73,6 @@ class Payload {
       delete native_object();
   }
   bool empty() const { return word_ == 0; }
-  NativePayload* native_object() const {
-    return is_native() ? reinterpret_cast<NativePayload*>(word_ & ~uintptr_t{1}) : nullptr;
-  }
   py::object to_python() const {
     if (word_ == 0) return py::none();
     if (is_object()) return py::reinterpret_borrow<py::object>(object());
@@ -89,6 +86,7 @@ class Payload {
   }
   bool is_object() const { return word_ != 0 && (word_ & 1u) == 0; }
   bool is_native() const { return (word_ & 1u) != 0; }
+  NativePayload* native_object() const { return reinterpret_cast<NativePayload*>(word_ & ~uintptr_t{1}); }
   PyObject* object() const { return reinterpret_cast<PyObject*>(word_); }
   uintptr_t word_ = 0;
 };
@@ -676,8 +674,6 @@ class PyCore {
     Guard g(mutex_);
     return stream_id(key);
   }
-
-  py::object stream_key_of(int32_t id) const { return core_.stream_key(id).to_python(); }
 
   void record_stream(int64_t storage, int32_t id) {
     Guard g(mutex_);
