@@ -280,3 +280,62 @@ def test_a_host_sync_inside_an_op_lands_right_after_that_op(extension):
         outside = tracker.sync_inside_op(7)
     assert synced == [True] and not outside
     assert learnt == [("streamrace_tests::read_back", 7)]
+
+
+def _shortcut(extension, fallback=None):
+    """The cuda model's shortcut for the allocator's frees, on a registry of its own (torch's GPU trace looks up
+    `fire_callbacks` and calls it per event, as `free` below does)."""
+    from torch._utils import CallbackRegistry
+
+    from pytest_streamrace.detector.models.cuda import TraceShortcut
+
+    return TraceShortcut(CallbackRegistry("test frees"), extension.traced_free, fallback)
+
+
+@pytest.mark.parametrize("waited", [False, True])
+def test_a_traced_free_lands_between_the_captured_ops_it_came_between(extension, waited):
+    """A free the allocator reports (through the shortcut, no Python frame) is judged where it happened: the side
+    stream's read not ordered before it races with the next allocation on the block's stream, unless it waited."""
+    shortcut = _shortcut(extension)
+    shortcut.install()
+    try:
+        with capturing(extension) as (hb, tracker):
+            hb.add_stream(7, "side")
+            t = torch.ones(4)
+            tracker.drain()
+            hb.wait_stream(7, 0)  # the side stream reads it properly
+            tracker.run("side_read", 7, reads=[t])
+            if waited:
+                hb.wait_stream(0, 7)
+            torch.ones(2).add_(1)  # captured, not yet applied: the free lands after it, before the next one
+            shortcut.registry.fire_callbacks(t.untyped_storage().data_ptr())
+            torch.zeros(8)  # the block's stream allocates again
+            tracker.drain()
+            assert t.untyped_storage().data_ptr() not in tracker.watched
+    finally:
+        shortcut.uninstall()
+    assert [r.kind for r in hb.races] == ([] if waited else ["free-while-in-use"]), hb.races
+
+
+def test_a_trace_shortcut_gives_way_to_other_listeners(extension):
+    """Someone registering on the registry puts torch's method back, with the model's own callback first; uninstall
+    leaves the registry as it found it, their callback included."""
+    seen = []
+    shortcut = _shortcut(extension, fallback=lambda ptr: seen.append(("model", ptr)))
+    registry = shortcut.registry
+    shortcut.install()
+    assert registry.fire_callbacks is extension.traced_free
+    registry.add_callback(lambda ptr: seen.append(("theirs", ptr)))
+    registry.fire_callbacks(5)
+    assert seen == [("model", 5), ("theirs", 5)]
+    shortcut.uninstall()
+    registry.fire_callbacks(6)
+    assert seen[2:] == [("theirs", 6)] and "fire_callbacks" not in vars(registry)
+
+    busy = _shortcut(extension, fallback=lambda ptr: seen.append(("model", ptr)))
+    busy.registry.add_callback(lambda ptr: seen.append(("first", ptr)))
+    busy.install()  # someone listens already: the usual way, the model's callback added
+    busy.registry.fire_callbacks(7)
+    busy.uninstall()
+    assert seen[3:] == [("first", 7), ("model", 7)] and busy.registry.callback_list and "add_callback" not in vars(
+        busy.registry)

@@ -440,6 +440,36 @@ void mark_free(int64_t ptr, bool stack) {
   records.push_back(std::move(r));
 }
 
+// torch's GPU trace calls `<registry>.fire_callbacks(...)`, the GIL taken, for every caching-allocator allocation and
+// free and every event created or destroyed (torch.cuda._gpu_trace), and the Python method loops over its callbacks:
+// a frame or two per call, even for registries nobody listens to. The cuda model puts these C functions in its place
+// while it is the only listener (models/cuda.py, `TraceShortcut`): `traced_free` queues the free as `mark_free` does,
+// with a stack only where the core says frees can race (no core: always, as hb.py's path would ask it).
+std::atomic<streamrace_hb::PyCore*> free_core{nullptr};  // the Feed's core, while there is one
+
+PyObject* traced_nothing(PyObject*, PyObject* const*, Py_ssize_t) { Py_RETURN_NONE; }
+
+PyObject* traced_free(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs < 1 || !on.load()) Py_RETURN_NONE;
+  long long ptr = PyLong_AsLongLong(args[0]);
+  if (ptr == -1 && PyErr_Occurred()) return nullptr;  // torch logs it: its trace passes an int, so never here
+  try {
+    auto* core = free_core.load();
+    mark_free(ptr, core == nullptr || core->frees_can_race());
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyMethodDef traced_defs[] = {
+    {"traced_nothing", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(traced_nothing)), METH_FASTCALL,
+     "A GPU trace event nobody listens to."},
+    {"traced_free", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(traced_free)), METH_FASTCALL,
+     "A caching-allocator free, queued in order with the captured ops."},
+};
+
 // (args, kwargs) of an op whose plan keeps them, as the dispatch mode would hand them over
 py::object arguments_of(const Record& r) {
   if (!r.plan) return py::none();
@@ -598,6 +628,7 @@ class Feed {
     captured_sync_ = tracker.attr("_captured_sync");
     report_ = tracker.attr("_report");
     note_ = tracker.attr("note");
+    free_core.store(&core_);
     if (site_factory == nullptr)
       site_factory = new py::object(py::module_::import("pytest_streamrace.detector.backward_sites").attr("site_of"));
   }
@@ -655,6 +686,11 @@ class Feed {
   }
 
   size_t forward_sites() const { return forward_.size(); }
+
+  ~Feed() {
+    PyCore* mine = &core_;
+    free_core.compare_exchange_strong(mine, nullptr);
+  }
 
  private:
   template <class F>
@@ -816,6 +852,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sync_inside_op", &sync_inside_op);
   m.def("mark_free", &mark_free, py::arg("ptr"), py::arg("stack") = true);
   m.def("drain", &drain);
+  for (auto& def : traced_defs)
+    m.attr(def.ml_name) = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.attr("__name__").ptr()));
   py::class_<feed::Feed>(m, "Feed")
       .def(py::init<py::object, py::object>(), py::arg("core"), py::arg("tracker"))
       .def("apply", &feed::Feed::apply, py::arg("streams"), py::arg("engine_records_streams"), py::arg("name_first"))

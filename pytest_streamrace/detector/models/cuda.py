@@ -40,9 +40,12 @@ class CudaStreams:
     def __init__(self, hb, tracker):
         if not torch.cuda.is_available():
             raise RuntimeError("streamrace: backend 'cuda' needs a CUDA device; use backend 'virtual' on CPU")
+        from .. import capture
+
         self.hb = hb
         self.tracker = tracker
         self._registered: list[tuple[object, object]] = []
+        self._extension = capture.load()  # None where it does not build: the trace's callbacks are all Python then
 
     # the stream key of the current stream, per op: two C calls, no Stream object
 
@@ -134,7 +137,21 @@ class CudaStreams:
 
         return [AttrPatch(torch.cuda, "_sleep", _sleep), AttrPatch(torch.Tensor, "record_stream", record_stream),
                 AttrPatch(torch.cuda.Stream, "__new__", staticmethod(stream_new)),
-                *self._explicit_patches(), self]
+                *self._explicit_patches(), self, *self._shortcuts()]
+
+    def _shortcuts(self) -> list:
+        """The trace events the model ignores, and the allocator's frees, without a Python frame (`TraceShortcut`),
+        where the capture's extension is built."""
+        extension = self._extension
+        if extension is None:
+            return []
+        import torch.cuda._gpu_trace as trace
+
+        nothing = extension.traced_nothing
+        return [TraceShortcut(trace.MemoryDeallocationCallbacks, extension.traced_free, self._dealloc),
+                TraceShortcut(trace.MemoryAllocationCallbacks, nothing),
+                TraceShortcut(trace.EventCreationCallbacks, nothing),
+                TraceShortcut(trace.EventDeletionCallbacks, nothing)]
 
     def _explicit_patches(self) -> list:
         """The explicit sync APIs (``EXPLICIT``), each marking its sync callbacks as explicit."""
@@ -155,8 +172,9 @@ class CudaStreams:
                  (trace.EventWaitCallbacks, self._event_wait),
                  (trace.EventSynchronizationCallbacks, self._event_sync),
                  (trace.StreamSynchronizationCallbacks, self._stream_sync),
-                 (trace.DeviceSynchronizationCallbacks, self._device_sync),
-                 (trace.MemoryDeallocationCallbacks, self._dealloc)]
+                 (trace.DeviceSynchronizationCallbacks, self._device_sync)]
+        if self._extension is None:  # else the frees' shortcut (`_shortcuts`), which falls back on `_dealloc`
+            pairs.append((trace.MemoryDeallocationCallbacks, self._dealloc))
         for registry, callback in pairs:
             registry.add_callback(callback)
             self._registered.append((registry, callback))
@@ -166,3 +184,48 @@ class CudaStreams:
             if callback in registry.callback_list:
                 registry.callback_list.remove(callback)
         self._registered.clear()
+
+
+class TraceShortcut:
+    """A patch: a C function (the capture's) in place of a GPU trace registry's ``fire_callbacks``.
+
+    Once the trace is on, torch looks that attribute up and calls it for every caching-allocator allocation and free
+    and every event created or destroyed, even with no callback registered: the method's loop is a Python frame per
+    call, a third of what the trace costs a launch-bound step. The shortcut goes in only while nobody else listens to
+    the registry; one who registers later (``add_callback``) puts the method back, with `fallback` (the model's own
+    Python callback, where it needs the events) registered before them.
+    """
+
+    def __init__(self, registry, fast, fallback=None):
+        self.registry, self.fast, self.fallback = registry, fast, fallback
+        self._fallback_added = False
+
+    def install(self) -> None:
+        if self.registry.callback_list or "fire_callbacks" in vars(self.registry):  # others listen: the usual way
+            self._add_fallback()
+            return
+        vars(self.registry).update(fire_callbacks=self.fast, add_callback=self._add_callback)
+
+    def _add_callback(self, callback) -> None:
+        self._remove_shortcut()
+        self._add_fallback()
+        self.registry.add_callback(callback)
+
+    def _add_fallback(self) -> None:
+        if self.fallback is not None and not self._fallback_added:
+            self.registry.add_callback(self.fallback)
+            self._fallback_added = True
+
+    def _remove_shortcut(self) -> None:
+        own = vars(self.registry)
+        if own.get("fire_callbacks") is self.fast:
+            del own["fire_callbacks"]
+        if own.get("add_callback") == self._add_callback:
+            del own["add_callback"]
+
+    def uninstall(self) -> None:
+        self._remove_shortcut()
+        if self._fallback_added and self.fallback in self.registry.callback_list:
+            self.registry.callback_list.remove(self.fallback)
+        self._fallback_added = False
+
