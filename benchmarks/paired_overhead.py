@@ -14,7 +14,8 @@ The cuda backend, paired the same way (wall time, synchronized per round). Activ
 cuda model's stream and event callbacks need, cannot be undone in a process and costs every allocation and free a
 call into Python: the rounds before it (plain, the capture floor) and after it (plain again, the detector with its
 records applied by the C++ feed, and by the tracker's Python `_apply_captured`) are two tables, and the two plain
-rows say what the trace alone costs. "python-apply" rows force the Python path (the feed unset) on the same core.
+rows say what the trace alone costs. "python-apply" rows force the Python path (the feed unset) on the same core;
+"python-trace" leaves every GPU trace callback in Python (no `TraceShortcut`).
 """
 
 from __future__ import annotations
@@ -88,6 +89,15 @@ def main() -> None:
             yield detector
 
     @contextlib.contextmanager
+    def python_trace():  # the cuda detector with the GPU trace's callbacks all in Python (no TraceShortcut)
+        from unittest import mock
+
+        from pytest_streamrace.detector.models.cuda import TraceShortcut
+
+        with mock.patch.object(TraceShortcut, "install", TraceShortcut._add_fallback), Detector(backend="cuda") as d:
+            yield d
+
+    @contextlib.contextmanager
     def capture_floor():  # the C++ capture alone: records drained raw after each round, nothing judged
         from pytest_streamrace.detector import capture
         from pytest_streamrace.detector.hb import HappensBefore
@@ -105,7 +115,8 @@ def main() -> None:
     detector = lambda: Detector(backend=args.backend)  # noqa: E731
     if cuda:  # the GPU trace, once on, stays on: the rounds without it first
         tables = [{"plain": contextlib.nullcontext, "capture-floor": capture_floor},
-                  {"plain (trace on)": contextlib.nullcontext, "cuda": detector, "cuda python-apply": python_apply}]
+                  {"plain (trace on)": contextlib.nullcontext, "cuda": detector, "cuda python-apply": python_apply,
+                   "cuda python-trace": python_trace}]
     else:
         tables = [{"plain": contextlib.nullcontext, "empty-mode": Empty, "virtual": detector,
                    "virtual python-apply": python_apply}]

@@ -339,3 +339,11 @@ def test_a_trace_shortcut_gives_way_to_other_listeners(extension):
     busy.uninstall()
     assert seen[3:] == [("first", 7), ("model", 7)] and busy.registry.callback_list and "add_callback" not in vars(
         busy.registry)
+
+    from pytest_streamrace.detector.models.cuda import TraceShortcut
+
+    unbuilt = TraceShortcut(shortcut.registry.__class__("no extension"), None, fallback=lambda ptr: seen.append(ptr))
+    unbuilt.install()  # no C function: the model's callback the usual way
+    unbuilt.registry.fire_callbacks(8)
+    unbuilt.uninstall()
+    assert seen[5:] == [8] and not unbuilt.registry.callback_list

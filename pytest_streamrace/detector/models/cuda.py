@@ -40,12 +40,9 @@ class CudaStreams:
     def __init__(self, hb, tracker):
         if not torch.cuda.is_available():
             raise RuntimeError("streamrace: backend 'cuda' needs a CUDA device; use backend 'virtual' on CPU")
-        from .. import capture
-
         self.hb = hb
         self.tracker = tracker
         self._registered: list[tuple[object, object]] = []
-        self._extension = capture.load()  # None where it does not build: the trace's callbacks are all Python then
 
     # the stream key of the current stream, per op: two C calls, no Stream object
 
@@ -140,15 +137,16 @@ class CudaStreams:
                 *self._explicit_patches(), self, *self._shortcuts()]
 
     def _shortcuts(self) -> list:
-        """The trace events the model ignores, and the allocator's frees, without a Python frame (`TraceShortcut`),
-        where the capture's extension is built."""
-        extension = self._extension
-        if extension is None:
-            return []
+        """The allocator's frees (`_dealloc`) and the trace events the model ignores, without a Python frame where
+        the capture's extension is built (`TraceShortcut`)."""
         import torch.cuda._gpu_trace as trace
 
-        nothing = extension.traced_nothing
-        return [TraceShortcut(trace.MemoryDeallocationCallbacks, extension.traced_free, self._dealloc),
+        from .. import capture
+
+        extension = capture.load()  # None where it does not build: the frees reach `_dealloc` then
+        fast = extension.traced_free if extension is not None else None
+        nothing = extension.traced_nothing if extension is not None else None
+        return [TraceShortcut(trace.MemoryDeallocationCallbacks, fast, self._dealloc),
                 TraceShortcut(trace.MemoryAllocationCallbacks, nothing),
                 TraceShortcut(trace.EventCreationCallbacks, nothing),
                 TraceShortcut(trace.EventDeletionCallbacks, nothing)]
@@ -173,8 +171,6 @@ class CudaStreams:
                  (trace.EventSynchronizationCallbacks, self._event_sync),
                  (trace.StreamSynchronizationCallbacks, self._stream_sync),
                  (trace.DeviceSynchronizationCallbacks, self._device_sync)]
-        if self._extension is None:  # else the frees' shortcut (`_shortcuts`), which falls back on `_dealloc`
-            pairs.append((trace.MemoryDeallocationCallbacks, self._dealloc))
         for registry, callback in pairs:
             registry.add_callback(callback)
             self._registered.append((registry, callback))
@@ -187,13 +183,13 @@ class CudaStreams:
 
 
 class TraceShortcut:
-    """A patch: a C function (the capture's) in place of a GPU trace registry's ``fire_callbacks``.
+    """A patch: a C function (the capture's; None: none built) in place of a GPU trace registry's ``fire_callbacks``.
 
     Once the trace is on, torch looks that attribute up and calls it for every caching-allocator allocation and free
-    and every event created or destroyed, even with no callback registered: the method's loop is a Python frame per
-    call, a third of what the trace costs a launch-bound step. The shortcut goes in only while nobody else listens to
-    the registry; one who registers later (``add_callback``) puts the method back, with `fallback` (the model's own
-    Python callback, where it needs the events) registered before them.
+    and every event created or destroyed, even with no callback registered, and the method's loop is a Python frame
+    per call (about a hundred a launch-bound step). The shortcut goes in only while nobody else listens to
+    the registry, else `fallback` (the model's own Python callback, where it needs the events) is registered; one who
+    registers later (``add_callback``) puts the method back, with `fallback` registered before them.
     """
 
     def __init__(self, registry, fast, fallback=None):
@@ -201,7 +197,7 @@ class TraceShortcut:
         self._fallback_added = False
 
     def install(self) -> None:
-        if self.registry.callback_list or "fire_callbacks" in vars(self.registry):  # others listen: the usual way
+        if self.fast is None or self.registry.callback_list or "fire_callbacks" in vars(self.registry):
             self._add_fallback()
             return
         vars(self.registry).update(fire_callbacks=self.fast, add_callback=self._add_callback)
@@ -218,9 +214,9 @@ class TraceShortcut:
 
     def _remove_shortcut(self) -> None:
         own = vars(self.registry)
-        if own.get("fire_callbacks") is self.fast:
+        if "fire_callbacks" in own and own["fire_callbacks"] is self.fast:
             del own["fire_callbacks"]
-        if own.get("add_callback") == self._add_callback:
+        if "add_callback" in own and own["add_callback"] == self._add_callback:
             del own["add_callback"]
 
     def uninstall(self) -> None:

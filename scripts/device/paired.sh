@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# The cuda backend's per-step cost on one GPU, paired rounds in one process (benchmarks/paired_overhead.py), where
+# the time goes (benchmarks/profile_step.py), and the cuda unit tests the capture's changes could break.
+#   device run (kind nvidia-h200): bash scripts/device/paired.sh
+set -u
+. "$(dirname "$0")/setup.sh" paired
+echo "== paired overhead (cuda)"
+timeout 300 python3 benchmarks/paired_overhead.py --backend cuda --rounds 9; echo "exit $?"
+echo "== profile (cuda)"
+timeout 120 python3 benchmarks/profile_step.py --backend cuda --top 15; echo "exit $?"
+echo "== cuda backend unit tests"
+timeout 150 python3 -m pytest -p no:cacheprovider tests/test_cuda_backend.py tests/test_capture.py -q > "$OUT/unit.log" 2>&1
+echo "exit $?"; tail -3 "$OUT/unit.log"; grep -E "^(FAILED|ERROR)" "$OUT/unit.log" | head
