@@ -6,8 +6,8 @@ A sleep on the default stream just before `_reassign_or_swap_out_partitioned_par
 the next gather's `torch.cat` (its read of the partition) say which finished first; the gather's send buffer is
 compared with its sources at the next synchronize. Each forward after a step also snapshots the gathered weights (a
 forward pre-hook runs after ZeRO-3's fetch); after synchronizing, this rank's slice of them is compared with its
-partition as the step left it: a difference means the forward computed with pre-step weights. Variants: DeepSpeed's own
-test_2_param_groups configuration (gradient accumulation 2, default timers), the throughput timer unsynchronized, and
+partition as the step left it: a difference means the forward computed with pre-step weights. Variants: the stock configuration
+(gradient accumulation 1, default timers: latent_zero3.sh's), DeepSpeed's own test_2_param_groups configuration (gradient accumulation 2, default timers), the throughput timer unsynchronized, and
 a control that synchronizes the device after every step.
 """
 
@@ -23,10 +23,10 @@ import deepspeed.runtime.zero.partition_parameters as pp
 SLEEP_CYCLES = int(os.environ.get("SLEEP_CYCLES", 200_000_000))  # ~0.1 s on an H200
 
 
-def run(name, timers_synchronized, sync_after_step, steps=6):
+def run(name, timers_synchronized, sync_after_step, steps=6, accumulation=2):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 2, "steps_per_print": 10 ** 6,
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation, "steps_per_print": 10 ** 6,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": True},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}, "bf16": {"enabled": True},
               "timers": {"throughput": {"enabled": True, "synchronized": timers_synchronized}}}
@@ -107,6 +107,7 @@ def run(name, timers_synchronized, sync_after_step, steps=6):
 def main():
     deepspeed.init_distributed("nccl")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    run("stock config (GAS 1, timers sync)", True, False, accumulation=1)  # latent_zero3.sh's configuration
     run("test_2_param_groups config (GAS 2, timers sync)", True, False)
     run("throughput timer unsynchronized", False, False)
     run("control: device synchronized after each step", False, True)
