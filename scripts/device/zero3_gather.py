@@ -23,14 +23,20 @@ import deepspeed.runtime.zero.partition_parameters as pp
 SLEEP_CYCLES = int(os.environ.get("SLEEP_CYCLES", 200_000_000))  # ~0.1 s on an H200
 
 
-def run(name, timers_synchronized, sync_after_step, steps=6, accumulation=2):
+def run(name, timers_synchronized, sync_after_step, steps=6, accumulation=2, sgd=False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
     config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation, "steps_per_print": 10 ** 6,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": True},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}, "bf16": {"enabled": True},
               "timers": {"throughput": {"enabled": True, "synchronized": timers_synchronized}}}
-    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    if sgd:  # latent_zero3.sh's test: fp32, the client's SGD, no "optimizer" or "bf16" section
+        del config["optimizer"], config["bf16"]
+        config["zero_allow_untested_optimizer"] = True
+        engine, *_ = deepspeed.initialize(model=model, config=config,
+                                          optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    else:
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     optimizer = engine.optimizer
     original = optimizer._reassign_or_swap_out_partitioned_parameters
 
@@ -71,7 +77,7 @@ def run(name, timers_synchronized, sync_after_step, steps=6, accumulation=2):
     stale = checked = 0
     after_step = False
     for micro in range(2 * steps):
-        x = torch.randn(2, 256, device="cuda", dtype=torch.bfloat16)
+        x = torch.randn(2, 256, device="cuda", dtype=torch.float32 if sgd else torch.bfloat16)
         loss = engine(x).float().pow(2).mean()
         if after_step:  # this forward gathered the weights the last step wrote
             torch.cuda.synchronize()
@@ -107,7 +113,8 @@ def run(name, timers_synchronized, sync_after_step, steps=6, accumulation=2):
 def main():
     deepspeed.init_distributed("nccl")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    run("stock config (GAS 1, timers sync)", True, False, accumulation=1)  # latent_zero3.sh's configuration
+    run("stock config (GAS 1, timers sync)", True, False, accumulation=1)
+    run("latent_zero3.sh's config (GAS 1, SGD, fp32)", True, False, accumulation=1, sgd=True)
     run("test_2_param_groups config (GAS 2, timers sync)", True, False)
     run("throughput timer unsynchronized", False, False)
     run("control: device synchronized after each step", False, True)
