@@ -282,21 +282,21 @@ def test_a_host_sync_inside_an_op_lands_right_after_that_op(extension):
     assert learnt == [("streamrace_tests::read_back", 7)]
 
 
-def _shortcut(extension, fallback=None):
+def _shortcut(fast, fallback=None):
     """The cuda model's shortcut for the allocator's frees, on a registry of its own (torch's GPU trace looks up
-    `fire_callbacks` and calls it per event, as `free` below does)."""
+    `fire_callbacks` and calls it per event, as the tests below do)."""
     from torch._utils import CallbackRegistry
 
     from pytest_streamrace.detector.models.cuda import TraceShortcut
 
-    return TraceShortcut(CallbackRegistry("test frees"), extension.traced_free, fallback)
+    return TraceShortcut(CallbackRegistry("test frees"), fast, fallback)
 
 
 @pytest.mark.parametrize("waited", [False, True])
 def test_a_traced_free_lands_between_the_captured_ops_it_came_between(extension, waited):
     """A free the allocator reports (through the shortcut, no Python frame) is judged where it happened: the side
     stream's read not ordered before it races with the next allocation on the block's stream, unless it waited."""
-    shortcut = _shortcut(extension)
+    shortcut = _shortcut(extension.traced_free)
     shortcut.install()
     try:
         with capturing(extension) as (hb, tracker):
@@ -321,7 +321,7 @@ def test_a_trace_shortcut_gives_way_to_other_listeners(extension):
     """Someone registering on the registry puts torch's method back, with the model's own callback first; uninstall
     leaves the registry as it found it, their callback included."""
     seen = []
-    shortcut = _shortcut(extension, fallback=lambda ptr: seen.append(("model", ptr)))
+    shortcut = _shortcut(extension.traced_free, fallback=lambda ptr: seen.append(("model", ptr)))
     registry = shortcut.registry
     shortcut.install()
     assert registry.fire_callbacks is extension.traced_free
@@ -332,7 +332,7 @@ def test_a_trace_shortcut_gives_way_to_other_listeners(extension):
     registry.fire_callbacks(6)
     assert seen[2:] == [("theirs", 6)] and "fire_callbacks" not in vars(registry)
 
-    busy = _shortcut(extension, fallback=lambda ptr: seen.append(("model", ptr)))
+    busy = _shortcut(extension.traced_free, fallback=lambda ptr: seen.append(("model", ptr)))
     busy.registry.add_callback(lambda ptr: seen.append(("first", ptr)))
     busy.install()  # someone listens already: the usual way, the model's callback added
     busy.registry.fire_callbacks(7)
@@ -340,9 +340,7 @@ def test_a_trace_shortcut_gives_way_to_other_listeners(extension):
     assert seen[3:] == [("first", 7), ("model", 7)] and busy.registry.callback_list and "add_callback" not in vars(
         busy.registry)
 
-    from pytest_streamrace.detector.models.cuda import TraceShortcut
-
-    unbuilt = TraceShortcut(shortcut.registry.__class__("no extension"), None, fallback=lambda ptr: seen.append(ptr))
+    unbuilt = _shortcut(None, fallback=lambda ptr: seen.append(ptr))
     unbuilt.install()  # no C function: the model's callback the usual way
     unbuilt.registry.fire_callbacks(8)
     unbuilt.uninstall()

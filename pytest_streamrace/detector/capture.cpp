@@ -443,9 +443,16 @@ void mark_free(int64_t ptr, bool stack) {
 // torch's GPU trace calls `<registry>.fire_callbacks(...)`, the GIL taken, for every caching-allocator allocation and
 // free and every event created or destroyed (torch.cuda._gpu_trace), and the Python method loops over its callbacks:
 // a frame or two per call, even for registries nobody listens to. The cuda model puts these C functions in its place
-// while it is the only listener (models/cuda.py, `TraceShortcut`): `traced_free` queues the free as `mark_free` does,
-// with a stack only where the core says frees can race (no core: always, as hb.py's path would ask it).
+// while it is the only listener (models/cuda.py, `TraceShortcut`): `traced_free` queues the free (`queue_free`).
 std::atomic<streamrace_hb::PyCore*> free_core{nullptr};  // the Feed's core, while there is one
+
+// A free reported to C++ (the allocator's, through `traced_free`; a storage's weak reference, the Feed's
+// `dead_callback`): queued in order with the ops, with a stack only where the Feed's core says frees can race (no
+// Feed: always, as hb.py's path would ask it).
+void queue_free(int64_t ptr) {
+  auto* core = free_core.load();
+  mark_free(ptr, core == nullptr || core->frees_can_race());
+}
 
 PyObject* traced_nothing(PyObject*, PyObject* const*, Py_ssize_t) { Py_RETURN_NONE; }
 
@@ -454,8 +461,7 @@ PyObject* traced_free(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   long long ptr = PyLong_AsLongLong(args[0]);
   if (ptr == -1 && PyErr_Occurred()) return nullptr;  // torch logs it: its trace passes an int, so never here
   try {
-    auto* core = free_core.load();
-    mark_free(ptr, core == nullptr || core->frees_can_race());
+    queue_free(ptr);
   } catch (const std::exception& error) {
     PyErr_SetString(PyExc_RuntimeError, error.what());
     return nullptr;
@@ -620,7 +626,7 @@ class Feed {
   Feed(py::object core, py::object tracker) : core_object_(std::move(core)), core_(core_object_.cast<PyCore&>()) {
     watched_ = tracker.attr("watched");
     ref_keys_ = tracker.attr("_ref_keys");
-    on_dead_ = dead_callback(core_object_, watched_, ref_keys_);
+    on_dead_ = dead_callback(watched_, ref_keys_);
     names_ = tracker.attr("names");
     last_writer_ = tracker.attr("last_writer");
     redirect_ = tracker.attr("redirect");
@@ -636,8 +642,8 @@ class Feed {
   // tracker._dead in C++, for the weak references made here: a watched storage died, its free is queued in order with
   // the ops (with a stack only where frees can race). It outlives the feed (a storage may die after the session):
   // what it needs it holds, and the tables it reads are cleared when the session ends (tracker.detach).
-  static py::object dead_callback(py::object core, py::object watched, py::object ref_keys) {
-    return py::cpp_function([core, watched, ref_keys](py::handle ref) {
+  static py::object dead_callback(py::object watched, py::object ref_keys) {
+    return py::cpp_function([watched, ref_keys](py::handle ref) {
       try {
         PyObject* found = get(ref_keys.ptr(), ref.ptr());
         if (found == nullptr) return;
@@ -646,7 +652,7 @@ class Feed {
         if (get(watched.ptr(), key.ptr()) != ref.ptr() || !on.load()) return;
         int64_t ptr = PyLong_AsLongLong(key.ptr());
         if (ptr == -1 && PyErr_Occurred()) throw py::error_already_set();
-        mark_free(ptr, core.cast<PyCore&>().frees_can_race());
+        queue_free(ptr);
       } catch (py::error_already_set& error) {  // printed as Python does for errors it cannot raise
         error.discard_as_unraisable("streamrace: a storage's free");
       }

@@ -6,8 +6,9 @@ A sleep on the default stream just before `_reassign_or_swap_out_partitioned_par
 the next gather's `torch.cat` (its read of the partition) say which finished first; the gather's send buffer is
 compared with its sources at the next synchronize. Each forward after a step also snapshots the gathered weights (a
 forward pre-hook runs after ZeRO-3's fetch); after synchronizing, this rank's slice of them is compared with its
-partition as the step left it: a difference means the forward computed with pre-step weights. Variants: the stock configuration
-(gradient accumulation 1, default timers: latent_zero3.sh's), DeepSpeed's own test_2_param_groups configuration (gradient accumulation 2, default timers), the throughput timer unsynchronized, and
+partition as the step left it: a difference means the forward computed with pre-step weights. Variants: the stock
+configuration (gradient accumulation 1, default timers), bf16/Adam and latent_zero3.sh's fp32/SGD; DeepSpeed's own
+test_2_param_groups configuration (gradient accumulation 2, default timers), the throughput timer unsynchronized, and
 a control that synchronizes the device after every step.
 """
 
@@ -26,7 +27,8 @@ SLEEP_CYCLES = int(os.environ.get("SLEEP_CYCLES", 200_000_000))  # ~0.1 s on an 
 def run(name, timers_synchronized, sync_after_step, steps=6, accumulation=2, sgd=False):
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
-    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation, "steps_per_print": 10 ** 6,
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": accumulation,
+              "steps_per_print": 10 ** 6,
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": True},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}, "bf16": {"enabled": True},
               "timers": {"throughput": {"enabled": True, "synchronized": timers_synchronized}}}

@@ -224,4 +224,3 @@ class TraceShortcut:
         if self._fallback_added and self.fallback in self.registry.callback_list:
             self.registry.callback_list.remove(self.fallback)
         self._fallback_added = False
-
