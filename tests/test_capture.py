@@ -261,25 +261,27 @@ def test_compiling_under_capture_records_no_fake_tensors(extension):
     assert "aten::addmm" in {op.site.op for op in hb.timeline}  # the compiled graph's ops are real, and recorded
 
 
-def test_a_host_sync_inside_an_op_lands_right_after_that_op(extension):
+@pytest.mark.parametrize("stream", [7, 0], ids=["side stream", "legacy default stream"])
+def test_a_host_sync_inside_an_op_lands_right_after_that_op(extension, stream):
     """On a GPU torch reports a read-back's synchronize from inside the op (a copy to the host, t[mask]), before the
-    capture has recorded it: the sync is kept on the op's record, so the host is ordered after the op itself."""
+    capture has recorded it: the sync is kept on the op's record, so the host is ordered after the op itself. The
+    legacy default stream's handle is 0, DeepSpeed's trace check reads back on it: a sync on stream 0 counts too."""
     synced = []
 
-    @torch.library.custom_op("streamrace_tests::read_back", mutates_args=())
+    @torch.library.custom_op(f"streamrace_tests::read_back_{stream}", mutates_args=())
     def read_back(x: torch.Tensor) -> torch.Tensor:
-        synced.append(tracker.sync_inside_op(7))  # what the cuda model does with the trace's stream sync
+        synced.append(tracker.sync_inside_op(stream))  # what the cuda model does with the trace's stream sync
         return x.clone()
 
     with capturing(extension) as (hb, tracker):
-        hb.add_stream(7, "side")
+        hb.add_stream(stream, "the read-back's")
         learnt = []
         tracker.host_synced = lambda sync, stream, frames=None: learnt.append((sync.name, stream))
         read_back(torch.ones(4))
         tracker.drain()
-        outside = tracker.sync_inside_op(7)
+        outside = tracker.sync_inside_op(stream)
     assert synced == [True] and not outside
-    assert learnt == [("streamrace_tests::read_back", 7)]
+    assert learnt == [(f"streamrace_tests::read_back_{stream}", stream)]
 
 
 def _shortcut(fast, fallback=None):

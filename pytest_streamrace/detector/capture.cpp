@@ -10,6 +10,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -51,8 +52,9 @@ struct Record {
   std::vector<Span> accesses, fresh; std::shared_ptr<Stack> stack; int64_t freed = 0;
   // the autograd sequence number: in forward, of the node the op may create; in backward, of the node running it
   int64_t seq = -1; std::string node;
-  // a stream the host waited for inside this op (a read-back: a copy to the host, t[mask]); 0: none
-  int64_t synced = 0;
+  // a stream the host waited for inside this op (a read-back: a copy to the host, t[mask]). Not 0 for none: 0 is a
+  // stream's key too (the legacy default stream's handle, the virtual default stream)
+  std::optional<int64_t> synced;
   bool sync = false;  // the op is a host sync's (tracker.host_syncs): the tracker judges whether it applies
   int64_t touched = 0;  // tensors of the modelled device among its arguments and fresh outputs, empty ones included
   std::shared_ptr<const Plan> plan; std::vector<c10::IValue> args;  // the arguments, where the plan keeps them
@@ -477,6 +479,8 @@ PyMethodDef traced_defs[] = {
 };
 
 // (args, kwargs) of an op whose plan keeps them, as the dispatch mode would hand them over
+py::object synced_of(const Record& r) { return r.synced ? py::object(py::int_(*r.synced)) : py::object(py::none()); }
+
 py::object arguments_of(const Record& r) {
   if (!r.plan) return py::none();
   py::list positional;
@@ -497,7 +501,7 @@ void watch_held(py::list& out, const std::vector<Span>& spans) {
 }
 
 // ("free", ptr, stack or None), ("op", name, stream, in_node, accesses, fresh, stack, seq, node name or None, synced
-// stream or 0, (args, kwargs) or None), or ("watch", ptr, storage) right after the op that first saw a storage (host
+// stream or None, (args, kwargs) or None), or ("watch", ptr, storage) right after the op that first saw a storage (host
 // memory); a tensor is (storage, start, end, write, shape, dtype[, nbytes]).
 py::list drain() {
   std::vector<Record> taken;
@@ -518,8 +522,8 @@ py::list drain() {
     for (const auto& t : r.fresh)
       fresh.append(py::make_tuple(t.storage, t.start, t.end, t.write, shape_of(t), dtype_name(t.dtype), t.nbytes));
     py::object node = r.node.empty() ? py::object(py::none()) : py::object(py::str(r.node));
-    out.append(py::make_tuple("op", r.op, r.stream, r.in_node, accesses, fresh, stack, r.seq, node, r.synced,
-                              arguments_of(r)));
+    out.append(py::make_tuple("op", r.op, r.stream, r.in_node, accesses, fresh, stack, r.seq, node,
+                              synced_of(r), arguments_of(r)));
     watch_held(out, r.accesses);
     watch_held(out, r.fresh);
   }
@@ -827,9 +831,9 @@ class Feed {
     core_.record(id, op_site, allocs, touches, races);
     if (py::len(races) > 0) report_(races);
     // a host sync's rule (and a sync reported from inside the op) is the tracker's: tracker._captured_sync
-    if (r.synced != 0 || r.sync) {
+    if (r.synced || r.sync) {
       py::object stack = r.stack ? py::cast(r.stack) : py::object(py::none());
-      captured_sync_(py::str(r.op), keep_key, r.synced, stack, arguments_of(r),
+      captured_sync_(py::str(r.op), keep_key, synced_of(r), stack, arguments_of(r),
                      !r.accesses.empty() || !streams_.is_none());
     }
   }

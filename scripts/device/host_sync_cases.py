@@ -1,7 +1,7 @@
 """Host-synchronizing read-backs on a GPU (cuda backend), the twins of tests/test_host_sync.py plus what only a GPU
-has: pinned memory, and a non-blocking copy into pageable memory (synchronous in CUDA, but torch's GPU trace reports
-no synchronize for it, and the C++ capture hands no arguments to tell it apart — expected clean; a failure of
-``test_clean_non_blocking_copy_into_pageable_memory`` is that known gap). Run by scripts/device/issue21.sh:
+has: pinned memory, a non-blocking copy into pageable memory (synchronous in CUDA, though torch's GPU trace reports no
+synchronize for it: the capture orders the host after it itself), and read-backs on the legacy default stream, whose
+handle is 0. Run by scripts/device/issue21.sh:
 
     python -m pytest scripts/device/host_sync_cases.py --streamrace --streamrace-backend=cuda -rA
 """
@@ -21,12 +21,15 @@ def produced_on_a_side_stream():
     return side, x
 
 
-@pytest.mark.parametrize("read_back", [
+READ_BACKS = pytest.mark.parametrize("read_back", [
     lambda x: x.cpu(), lambda x: x.tolist(), lambda x: x.numpy(force=True), lambda x: x.to("cpu"),
     lambda x: x.sum().item(), lambda x: bool(x[0]), lambda x: x[x > 1], lambda x: x.nonzero(),
     lambda x: torch.unique(x), lambda x: torch.equal(x, x), lambda x: torch.empty(x.shape).copy_(x),
 ], ids=["cpu", "tolist", "numpy_force", "to_cpu", "item", "bool", "mask_index", "nonzero", "unique", "equal",
         "copy_to_host"])
+
+
+@READ_BACKS
 def test_clean_read_back_on_the_producing_stream(read_back):
     side, x = produced_on_a_side_stream()
     with torch.cuda.stream(side):
@@ -58,3 +61,23 @@ def test_racy_non_blocking_to_cpu():
 def test_racy_read_back_on_another_stream():
     side, x = produced_on_a_side_stream()
     x.tolist()
+
+
+@READ_BACKS
+def test_clean_read_back_on_the_default_stream(read_back):
+    """The legacy default stream's handle is 0 (DeepSpeed ZeRO-3's trace check reads back there): its read-back
+    orders a side stream's later work as any other stream's does."""
+    torch.cuda._sleep(50_000_000)
+    x = torch.ones(1 << 20, device="cuda") * 2
+    read_back(x)
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x.add_(1)
+
+
+def test_racy_side_stream_after_the_default_stream_without_a_read_back():
+    torch.cuda._sleep(50_000_000)
+    x = torch.ones(1 << 20, device="cuda") * 2
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        x.add_(1)

@@ -3,8 +3,7 @@
 #   bash scripts/device/issue21.sh
 # 1. compiled graphs with _c10d_functional ops and Inductor's comm reordering: expected 2 passed (clean_*), 2 failed
 #    (racy_*), each failure one race on the communication stream;
-# 2. host-synchronizing read-backs: expected every clean_* passed and every racy_* failed (a failure of
-#    test_clean_non_blocking_copy_into_pageable_memory is the known capture-path gap, see the file's docstring).
+# 2. host-synchronizing read-backs: expected every clean_* passed and every racy_* failed.
 set -u
 . "$(dirname "$0")/setup.sh" issue21
 echo "== compiled functional collectives (cuda backend, NCCL)"
