@@ -2,7 +2,7 @@
 
 A rank started as a fresh ``python -m pytest`` spends ~1.5 s importing torch before the test runs, and another ~1 s
 importing ``torch._dynamo`` once it builds an optimizer (and Inductor, once it compiles); forked from here it starts in
-~0.2 s with them imported. Forking is safe because this process never initializes CUDA and runs no threads.
+~0.2 s with them imported (Inductor on CPU builds of torch only). Forking is safe because this process never initializes CUDA and runs no threads.
 
 Run as a script (``python forkserver.py``), not as ``-m pytest_streamrace...``: pytest warns about (and under
 ``-W error`` refuses) plugin modules imported before it could rewrite their asserts, so this process imports
@@ -105,9 +105,13 @@ def serve() -> None:
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
     # ~1 s a rank each, paid once here: every optimizer's constructor imports dynamo; torch.compile (and DeepSpeed's
-    # engine, through its Muon module) imports Inductor. Neither starts a thread or touches CUDA.
+    # engine, through its Muon module) imports Inductor. Dynamo starts no thread and leaves CUDA alone; Inductor's
+    # import initializes the CUDA driver (a driver thread appears, measured on an H200), so only a CPU build of torch
+    # gets it here.
     import torch._dynamo  # noqa: F401
-    import torch._inductor.compile_fx  # noqa: F401
+
+    if not torch.backends.cuda.is_built():
+        import torch._inductor.compile_fx  # noqa: F401
 
     # Everything imported so far lives as long as the ranks: keep it out of their garbage collections, which
     # would otherwise walk (and, touching each object, copy) all of torch's objects — pytest collects at exit.
