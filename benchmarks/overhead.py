@@ -11,6 +11,7 @@ The compiled model's forward runs under torch.compile (Inductor) and compiles un
 plain dispatch mode make dynamo skip compiling, so they get no number there (nan).
 
     python benchmarks/overhead.py --latent   # the latent view's cost: --streamrace-latent=report against off
+    python benchmarks/overhead.py --repeat 3 # every configuration 3 times, interleaved: steadier slowdowns
 
 With ``--latent`` every step reads its loss back (``loss.item()``, as logging does: the implicit sync that splits the
 latent view's clocks from the normal ones), and the detector runs twice: latent races kept (report, the default) and
@@ -160,9 +161,14 @@ def main() -> int:
     parser.add_argument("--worker", nargs=2, metavar=("MODEL", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--store", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--repeat", type=int, default=1, metavar="N",
+                        help="measure every configuration N times, interleaved (ms: medians; slowdowns: the median "
+                             "of each repeat's ratio)")
     parser.add_argument("--latent", action="store_true",
                         help="read the loss back every step and compare --streamrace-latent=report against off")
     args = parser.parse_args()
+    if args.repeat < 1:
+        parser.error("--repeat must be at least 1")
     if args.worker:
         print(json.dumps(step_time(args.worker[0], args.worker[1], args.steps, args.rank, args.store, args.latent)))
         return 0
@@ -176,7 +182,7 @@ def main() -> int:
         modes = ["plain", "empty-mode", "capture-floor"] + ([backend, "sanitizer"] if backend == "cuda"
                                                             else [backend])
     where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    print(f"torch {torch.__version__} on {where}; {args.steps} steps per measurement"
+    print(f"torch {torch.__version__} on {where}; {args.steps} steps per measurement, {args.repeat} repeat(s)"
           + ("; loss.item() every step, latent view off vs report" if args.latent else ""))
     print(f"{'model':36} " + " ".join(f"{m + ' ms':>14}" for m in modes) + "  slowdown vs plain")
     gpus = torch.cuda.device_count()
@@ -186,19 +192,24 @@ def main() -> int:
         if gpus and MODELS[model][3] > gpus:  # gloo on the CPU would measure another program than the GPU rows
             print(f"{model:36} skipped: {MODELS[model][3]} ranks need as many GPUs, this machine has {gpus}")
             continue
-        ms = {}
-        for mode in modes:
-            out = run_worker(model, mode, args.steps, args.latent)
-            if out.returncode != 0:
-                print(f"{model}: {mode} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
-                if mode in ("capture-floor", "sanitizer"):  # a compiler is missing / the sanitizer raised
-                    ms[mode] = float("nan")
-                    continue
-                return 1
-            ms[mode] = json.loads(out.stdout.strip().splitlines()[-1])
-        slow = ", ".join(f"{m} {ms[m] / ms['plain']:.2f}x" for m in modes[1:])
+        runs: dict[str, list[float]] = {mode: [] for mode in modes}
+        for rep in range(args.repeat):
+            for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:  # each repeat starts elsewhere
+                out = run_worker(model, mode, args.steps, args.latent)
+                if out.returncode != 0:
+                    print(f"{model}: {mode} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
+                    if mode in ("capture-floor", "sanitizer"):  # a compiler is missing / the sanitizer raised
+                        runs[mode].append(float("nan"))
+                        continue
+                    return 1
+                runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        ms = {mode: statistics.median(values) for mode, values in runs.items()}
+
+        def ratio(mode, base="plain"):  # the median of each repeat's own ratio: drift between repeats cancels
+            return statistics.median(m / b for m, b in zip(runs[mode], runs[base]))
+        slow = ", ".join(f"{m} {ratio(m):.2f}x" for m in modes[1:])
         if args.latent:
-            slow += f"; latent view {ms[backend] / ms[backend + LATENT_OFF]:.2f}x"
+            slow += f"; latent view {ratio(backend, backend + LATENT_OFF):.2f}x"
         print(f"{model:36} " + " ".join(f"{ms[m]:14.3f}" for m in modes) + f"  {slow}")
     return 0
 
