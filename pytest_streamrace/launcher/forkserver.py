@@ -107,11 +107,14 @@ def serve() -> None:
     # ~1 s a rank each, paid once here: every optimizer's constructor imports dynamo; torch.compile (and DeepSpeed's
     # engine, through its Muon module) imports Inductor. Dynamo starts no thread and leaves CUDA alone; Inductor's
     # import initializes the CUDA driver (a driver thread appears, measured on an H200), so only a CPU build of torch
-    # gets it here.
-    import torch._dynamo  # noqa: F401
+    # gets it here. Best effort: a rank that needs a module that failed here fails importing it, in its own test.
+    try:
+        import torch._dynamo  # noqa: F401
 
-    if not torch.backends.cuda.is_built():
-        import torch._inductor.compile_fx  # noqa: F401
+        if not torch.backends.cuda.is_built():
+            import torch._inductor.compile_fx  # noqa: F401
+    except Exception:
+        pass
 
     # Everything imported so far lives as long as the ranks: keep it out of their garbage collections, which
     # would otherwise walk (and, touching each object, copy) all of torch's objects — pytest collects at exit.
