@@ -144,6 +144,23 @@ def test_stream_query_and_event_synchronize_order_the_host():
     assert d.races == []
 
 
+def test_an_event_queried_done_orders_the_host_after_its_work_only():
+    """The twins of host_sync_cases.py's query cases on a GPU (DeepSpeed pools buffers once their event is done)."""
+    with Detector() as d:
+        x, y = torch.zeros(4), torch.zeros(4)
+        s = side_stream()
+        with torch.cuda.stream(s):
+            x.add_(1)
+            done = s.record_event()
+            y.add_(1)
+        while not done.query():
+            pass
+        x.sum()  # ordered: the host saw the event done
+        y.sum()  # queried-read
+    assert [r.kind for r in d.races] == [RAW]
+    assert where(d.races[0].later) == (__file__, line("queried-read"))
+
+
 # a bucket filled by hooks on two streams, reduced on a third (DeepSpeed #8061)
 
 

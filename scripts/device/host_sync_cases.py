@@ -81,3 +81,32 @@ def test_racy_side_stream_after_the_default_stream_without_a_read_back():
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         x.add_(1)
+
+
+def test_clean_event_queried_done_then_used_on_another_stream():
+    """The host polls the producer's event until it is done (DeepSpeed pools buffers this way): what it issues next
+    is ordered after that work, though torch's GPU trace reports no sync for a query."""
+    side, x = produced_on_a_side_stream()
+    done = side.record_event()
+    while not done.query():
+        pass
+    x.add_(1)
+
+
+def test_clean_stream_queried_done_then_used_on_another_stream():
+    side, x = produced_on_a_side_stream()
+    while not side.query():
+        pass
+    x.add_(1)
+
+
+def test_racy_event_queried_for_earlier_work():
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    earlier = side.record_event()  # before the write: its being done says nothing of the write
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(50_000_000)
+        x = torch.ones(1 << 20, device="cuda") * 2
+    while not earlier.query():
+        pass
+    x.add_(1)

@@ -11,7 +11,8 @@ happened.
 
 A stream or device sync callback is an explicit sync only while one of the explicit Python APIs runs (``EXPLICIT``,
 patched to say so per thread, and ``Work.wait``, which the collectives model marks); any other — a read-back's copy, a
-data-dependent size — is an implicit one for the latent view (``hb``), named after the op that made it.
+data-dependent size — is an implicit one for the latent view (``hb``), named after the op that made it. A stream or
+event ``query()`` that returns True orders the host as explicitly, though no callback reports it (``_query_patches``).
 """
 
 from __future__ import annotations
@@ -134,7 +135,36 @@ class CudaStreams:
 
         return [AttrPatch(torch.cuda, "_sleep", _sleep), AttrPatch(torch.Tensor, "record_stream", record_stream),
                 AttrPatch(torch.cuda.Stream, "__new__", staticmethod(stream_new)),
-                *self._explicit_patches(), self, *self._shortcuts()]
+                *self._explicit_patches(), *self._query_patches(), self, *self._shortcuts()]
+
+    def _query_patches(self) -> list:
+        """``Event.query()`` / ``Stream.query()`` returning True: the host has seen that work finish, an ordering as
+        deliberate as a synchronize (DeepSpeed pools buffers whose event queries done). torch's GPU trace reports
+        no sync for a query, so the model learns it here."""
+        event_query, stream_query = torch.cuda.Event.query, torch.cuda.Stream.query
+
+        def learnt(name: str, learn, key) -> None:
+            if compile_time.active():
+                return
+            try:
+                self.tracker.drain()
+                learn(key, implicit=self.tracker.explicit_sync(name))
+            except Exception as exc:  # never inside the user's test
+                self.tracker.note(f"{name} is not modelled: {type(exc).__name__}: {exc}")
+
+        def query_event(event):
+            done = event_query(event)
+            if done and event.cuda_event:  # a never-recorded event is done without ordering anything
+                learnt("Event.query()", self.hb.synchronize_event, event.cuda_event)
+            return done
+
+        def query_stream(stream):
+            done = stream_query(stream)
+            if done:
+                learnt("Stream.query()", self.hb.synchronize_stream, stream.cuda_stream)
+            return done
+
+        return [AttrPatch(torch.cuda.Event, "query", query_event), AttrPatch(torch.cuda.Stream, "query", query_stream)]
 
     def _shortcuts(self) -> list:
         """The allocator's frees (`_dealloc`) and the trace events the model ignores, without a Python frame where
