@@ -121,7 +121,14 @@ def test_synchronize_orders_later_work_after_every_stream():
     assert d.races == []
 
 
-def test_stream_query_and_event_synchronize_order_the_host():
+def _until_done(event):  # DeepSpeed pools buffers once their event queries done
+    while not event.query():
+        pass
+
+
+@pytest.mark.parametrize("host_waits", [lambda event: event.synchronize(), _until_done], ids=["synchronize", "query"])
+def test_an_event_the_host_saw_done_orders_it_after_that_events_work_only(host_waits):
+    """Event.synchronize(), or Event.query() returning True (host_sync_cases.py has the GPU twins)."""
     with Detector() as d:
         x, y = torch.zeros(4), torch.zeros(4)
         s = side_stream()
@@ -129,11 +136,14 @@ def test_stream_query_and_event_synchronize_order_the_host():
             x.add_(1)
             event = s.record_event()
             y.add_(1)
-        event.synchronize()
-        x.sum()  # ordered: the host waited for the event
+        host_waits(event)
+        x.sum()  # ordered: the host saw the event done
         y.sum()  # sync-read
     assert [r.kind for r in d.races] == [RAW]
     assert where(d.races[0].later) == (__file__, line("sync-read"))
+
+
+def test_a_stream_queried_done_orders_the_host():
     with Detector() as d:
         x = torch.zeros(4)
         s = side_stream()
@@ -142,23 +152,6 @@ def test_stream_query_and_event_synchronize_order_the_host():
         assert s.query() is True
         x.sum()
     assert d.races == []
-
-
-def test_an_event_queried_done_orders_the_host_after_its_work_only():
-    """The twins of host_sync_cases.py's query cases on a GPU (DeepSpeed pools buffers once their event is done)."""
-    with Detector() as d:
-        x, y = torch.zeros(4), torch.zeros(4)
-        s = side_stream()
-        with torch.cuda.stream(s):
-            x.add_(1)
-            done = s.record_event()
-            y.add_(1)
-        while not done.query():
-            pass
-        x.sum()  # ordered: the host saw the event done
-        y.sum()  # queried-read
-    assert [r.kind for r in d.races] == [RAW]
-    assert where(d.races[0].later) == (__file__, line("queried-read"))
 
 
 # a bucket filled by hooks on two streams, reduced on a third (DeepSpeed #8061)
