@@ -478,9 +478,10 @@ PyMethodDef traced_defs[] = {
      "A caching-allocator free, queued in order with the captured ops."},
 };
 
-// (args, kwargs) of an op whose plan keeps them, as the dispatch mode would hand them over
+// the stream the host waited for inside the op, or None
 py::object synced_of(const Record& r) { return r.synced ? py::object(py::int_(*r.synced)) : py::object(py::none()); }
 
+// (args, kwargs) of an op whose plan keeps them, as the dispatch mode would hand them over
 py::object arguments_of(const Record& r) {
   if (!r.plan) return py::none();
   py::list positional;

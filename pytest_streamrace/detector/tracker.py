@@ -393,9 +393,9 @@ class AccessTracker(TorchDispatchMode):
 
     def _captured_sync(self, name: str, stream, synced: int | None, captured, arguments, touched: bool) -> None:
         """The host sync a captured op made, if any. On a GPU no arguments come along: a conditional sync (a copy to
-        the host, t[mask]) is the GPU trace's sync from inside the op (`synced`: its stream, else None); an unconditional one
-        counts only for an op that touched the device (`touched`). On host memory every record touched it, and a
-        conditional sync's arguments came along."""
+        the host, t[mask]) is the GPU trace's sync from inside the op (`synced`: its stream, else None); an
+        unconditional one counts only for an op that touched the device (`touched`). On host memory every record
+        touched it, and a conditional sync's arguments came along."""
         sync = self.host_syncs.get(name)
         if synced is not None:  # not `if synced`: 0 is a stream (the legacy default stream's handle)
             self.host_synced(sync or host_sync.HostSync(name), synced, Captured(captured))

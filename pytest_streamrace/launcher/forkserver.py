@@ -2,7 +2,8 @@
 
 A rank started as a fresh ``python -m pytest`` spends ~1.5 s importing torch before the test runs, and another ~1 s
 importing ``torch._dynamo`` once it builds an optimizer (and Inductor, once it compiles); forked from here it starts in
-~0.2 s with them imported (Inductor on CPU builds of torch only). Forking is safe because this process never initializes CUDA and runs no threads.
+~0.2 s with them imported (Inductor on CPU builds of torch only). Forking is safe because this process never
+initializes CUDA and runs no Python threads (torch's OpenMP pool threads are idle when it forks).
 
 Run as a script (``python forkserver.py``), not as ``-m pytest_streamrace...``: pytest warns about (and under
 ``-W error`` refuses) plugin modules imported before it could rewrite their asserts, so this process imports
