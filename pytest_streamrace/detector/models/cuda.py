@@ -140,31 +140,27 @@ class CudaStreams:
     def _query_patches(self) -> list:
         """``Event.query()`` / ``Stream.query()`` returning True: the host has seen that work finish, an ordering as
         deliberate as a synchronize (DeepSpeed pools buffers whose event queries done). torch's GPU trace reports
-        no sync for a query, so the model learns it here."""
-        event_query, stream_query = torch.cuda.Event.query, torch.cuda.Stream.query
+        no sync for a query, so the patch hands it to the sync callbacks itself, marked explicit."""
 
-        def learnt(name: str, learn, key) -> None:
-            if compile_time.active():
-                return
-            try:
-                self.tracker.drain()
-                learn(key, implicit=self.tracker.explicit_sync(name))
-            except Exception as exc:  # never inside the user's test
-                self.tracker.note(f"{name} is not modelled: {type(exc).__name__}: {exc}")
+        def query(original, name: str, learn):
+            def patched(obj):
+                done = original(obj)
+                if done:
+                    try:
+                        with self.tracker.explicitly(name):
+                            learn(obj)
+                    except Exception as exc:  # never inside the user's test
+                        self.tracker.note(f"{name} is not modelled: {type(exc).__name__}: {exc}")
+                return done
+            return patched
 
-        def query_event(event):
-            done = event_query(event)
-            if done and event.cuda_event:  # a never-recorded event is done without ordering anything
-                learnt("Event.query()", self.hb.synchronize_event, event.cuda_event)
-            return done
+        def event_done(event):
+            if event.cuda_event:  # a never-recorded event is done without ordering anything
+                self._event_sync(event.cuda_event)
 
-        def query_stream(stream):
-            done = stream_query(stream)
-            if done:
-                learnt("Stream.query()", self.hb.synchronize_stream, stream.cuda_stream)
-            return done
-
-        return [AttrPatch(torch.cuda.Event, "query", query_event), AttrPatch(torch.cuda.Stream, "query", query_stream)]
+        return [AttrPatch(torch.cuda.Event, "query", query(torch.cuda.Event.query, "Event.query()", event_done)),
+                AttrPatch(torch.cuda.Stream, "query", query(torch.cuda.Stream.query, "Stream.query()",
+                                                            lambda stream: self._stream_sync(stream.cuda_stream)))]
 
     def _shortcuts(self) -> list:
         """The allocator's frees (`_dealloc`) and the trace events the model ignores, without a Python frame where
