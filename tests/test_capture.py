@@ -213,8 +213,8 @@ def test_a_failed_build_is_one_line_and_leaves_none(tmp_path):
     """Without a working compiler the cuda backend falls back to the dispatch mode; `failure()` says why."""
     script = textwrap.dedent("""
         from pytest_streamrace.detector import capture
-        real = capture.source()
-        capture.source = lambda: real.replace("#include <atomic>", "#include <no_such_header_here>")
+        real = capture.sources()
+        capture.sources = lambda: [code.replace("#include <atomic>", "#include <no_such_header_here>") for code in real]
         print(capture.load() is None)
         print(capture.failure())
     """)

@@ -271,6 +271,54 @@ def test_accumulate_grad_hook_inside_stream_context_but_node_on_default_runs_on_
         assert seen == [torch.cuda.default_stream()] and acc is not None
 
 
+def test_a_view_node_runs_on_the_stream_of_the_op_that_made_the_view():
+    with Detector() as d:
+        w = torch.randn(4, 4, requires_grad=True)
+        s = side_stream()
+        with torch.cuda.stream(s):
+            wt = w.t()  # TBackward0 belongs to s, though the matmul reading the view runs on the default stream
+        seen = []
+        wt.grad_fn.register_prehook(lambda grads: seen.append(torch.cuda.current_stream()))
+        (torch.randn(2, 4) @ wt).sum().backward()
+        assert seen == [s]
+    assert d.races == []
+
+
+def test_a_node_hook_registered_while_one_stream_existed_runs_on_the_node_stream():
+    """The model's pre-hook runs before any hook a user registers on the node: with the C++ binding, from the op's
+    end. (The function-mode fallback registers it at the first backward after a second stream appears.)"""
+    with Detector() as d:
+        if d.op_source != "capture":
+            pytest.skip("the function-mode binding's known gap (docs/performance.md)")
+        x = torch.randn(4, requires_grad=True)
+        y = x * 2  # the default stream is the only one yet
+        seen = []
+        y.grad_fn.register_prehook(lambda grads: seen.append(torch.cuda.current_stream()))
+        s = side_stream()
+        with torch.cuda.stream(s):
+            y.sum().backward()  # SumBackward0 on s, then MulBackward0 on the default stream
+        assert seen == [torch.cuda.default_stream()]
+    assert d.races == []
+
+
+def test_a_node_bound_in_an_earlier_session_is_bound_again():
+    w = torch.randn(4, requires_grad=True)
+    acc = w.expand_as(w).grad_fn.next_functions[0][0]  # lives across sessions, as a DDP wrapper's do
+    with Detector():
+        (w * 2).sum().backward()  # bound to this session's default stream
+    with Detector() as d:
+        s = side_stream()
+        with torch.cuda.stream(s):
+            y = w * 2  # binds the AccumulateGrad node to s, this session's stream
+        torch.cuda.current_stream().wait_stream(s)
+        seen = []
+        acc.register_prehook(lambda grads: seen.append(torch.cuda.current_stream()))
+        y.sum().backward()
+        assert seen == [s]
+        w.grad.sum()  # the end of backward made the caller's stream wait on s
+    assert d.races == []
+
+
 def test_autograd_grad_joins_the_caller_stream():
     with Detector() as d:
         w = torch.randn(4, requires_grad=True)
@@ -483,9 +531,10 @@ def test_session_leaves_torch_as_it_was():
     record_stream = torch.Tensor.record_stream
     from torch._dynamo.output_graph import OutputGraph
     call_user_compiler = OutputGraph.call_user_compiler
-    with Detector():
+    with Detector() as d:
         assert torch.cuda.Stream is not before["Stream"]
-        assert torch._C._len_torch_function_stack() == 1
+        # graph nodes are bound in C++ with the capture; by a function mode with the dispatch mode
+        assert torch._C._len_torch_function_stack() == (0 if d.op_source == "capture" else 1)
         w = torch.randn(2, requires_grad=True)
         (w * 2).sum().backward()
     assert {name: getattr(torch.cuda, name) for name in before} == before

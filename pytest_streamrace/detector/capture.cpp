@@ -60,6 +60,7 @@ struct Record {
   std::shared_ptr<const Plan> plan; std::vector<c10::IValue> args;  // the arguments, where the plan keeps them
 };
 
+// plan null: the op is only watched for the autograd nodes it makes (node_streams.cpp)
 struct Pending : at::ObserverContext {
   Record record; std::shared_ptr<const Plan> plan; std::vector<c10::IValue> inputs;
 };
@@ -99,12 +100,51 @@ std::unordered_set<int64_t> known;
 constexpr size_t kDrainEvery = 256;
 thread_local bool draining = false;
 
+// Stacks seen before, by their frames' (code, instruction) pairs: a training loop takes the same few hundred stacks
+// again and again, and a hit costs a walk of the frames, without the traceback's allocations and references. Each
+// entry's traceback holds its code objects, so no other code object can take one of their addresses. Read and written
+// with the GIL held; bounded (emptied when full); never freed (it would outlive the interpreter).
+using Frames = std::vector<std::pair<const void*, int>>;
+struct KnownStack { Frames frames; std::shared_ptr<Stack> stack; };
+auto* known_stacks = new std::unordered_map<size_t, KnownStack>();
+constexpr size_t kKnownStacks = 4096;
+
+// The calling thread's Python frames, innermost first, and their hash. The GIL is held.
+size_t walk_frames(Frames& out) {
+  out.clear();
+  size_t hash = 0;
+  PyFrameObject* frame = PyEval_GetFrame();  // borrowed
+  Py_XINCREF(frame);
+  while (frame != nullptr) {
+    PyCodeObject* code = PyFrame_GetCode(frame);  // a new reference, dropped at once: the frame holds it
+#if PY_VERSION_HEX >= 0x030B0000
+    int lasti = PyFrame_GetLasti(frame);
+#else
+    int lasti = frame->f_lasti;
+#endif
+    Py_DECREF(code);
+    out.emplace_back(code, lasti);
+    hash = (hash ^ (reinterpret_cast<size_t>(code) + static_cast<size_t>(lasti))) * 1099511628211ULL;
+    PyFrameObject* back = PyFrame_GetBack(frame);  // a new reference
+    Py_DECREF(frame);
+    frame = back;
+  }
+  return hash;
+}
+
 // None on a thread with no Python thread state (a C++ worker): it has no frames to take, and taking them would create
 // and drop a thread state per op. (torch's autograd device threads keep one: their stacks are taken, and empty.)
 std::shared_ptr<Stack> stack_here() {
   if (PyGILState_GetThisThreadState() == nullptr) return nullptr;
+  py::gil_scoped_acquire gil;
+  thread_local Frames frames;
+  size_t hash = walk_frames(frames);
+  auto found = known_stacks->find(hash);
+  if (found != known_stacks->end() && found->second.frames == frames) return found->second.stack;
   auto s = std::make_shared<Stack>();
   s->traceback = torch::CapturedTraceback::gather(/*python=*/true, /*script=*/false, /*cpp=*/false);
+  if (known_stacks->size() >= kKnownStacks) known_stacks->clear();
+  (*known_stacks)[hash] = KnownStack{frames, s};
   return s;
 }
 
@@ -252,11 +292,23 @@ void hand_over(const at::RecordFunction& fn, const std::vector<c10::IValue>& inp
   }
 }
 
+// The virtual model's stream on this thread (its small int; 0, the default stream, where none was set this session).
+int64_t stream_now() {
+  return stream_generation == generation.load(std::memory_order_relaxed) ? stream_here : 0;
+}
+
+// Ops that record nothing may still make autograd nodes, which the virtual model binds at their end (below autograd,
+// none are made: composite ops' inner ops bind them).
+std::unique_ptr<at::ObserverContext> nodes_only() {
+  if (cuda || !node_streams::binding.load(std::memory_order_relaxed)) return nullptr;
+  return std::make_unique<Pending>();
+}
+
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (depth > 0 || paused || !on.load()) return nullptr;
   auto plan = plan_for(fn);
-  if (plan == nullptr || !plan->below_autograd || on_subclass(fn)) return nullptr;
-  if (plan->copy && copies_onto_itself(fn)) return nullptr;
+  if (plan == nullptr || !plan->below_autograd) return nullptr;
+  if (on_subclass(fn) || (plan->copy && copies_onto_itself(fn))) return nodes_only();
   ++depth;
   auto pending = std::make_unique<Pending>();
   pending->plan = plan;
@@ -272,8 +324,8 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     if (cuda) {
       const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
       r.stream = reinterpret_cast<int64_t>(impl->getStream(impl->getDevice()).native_handle());
-    } else if (stream_generation == generation.load(std::memory_order_relaxed)) {
-      r.stream = stream_here;
+    } else {
+      r.stream = stream_now();
     }
     auto node = torch::autograd::get_current_node();
     r.in_node = node != nullptr;
@@ -317,9 +369,11 @@ void drain_now() {
 
 void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
   if (context == nullptr) return;
-  --depth;
   auto* pending = static_cast<Pending*>(context);
   const Plan* plan = pending->plan.get();
+  if (!cuda) node_streams::bind_outputs(fn.outputs(), stream_now());
+  if (plan == nullptr) return;  // nodes_only
+  --depth;
   if (plan->handoff) {
     hand_over(fn, pending->inputs, "end");
     return;
@@ -863,6 +917,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sync_inside_op", &sync_inside_op);
   m.def("mark_free", &mark_free, py::arg("ptr"), py::arg("stack") = true);
   m.def("drain", &drain);
+  m.def("bind_nodes", &node_streams::start, py::arg("enter"), py::arg("leave"), py::arg("core"));
+  m.def("unbind_nodes", &node_streams::stop);
+  m.def("bind_tensors", [](const std::vector<at::Tensor>& tensors) {  // compiled code's outputs (adopt_outputs)
+    if (!node_streams::binding.load() || !c10::GradMode::is_enabled()) return;
+    for (const auto& t : tensors) node_streams::bind_tensor(t, stream_now());
+  });
   for (auto& def : traced_defs)
     m.attr(def.ml_name) = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.attr("__name__").ptr()));
   py::class_<feed::Feed>(m, "Feed")

@@ -53,10 +53,10 @@ def load():
 
             # one build per torch version (compiled against its headers and ABI) and per source: checkouts with other
             # sources share the extensions folder without rebuilding each other's
-            sources = [core_source(), source()]  # the core first: capture.cpp's module binds it (bind_core)
-            digest = hashlib.sha1("\0".join(sources).encode()).hexdigest()[:10]
+            code = sources()
+            digest = hashlib.sha1("\0".join(code).encode()).hexdigest()[:10]
             name = f"streamrace_capture_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{digest}"
-            _extension = load_inline(name, sources, extra_cflags=["-O2", "-DNDEBUG"],
+            _extension = load_inline(name, code, extra_cflags=["-O2", "-DNDEBUG"],
                                      build_directory=_build_directory(name, torch))
         except Exception as exc:  # a failed build must leave the slower dispatch mode working, and say why
             _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
@@ -105,14 +105,13 @@ def _ninja_on_path() -> None:
         os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
 
-def source() -> str:
-    """The extension's C++ source (``capture.cpp``, package data)."""
-    return importlib.resources.files(__package__).joinpath("capture.cpp").read_text(encoding="utf-8")
-
-
-def core_source() -> str:
-    """The happens-before core's C++ source (``hb_core.cpp``, package data), built into the same module."""
-    return importlib.resources.files(__package__).joinpath("hb_core.cpp").read_text(encoding="utf-8")
+def sources() -> list[str]:
+    """The extension's C++ sources (package data), in the order they are joined: the happens-before core
+    (``hb_core.cpp``), the virtual model's node binding (``node_streams.cpp``), then the capture (``capture.cpp``),
+    which uses both and whose module binds them."""
+    files = importlib.resources.files(__package__)
+    return [files.joinpath(name).read_text(encoding="utf-8")
+            for name in ("hb_core.cpp", "node_streams.cpp", "capture.cpp")]
 
 
 def failure() -> str | None:

@@ -108,8 +108,11 @@ class Detector:
             _handle.leave(self)
 
     def _install_stream_models(self) -> None:
+        from . import capture
         from .tracker import AccessTracker
 
+        extension = capture.load()  # the op source (None: the dispatch mode), which virtual autograd's binding follows
+        self.capture_failure = capture.failure()
         if self.backend == "virtual":
             from .models.virtual_autograd import VirtualAutograd
             from .models.virtual_streams import VirtualStreams
@@ -118,7 +121,7 @@ class Detector:
             self.streams = VirtualStreams(self.hb, self.tracker)
             patches = self.streams.patches()
             self.tracker.current_stream = self.streams.current  # per op: no detour through the session
-            autograd = VirtualAutograd(self.streams, self.hb, self.tracker)
+            autograd = VirtualAutograd(self.streams, self.hb, self.tracker, extension)
             patches += autograd.patches()
             from .models.virtual_host_reads import HostReads
 
@@ -162,15 +165,11 @@ class Detector:
         for patch in patches:
             self.install(patch)
         # last in, first out: our own setup is not traced
-        self.install(self._op_source())
+        self.install(self._op_source(extension))
 
-    def _op_source(self):
+    def _op_source(self, extension):
         """Ops captured in C++ (``capture``) where the extension builds; else the dispatch mode, and
         `capture_failure` says why."""
-        from . import capture
-
-        extension = capture.load()
-        self.capture_failure = capture.failure()
         if extension is None:
             self.op_source = "dispatch mode"
             return _Mode(self.tracker)

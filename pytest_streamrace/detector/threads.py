@@ -3,8 +3,8 @@ entered them unless each new thread enters them too.
 
 While a session is active, ``Thread._bootstrap_inner`` (where every Python thread, a pool's workers included, starts
 running Python) pushes forwarding modes onto the new thread's mode stacks for the thread's whole life — a dispatch
-mode for the tracker, a function mode for the virtual autograd model, only those the session uses — and a thread-pool
-work item run on a worker started before the session pushes them around that item. The forwarding modes
+mode for the tracker, the virtual autograd model's function mode (the fallback's), only those the session uses — and a
+thread-pool work item run on a worker started before the session pushes them around that item. The forwarding modes
 hand each op to the session active *now* (none: the op just runs), so a thread that outlives its test neither reports
 into a finished session nor misses the next one. Where the C++ capture replaces the dispatch mode, the virtual
 backend's is a callback per thread, which such a thread gets instead (``tracker.observe_thread``), so it sees the

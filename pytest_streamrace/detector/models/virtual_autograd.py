@@ -6,11 +6,11 @@ The rules (PyTorch's CUDA semantics, confirmed on H200 — see shared/notes/upst
 - a node waits on the streams that produced its incoming gradients;
 - when backward() / autograd.grad() returns, the caller's stream waits on every stream the backward used.
 
-Mechanism: a TorchFunctionMode runs above autograd, so after each call the outputs' grad_fn exist; new graph nodes
-(found from there through next_functions, stopping at nodes already seen) get the current stream and a pre-hook
-that switches the thread's current stream to it. Hooks users register later run after that pre-hook, so they see
-the node's stream. The stream is not switched back after a node: the next node's pre-hook sets its own, and the
-wrapper around the engine restores the caller's stream at the end.
+Mechanism (``autograd_binding``): each new graph node is bound to the stream current when the call that made it
+returned, and gets a pre-hook that switches the thread's current stream to it — in C++ at the op's end where the
+capture runs, else by a TorchFunctionMode. The pre-hook is registered before any hook a user can register on the node,
+so those see the node's stream. The stream is not switched back after a node: the next node's pre-hook sets its own,
+and the wrapper around the engine restores the caller's stream at the end.
 
 When two producers on different streams feed one input, the engine adds their gradients on the consumer's stream
 after waiting on both: a post-hook on each node sees the second gradient arrive and has the tracker run the next op
@@ -28,137 +28,34 @@ from __future__ import annotations
 import functools
 import threading
 import warnings
-import weakref
 
 import torch
-from torch.overrides import TorchFunctionMode
 
-from ...patching import AttrPatch, skip_in_dynamo
+from ...patching import AttrPatch
+from .autograd_binding import ModeBinding, NativeBinding
 
-_TAG = "streamrace.stream"
 MISMATCH = ("The AccumulateGrad node's stream does not match the stream of the node that produced the incoming "
             "gradient.")  # torch's own wording (input_buffer.cpp), so filters written for torch's warning apply
-
-
-_grad_enabled = torch.is_grad_enabled  # per call of every torch function: one attribute load less
-
-
-def _grad_fns(out) -> list:
-    if isinstance(out, torch.Tensor):
-        node = out.grad_fn
-        return [node] if node is not None else []
-    if isinstance(out, (tuple, list)):
-        return [t.grad_fn for t in out if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    return []
-
-
-class _NewNodes(TorchFunctionMode):
-    def __init__(self, model: "VirtualAutograd"):
-        super().__init__()
-        self.model = model
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **kwargs) if kwargs else func(*args)
-        # traced, not run, while compiling: compiled code's nodes are bound when it runs (asked before reading
-        # grad_fn, which dynamo cannot trace)
-        if _grad_enabled() and not torch.compiler.is_compiling():
-            nodes = _grad_fns(out)
-            if nodes:
-                self.model.adopt(nodes)
-        return out
-
-
-skip_in_dynamo(_NewNodes.__torch_function__)  # the mode is entered around compiled regions too
 
 
 class VirtualAutograd:
     """A patch (install/uninstall): binds new graph nodes to streams and joins streams at the end of backward."""
 
-    def __init__(self, streams, hb, tracker):
+    def __init__(self, streams, hb, tracker, extension=None):
+        """extension: the C++ capture's, which then binds nodes (else a function mode does)."""
         self.streams = streams
         self.hb = hb
         self.tracker = tracker
-        self._token = object()  # tells this session's tags from an earlier session's on long-lived nodes
         self._tls = threading.local()
-        self._mode: _NewNodes | None = None
-        self._saved: list = []
         self._mismatches: set = set()  # (node stream, producer stream) pairs already warned about
-        self._deferred = False  # whether `adopt` left nodes without their hooks (one stream seen then)
+        self.binding = NativeBinding(self, extension) if extension is not None else ModeBinding(self)
         self.active = False
-
-    # graph nodes
-
-    def node_stream(self, node):
-        """The stream a graph node was bound to, or None."""
-        tag = node.metadata.get(_TAG)
-        return tag[1] if tag is not None and tag[0] is self._token else None
-
-    def adopt(self, nodes: list) -> None:
-        """Bind new graph nodes to the current stream. While the session has seen one stream, the hooks wait: with
-        every node on that stream they would only set the stream already current, and two hooks a node cost more
-        than the op that made it. The first backward after a second stream appears registers them (`_hook_deferred`).
-        """
-        stream = self.streams.current()
-        stack = list(nodes)
-        hooked = self.hb.stream_count > 1
-        if not hooked:
-            self._deferred = True
-        ref = weakref.ref(self)
-        while stack:
-            node = stack.pop()
-            if node is None:
-                continue
-            meta = node.metadata
-            tag = meta.get(_TAG)
-            if tag is not None and tag[0] is self._token:
-                continue
-            meta[_TAG] = (self._token, stream, hooked)
-            if hooked:
-                self._hook(ref, node, stream)
-            for next_node, _ in node.next_functions:
-                if next_node is not None:
-                    stack.append(next_node)
-
-    def _hook(self, ref, node, stream) -> None:
-        """The pre-hook that enters the node's stream, and the post-hook that follows its gradients."""
-        node.register_prehook(_prehook(ref, stream, node.name() == "torch::autograd::AccumulateGrad"))
-        edges = []
-        for next_node, input_nr in node.next_functions:
-            if next_node is None:
-                edges.append(None)
-                continue
-            edges.append((id(next_node.metadata), input_nr, self.node_stream(next_node) or stream))
-        if edges:
-            node.register_hook(_posthook(ref, stream, edges))
-
-    def _hook_deferred(self, outputs) -> None:
-        """Register the hooks `adopt` deferred on the nodes this backward may run (a second stream exists now)."""
-        ref = weakref.ref(self)
-        roots = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
-        # tensors, or GradientEdges (node, output number)
-        stack = [r.grad_fn if isinstance(r, torch.Tensor) else getattr(r, "node", None) for r in roots]
-        seen = set()
-        while stack:
-            node = stack.pop()
-            if node is None:
-                continue
-            meta = node.metadata
-            if id(meta) in seen:
-                continue
-            seen.add(id(meta))
-            tag = meta.get(_TAG)
-            if tag is not None and tag[0] is self._token and not tag[2]:
-                meta[_TAG] = (self._token, tag[1], True)
-                self._hook(ref, node, tag[1])
-            stack.extend(next_node for next_node, _ in node.next_functions)
 
     def adopt_outputs(self, out) -> None:
         """A compiled graph ran: bind the autograd nodes its outputs carry (and the new ones behind them) to the
-        stream current at the call, as the function mode does for each eager call."""
+        stream current at the call, as is done for each eager call."""
         if self.active and torch.is_grad_enabled():
-            nodes = _grad_fns(out)
-            if nodes:
-                self.adopt(nodes)
+            self.binding.adopt_outputs(out)
 
     def enter_node(self, stream, grads, accumulate: bool = False) -> None:
         """A bound node is about to run: its stream becomes current, after the streams that wrote its inputs.
@@ -223,8 +120,7 @@ class VirtualAutograd:
         def wrapper(*args, **kwargs):
             if not self.active:
                 return run_backward(*args, **kwargs)
-            if self._deferred and self.hb.stream_count > 1:
-                self._hook_deferred(args[0] if args else kwargs.get("t_outputs", ()))
+            self.binding.before_backward(args[0] if args else kwargs.get("t_outputs", ()))
             caller = self.streams.current()
             frame = _Backward()
             frames = self._tls.__dict__.setdefault("frames", [])
@@ -252,19 +148,17 @@ class VirtualAutograd:
 
     @property
     def mode(self):
-        """The function mode binding new nodes to streams (None while uninstalled); other threads enter it too."""
-        return self._mode
+        """The function mode binding new nodes to streams, which other threads enter too; None with the C++ binding
+        or while uninstalled."""
+        return self.binding.mode
 
     def install(self) -> None:
-        self._mode = _NewNodes(self)
-        self._mode.__enter__()
+        self.binding.install()
         self.active = True
 
     def uninstall(self) -> None:
         self.active = False
-        if self._mode is not None:
-            self._mode.__exit__(None, None, None)
-            self._mode = None
+        self.binding.uninstall()
 
 
 class _Backward:
@@ -273,30 +167,3 @@ class _Backward:
     def __init__(self):
         self.used: set = set()
         self.buffers: dict = {}
-
-
-def _posthook(ref, stream, edges):
-    # Holds no node: a hook referring to its own node would keep the graph alive through C++.
-    def posthook(grad_inputs, grad_outputs):
-        model = _live(ref)
-        if model is not None:
-            model.leave_node(stream, edges, grad_inputs)
-    return posthook
-
-
-def _prehook(ref, stream, accumulate: bool):
-    # Holds the model weakly: nodes (AccumulateGrad kept by DDP wrappers) may outlive the session.
-    def prehook(grad_outputs):
-        model = _live(ref)
-        if model is not None:
-            model.enter_node(stream, grad_outputs, accumulate)
-    return prehook
-
-
-def _live(ref):
-    """The model a hook reports to, or None: the session ended, or the hook is traced into compiled autograd's graph
-    (it then runs on the caller's stream)."""
-    if torch.compiler.is_compiling():
-        return None
-    model = ref()
-    return model if model is not None and model.active else None
