@@ -13,6 +13,9 @@
 #include <optional>
 #include <unordered_map>
 #include <unordered_set>
+#if PY_VERSION_HEX < 0x030B0000
+#include <frameobject.h>  // PyFrameObject's fields (f_lasti), read directly before Python 3.11's accessors
+#endif
 
 namespace {
 

@@ -64,7 +64,8 @@ class NativeHappensBefore:
             if extension is None:
                 raise RuntimeError(f"streamrace: the C++ extension is not available ({capture.failure()})")
         self._found = _Races()
-        core = self._core = extension.hb.Core(trace, self._found.judge)
+        # the C++ core itself: the capture's Feed and node binding call it without Python (hb.py has no `core`)
+        core = self.core = extension.hb.Core(trace, self._found.judge)
         self._events = Events()  # event -> the core's snapshot, as hb.py keeps them
         self._event_lock = threading.Lock()
         # the per-op calls: bound C++ methods, no Python frame between the caller and the core
@@ -85,28 +86,28 @@ class NativeHappensBefore:
     @property
     def stream_count(self) -> int:
         """How many streams have been seen (named, launched on or ordered)."""
-        return self._core.stream_count
+        return self.core.stream_count
 
     @property
     def frees_can_race(self) -> bool:
         """Whether a free may yet be judged or traced (see hb.HappensBefore.frees_can_race)."""
-        return self._core.frees_can_race
+        return self.core.frees_can_race
 
     # events: snapshots kept by event key here, as hb.py keeps them
 
     def record_event(self, event: Hashable, stream: Hashable) -> None:
         with self._event_lock:
-            self._events.put(event, self._core.snapshot(stream))
+            self._events.put(event, self.core.snapshot(stream))
 
     def wait_event(self, stream: Hashable, event: Hashable) -> None:
         with self._event_lock:
-            self._core.wait_snapshot(stream, self._events.get(event))
+            self.core.wait_snapshot(stream, self._events.get(event))
 
     def synchronize_event(self, event: Hashable, implicit: Site | None = None) -> None:
         with self._event_lock:
             snapshot = self._events.get(event)
             if snapshot is not None:
-                self._core.synchronize_snapshot(snapshot, implicit)
+                self.core.synchronize_snapshot(snapshot, implicit)
 
     # results
 
@@ -130,4 +131,4 @@ class NativeHappensBefore:
     @property
     def timeline(self) -> list:
         """Every launch (and free) in order; empty unless trace=True."""
-        return self._core.timeline
+        return self.core.timeline

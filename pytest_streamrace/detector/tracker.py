@@ -257,7 +257,7 @@ class AccessTracker(TorchDispatchMode):
         dispatch mode would see (`observe_thread`), unless `every_thread` (the default on cuda, where a global
         callback has always been what ran)."""
         self._capture = extension
-        core = getattr(self.hb, "_core", None)  # hb_native's C++ core: the records go straight into it
+        core = getattr(self.hb, "core", None)  # hb_native's C++ core: the records go straight into it
         self._feed = extension.Feed(core, self) if isinstance(core, extension.hb.Core) else None
         cuda = self.device_type == "cuda"
         extension.enable(cuda, self._capture_plan, self._handoff, self._drain_forced,

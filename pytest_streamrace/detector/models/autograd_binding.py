@@ -52,7 +52,7 @@ class NativeBinding:
 
     def install(self) -> None:
         ref = weakref.ref(self.model)
-        core = getattr(self.model.hb, "_core", None)  # the C++ core says when two streams exist, without Python
+        core = getattr(self.model.hb, "core", None)  # hb_native's C++ core says when two streams exist, without Python
         self.extension.bind_nodes(lambda stream, grads, accumulate: _enter(ref, stream, grads, accumulate),
                                   lambda stream, edges, grads: _leave(ref, stream, edges, grads), core)
 
