@@ -111,6 +111,24 @@ def test_captured_stacks_name_the_users_line(extension):
     assert add.site.frames[0] == (__file__, line("captured-line"), "test_captured_stacks_name_the_users_line")
 
 
+def _add_one(t):
+    t.add_(1)  # helper-line
+
+
+def test_a_stack_seen_before_is_reused_only_for_the_same_frames(extension):
+    """The capture reuses a stack when every frame's code and instruction match: the same helper line reached from
+    another caller is another stack."""
+    with capturing(extension) as (hb, _):
+        x = torch.ones(4)
+        for _ in range(2):
+            _add_one(x)  # first-caller
+        _add_one(x)  # second-caller
+    adds = [op.site.frames[:2] for op in hb.timeline if op.site.op == "aten::add_"]
+    assert [[lineno for _, lineno, _ in frames] for frames in adds] == [
+        [line("helper-line"), line("first-caller")], [line("helper-line"), line("first-caller")],
+        [line("helper-line"), line("second-caller")]]
+
+
 def test_backward_ops_without_frames_of_their_own_name_the_forward_op_that_made_their_node(extension):
     """As on a GPU's engine threads: the backward runs where no line of the program is on the stack (a thread started
     on ``Tensor.backward`` itself). Its accesses name the node, the forward op and the line that created it."""
