@@ -922,9 +922,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("drain", &drain);
   m.def("bind_nodes", &node_streams::start, py::arg("enter"), py::arg("leave"), py::arg("core"));
   m.def("unbind_nodes", &node_streams::stop);
-  m.def("bind_tensors", [](const std::vector<at::Tensor>& tensors) {  // compiled code's outputs (adopt_outputs)
-    if (!node_streams::binding.load() || !c10::GradMode::is_enabled()) return;
-    for (const auto& t : tensors) node_streams::bind_tensor(t, stream_now());
+  m.def("bind_tensors", [](const std::vector<at::Tensor>& tensors) {
+    node_streams::bind_tensors(tensors, stream_now());
   });
   for (auto& def : traced_defs)
     m.attr(def.ml_name) = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.attr("__name__").ptr()));

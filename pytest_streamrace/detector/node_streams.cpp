@@ -18,7 +18,7 @@ using torch::autograd::variable_list;
 
 std::atomic<bool> binding{false};
 std::atomic<uint64_t> session{0};  // bumped per session: a node bound in an earlier one is bound again
-std::atomic<streamrace_hb::PyCore*> core{nullptr};  // asked for the stream count (none: Python decides)
+std::atomic<streamrace_hb::PyCore*> core{nullptr};  // asked for the stream count (none: the hooks always run)
 py::object* enter_fn = nullptr;  // (stream, grads, accumulate)
 py::object* leave_fn = nullptr;  // (stream, edges, grads)
 std::mutex mutex;  // binding: threads running forward share leaves' AccumulateGrad nodes
@@ -126,15 +126,23 @@ void bind_tensor(const at::Tensor& t, int64_t stream) {
   if (fn) bind_from(fn.get(), stream);
 }
 
-// An op's outputs: the nodes they carry, and the new ones behind them, go to `stream` (grad mode on, as the engine
-// records nothing otherwise).
+// Whether new nodes are bound now: a session binds, and grad mode is on (autograd records nothing otherwise).
+bool wanted() { return binding.load(std::memory_order_relaxed) && c10::GradMode::is_enabled(); }
+
+// An op's outputs: the nodes they carry, and the new ones behind them, go to `stream`.
 void bind_outputs(c10::ArrayRef<c10::IValue> outputs, int64_t stream) {
-  if (!binding.load(std::memory_order_relaxed) || !c10::GradMode::is_enabled()) return;
+  if (!wanted()) return;
   for (const auto& v : outputs) {
     if (v.isTensor()) bind_tensor(v.toTensor(), stream);
     else if (v.isTensorList()) for (const at::Tensor& t : v.toTensorList()) bind_tensor(t, stream);
     else if (v.isList()) for (const auto& e : v.toListRef()) if (e.isTensor()) bind_tensor(e.toTensor(), stream);
   }
+}
+
+// A compiled graph's outputs (the Python `adopt_outputs`), to `stream`.
+void bind_tensors(const std::vector<at::Tensor>& tensors, int64_t stream) {
+  if (!wanted()) return;
+  for (const auto& t : tensors) bind_tensor(t, stream);
 }
 
 void start(py::object enter, py::object leave, py::object hb_core) {

@@ -68,15 +68,17 @@ class NativeBinding:
         """Nothing to do: every node has its hooks from the start."""
 
 
+# Called by the C++ hooks once the core has seen two streams (node_streams.cpp's `runs`), with streams as the capture's
+# small ints.
 def _enter(ref, stream: int, grads, accumulate: bool) -> None:
     model = _live(ref)
-    if model is not None and model.hb.stream_count > 1:
+    if model is not None:
         model.enter_node(model.streams.keys[stream], grads, accumulate)
 
 
 def _leave(ref, stream: int, edges, grads) -> None:
     model = _live(ref)
-    if model is not None and model.hb.stream_count > 1:
+    if model is not None:
         keys = model.streams.keys
         model.leave_node(keys[stream], [None if e is None else (e[0], e[1], keys[e[2]]) for e in edges], grads)
 
