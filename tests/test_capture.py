@@ -40,10 +40,10 @@ def core(request, monkeypatch):
 
 
 @contextlib.contextmanager
-def capturing(extension):
+def capturing(extension, track_frees=False):
     """(hb, tracker) fed by the capture, on CPU tensors, while inside (one stream: the capture's CPU key, 0)."""
     hb = HappensBefore(trace=True)
-    tracker = AccessTracker(hb, lambda: 0, "cpu", track_frees=False)
+    tracker = AccessTracker(hb, lambda: 0, "cpu", track_frees=track_frees)
     tracker.capture_with(extension, every_thread=True)  # as on cuda
     try:
         yield hb, tracker
@@ -253,6 +253,19 @@ def test_work_recorded_by_hand_lands_after_the_captured_ops_before_it(extension)
         tracker.run("all_reduce", "communication", reads=[t])
     assert [op.site.op for op in hb.timeline] == ["aten::ones", "aten::add_", "all_reduce"]
     assert [r.kind for r in hb.races] == ["read-after-write"]  # the comm stream never waited on the add_
+
+
+def test_a_host_storage_reports_its_own_free_in_order_with_the_ops(extension):
+    """On host memory a storage of the default CPU allocator gets the capture's deleter when first recorded: its free
+    is queued as it happens, between the ops it came between, and nothing holds the storage until the next drain
+    (a held storage's free would land after every op of the drain window)."""
+    with capturing(extension, track_frees=True) as (hb, tracker):
+        t = torch.ones(4)
+        del t
+        kept = torch.zeros(2).add_(1)
+        tracker.drain()
+    assert [op.site.op for op in hb.timeline] == ["aten::ones", "free", "aten::zeros", "aten::add_"]
+    assert kept.sum().item() == 2
 
 
 def test_an_op_that_raises_leaves_capture_working(extension):

@@ -1,6 +1,7 @@
 #include <torch/extension.h>
 #include <ATen/record_function.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
@@ -198,6 +199,30 @@ std::shared_ptr<const Plan> plan_for(const at::RecordFunction& fn) {
 
 bool on_device(const at::Tensor& t) { return cuda ? t.device().is_cuda() : t.device().is_cpu(); }
 
+}  // namespace
+void queue_free(int64_t ptr);  // below: a free queued in order with the ops
+namespace {
+
+// Host memory: the default CPU allocator's deleter (taken in `enable`), and ours, which a storage from that allocator
+// gets when first recorded: its free is then queued from C++ as it happens, in order with the ops, without a Python
+// storage object, a weak reference or a Python callback per storage. The deleter stays after the session (the
+// extension is never unloaded); outside a session it only frees.
+c10::DeleterFnPtr cpu_deleter = nullptr;
+bool reporting_frees = false;  // the tracker learns host frees (track_frees), and `cpu_deleter` is known
+void freed_on_host(void* data) {
+  if (on.load()) queue_free(reinterpret_cast<int64_t>(data));
+  cpu_deleter(data);
+}
+
+// Whether the storage's free reaches `freed_on_host` (from now on). Not for other allocators' storages (pinned, shared,
+// numpy's, copy-on-write), whose context is not the plain data pointer: those are held and watched (`hold`).
+bool frees_reported(const at::Tensor& t) {
+  auto& data = t.storage().unsafeGetStorageImpl()->_mutable_data_ptr_no_checks();
+  if (data.get_deleter() == &freed_on_host) return true;
+  return reporting_frees && data.get_context() == data.get() &&
+         data.compare_exchange_deleter(cpu_deleter, &freed_on_host);
+}
+
 // Host memory: a storage whose address the tracker does not watch yet is held by the record (see `known`).
 void hold(Span& span, const at::Tensor& t) {
   {
@@ -222,7 +247,7 @@ void add(Record& r, std::vector<Span>& out, const at::Tensor& t, bool write, boo
   if (key == 0) return;
   Span span{key, start, start + (last + 1) * size, write, t.sizes().vec(), t.scalar_type(),
             fresh ? (int64_t)t.storage().nbytes() : -1, {}};
-  if (!cuda) hold(span, t);
+  if (!cuda && !frees_reported(t)) hold(span, t);
   out.push_back(std::move(span));
 } catch (const std::exception&) {
   return;  // no plain storage to read (functionalization wrappers and the like)
@@ -441,8 +466,11 @@ void unobserve() {
   observed = 0;
 }
 
-void enable(bool on_cuda, py::object plan, py::object handoff, py::object drain, bool all_threads) {
+void enable(bool on_cuda, py::object plan, py::object handoff, py::object drain, bool all_threads, bool host_frees) {
   cuda = on_cuda;
+  if (!cuda && host_frees && cpu_deleter == nullptr)
+    cpu_deleter = c10::GetDefaultCPUAllocator()->allocate(1).get_deleter();
+  reporting_frees = !cuda && host_frees && cpu_deleter != nullptr;
   delete plan_fn;
   delete handoff_fn;
   delete drain_fn;
@@ -911,7 +939,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_core(m);  // hb_core.cpp, compiled into this module (capture.load)
   py::class_<Stack, std::shared_ptr<Stack>>(m, "Stack").def("frames", &Stack::frames);
   m.def("enable", &enable, py::arg("cuda"), py::arg("plan"), py::arg("handoff"), py::arg("drain") = py::none(),
-        py::arg("every_thread") = true);
+        py::arg("every_thread") = true, py::arg("host_frees") = false);
   m.def("observe", &observe);
   m.def("unobserve", &unobserve);
   m.def("disable", &disable);

@@ -166,8 +166,9 @@ class AccessTracker(TorchDispatchMode):
     """Turns ATen ops into hb launches and accesses on the stream `current_stream()` names.
 
     device_type: the tensors that live on the modelled device ("cpu" under virtual streams, "cuda" on GPUs); others
-    are host memory and ignored. track_frees: on CPU a storage's death is seen through a weak reference; on CUDA the
-    allocator's deallocation callback calls `note_free` instead.
+    are host memory and ignored. track_frees: on CPU a storage's death is seen through a weak reference, or, where the
+    C++ capture runs, through its deleter (a default-allocator storage's free is queued by the capture as it happens);
+    on CUDA the allocator's deallocation callback calls `note_free` instead.
 
     Every op passes through here, so the per-op path is kept lean: one plan per op from its schema, tensors
     described as raw tuples (hb builds TensorInfo only for races), one hb call per op.
@@ -253,7 +254,8 @@ class AccessTracker(TorchDispatchMode):
     def capture_with(self, extension, every_thread: bool | None = None) -> None:
         """Take ops from the C++ capture instead of this dispatch mode (which then stays uninstalled). The capture
         asks for a drain every few hundred records (`_drain_forced`), so its buffer stays bounded in a loop that never
-        syncs; on host memory its records hold the storages they saw first until then. It sees the threads the
+        syncs; on host memory its records hold the storages they saw first until then, unless their deleter reports
+        their free as it happens (the default CPU allocator's storages, with `track_frees`). It sees the threads the
         dispatch mode would see (`observe_thread`), unless `every_thread` (the default on cuda, where a global
         callback has always been what ran)."""
         self._capture = extension
@@ -261,7 +263,7 @@ class AccessTracker(TorchDispatchMode):
         self._feed = extension.Feed(core, self) if isinstance(core, extension.hb.Core) else None
         cuda = self.device_type == "cuda"
         extension.enable(cuda, self._capture_plan, self._handoff, self._drain_forced,
-                         cuda if every_thread is None else every_thread)
+                         cuda if every_thread is None else every_thread, host_frees=self.track_frees and not cuda)
 
     def observe_thread(self):
         """Capture this thread's ops from now on, where the capture does not see every thread: the undo (None when
