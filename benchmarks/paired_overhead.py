@@ -15,7 +15,9 @@ cuda model's stream and event callbacks need, cannot be undone in a process and 
 call into Python: the rounds before it (plain, the capture floor) and after it (plain again, the detector with its
 records applied by the C++ feed, and by the tracker's Python `_apply_captured`) are two tables, and the two plain
 rows say what the trace alone costs. "python-apply" rows force the Python path (the feed unset) on the same core;
-"python-trace" leaves every GPU trace callback in Python (no `TraceShortcut`).
+"python-trace" leaves every GPU trace callback in Python (no `TraceShortcut`); "in-place trace" takes the trace's
+frees and ignored events in C functions put in the registries' place, which torch's Python interpreter still calls
+(where the trace's own C++ interpreter does not build).
 """
 
 from __future__ import annotations
@@ -98,6 +100,15 @@ def main() -> None:
             yield d
 
     @contextlib.contextmanager
+    def in_place_trace():  # the cuda detector with C functions in the registries, not the trace's C++ interpreter
+        from unittest import mock
+
+        from pytest_streamrace.detector import capture
+
+        with mock.patch.object(capture, "load_trace", lambda: None), Detector(backend="cuda") as d:
+            yield d
+
+    @contextlib.contextmanager
     def capture_floor():  # the C++ capture alone: records drained raw after each round, nothing judged
         from pytest_streamrace.detector import capture
         from pytest_streamrace.detector.hb import HappensBefore
@@ -116,7 +127,7 @@ def main() -> None:
     if cuda:  # the GPU trace, once on, stays on: the rounds without it first
         tables = [{"plain": contextlib.nullcontext, "capture-floor": capture_floor},
                   {"plain (trace on)": contextlib.nullcontext, "cuda": detector, "cuda python-apply": python_apply,
-                   "cuda python-trace": python_trace}]
+                   "cuda in-place trace": in_place_trace, "cuda python-trace": python_trace}]
     else:
         tables = [{"plain": contextlib.nullcontext, "empty-mode": Empty, "virtual": detector,
                    "virtual python-apply": python_apply}]

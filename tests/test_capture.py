@@ -315,66 +315,159 @@ def test_a_host_sync_inside_an_op_lands_right_after_that_op(extension, stream):
     assert learnt == [(f"streamrace_tests::read_back_{stream}", stream)]
 
 
-def _shortcut(fast, fallback=None):
-    """The cuda model's shortcut for the allocator's frees, on a registry of its own (torch's GPU trace looks up
-    `fire_callbacks` and calls it per event, as the tests below do)."""
+@contextlib.contextmanager
+def free_shortcut(extension, how: str, fallback=None, busy=None):
+    """(registry, fire) of the cuda model's shortcut for the allocator's frees, installed while inside. "in place": a C
+    function as a registry's ``fire_callbacks``, which torch's Python interpreter calls per event (`fire` does); the
+    registry is one of the test's own. "interpreter": the GPU trace's own interpreter (``gpu_trace.cpp``) on torch's
+    trace registry, `fire` calling it as torch's CUDA code does. `busy`: a callback registered before."""
+    from torch._utils import CallbackRegistry
+
+    from pytest_streamrace.detector.models.cuda import NativeTrace, TraceShortcut, _in_place, _routed
+
+    if how == "in place":
+        registry = CallbackRegistry("test frees")
+        patches, fire = [TraceShortcut(registry, _in_place(registry, extension.traced_free), fallback)], None
+    else:
+        native = capture.load_trace()
+        if native is None:
+            pytest.skip(f"the GPU trace's interpreter does not build here: {capture.trace_failure()}")
+        import torch.cuda._gpu_trace as trace
+
+        torch._C._activate_gpu_trace()  # for good in this process: on CPU no CUDA code reports to it
+        registry = trace.MemoryDeallocationCallbacks
+        assert not registry.callback_list
+        patches = [NativeTrace(native, extension.free_from_trace),
+                   TraceShortcut(registry, _routed(native, "free"), fallback)]
+        fire = lambda ptr: native.emit("free", [ptr])  # noqa: E731
+    if busy is not None:
+        registry.add_callback(busy)
+    for patch in patches:
+        patch.install()
+    try:
+        yield registry, fire or (lambda ptr: registry.fire_callbacks(ptr))
+    finally:
+        for patch in reversed(patches):
+            patch.uninstall()
+        if busy is not None:
+            registry.callback_list.remove(busy)
+
+
+@pytest.mark.parametrize("how", ["in place", "interpreter"])
+@pytest.mark.parametrize("waited", [False, True])
+def test_a_traced_free_lands_between_the_captured_ops_it_came_between(extension, waited, how):
+    """A free the allocator reports (through the shortcut, no Python frame) is judged where it happened: the side
+    stream's read not ordered before it races with the next allocation on the block's stream, unless it waited."""
+    with free_shortcut(extension, how) as (_, fire), capturing(extension) as (hb, tracker):
+        hb.add_stream(7, "side")
+        t = torch.ones(4)
+        tracker.drain()
+        hb.wait_stream(7, 0)  # the side stream reads it properly
+        tracker.run("side_read", 7, reads=[t])
+        if waited:
+            hb.wait_stream(0, 7)
+        torch.ones(2).add_(1)  # captured, not yet applied: the free lands after it, before the next one
+        fire(t.untyped_storage().data_ptr())
+        torch.zeros(8)  # the block's stream allocates again
+        tracker.drain()
+        assert t.untyped_storage().data_ptr() not in tracker.watched
+    assert [r.kind for r in hb.races] == ([] if waited else ["free-while-in-use"]), hb.races
+
+
+@pytest.mark.parametrize("how", ["in place", "interpreter"])
+def test_a_trace_shortcut_gives_way_to_other_listeners(extension, how):
+    """Someone registering on the registry gets the events back in Python, the model's own callback first; uninstall
+    leaves the registry (and the trace) as it found it, their callback included."""
+    seen = []
+    theirs = lambda ptr: seen.append(("theirs", ptr))  # noqa: E731
+    with free_shortcut(extension, how, fallback=lambda ptr: seen.append(("model", ptr))) as (registry, fire):
+        fire(4)  # taken without Python: no callback runs
+        assert seen == []
+        registry.add_callback(theirs)
+        fire(5)
+        assert seen == [("model", 5), ("theirs", 5)]
+    try:
+        fire(6)
+        assert seen[2:] == [("theirs", 6)]
+        assert "fire_callbacks" not in vars(registry) and "add_callback" not in vars(registry)
+        if how == "interpreter":
+            assert not capture.load_trace().installed()
+    finally:
+        registry.callback_list.remove(theirs)
+
+    seen.clear()
+
+    with free_shortcut(extension, how, fallback=lambda ptr: seen.append(("model", ptr)),
+                       busy=lambda ptr: seen.append(("first", ptr))) as (registry, fire):
+        fire(7)  # someone listened already: the usual way, the model's callback added after theirs
+        assert seen == [("first", 7), ("model", 7)]
+        assert "add_callback" not in vars(registry)
+
     from torch._utils import CallbackRegistry
 
     from pytest_streamrace.detector.models.cuda import TraceShortcut
 
-    return TraceShortcut(CallbackRegistry("test frees"), fast, fallback)
-
-
-@pytest.mark.parametrize("waited", [False, True])
-def test_a_traced_free_lands_between_the_captured_ops_it_came_between(extension, waited):
-    """A free the allocator reports (through the shortcut, no Python frame) is judged where it happened: the side
-    stream's read not ordered before it races with the next allocation on the block's stream, unless it waited."""
-    shortcut = _shortcut(extension.traced_free)
-    shortcut.install()
-    try:
-        with capturing(extension) as (hb, tracker):
-            hb.add_stream(7, "side")
-            t = torch.ones(4)
-            tracker.drain()
-            hb.wait_stream(7, 0)  # the side stream reads it properly
-            tracker.run("side_read", 7, reads=[t])
-            if waited:
-                hb.wait_stream(0, 7)
-            torch.ones(2).add_(1)  # captured, not yet applied: the free lands after it, before the next one
-            shortcut.registry.fire_callbacks(t.untyped_storage().data_ptr())
-            torch.zeros(8)  # the block's stream allocates again
-            tracker.drain()
-            assert t.untyped_storage().data_ptr() not in tracker.watched
-    finally:
-        shortcut.uninstall()
-    assert [r.kind for r in hb.races] == ([] if waited else ["free-while-in-use"]), hb.races
-
-
-def test_a_trace_shortcut_gives_way_to_other_listeners(extension):
-    """Someone registering on the registry puts torch's method back, with the model's own callback first; uninstall
-    leaves the registry as it found it, their callback included."""
-    seen = []
-    shortcut = _shortcut(extension.traced_free, fallback=lambda ptr: seen.append(("model", ptr)))
-    registry = shortcut.registry
-    shortcut.install()
-    assert registry.fire_callbacks is extension.traced_free
-    registry.add_callback(lambda ptr: seen.append(("theirs", ptr)))
-    registry.fire_callbacks(5)
-    assert seen == [("model", 5), ("theirs", 5)]
-    shortcut.uninstall()
-    registry.fire_callbacks(6)
-    assert seen[2:] == [("theirs", 6)] and "fire_callbacks" not in vars(registry)
-
-    busy = _shortcut(extension.traced_free, fallback=lambda ptr: seen.append(("model", ptr)))
-    busy.registry.add_callback(lambda ptr: seen.append(("first", ptr)))
-    busy.install()  # someone listens already: the usual way, the model's callback added
-    busy.registry.fire_callbacks(7)
-    busy.uninstall()
-    assert seen[3:] == [("first", 7), ("model", 7)] and busy.registry.callback_list and "add_callback" not in vars(
-        busy.registry)
-
-    unbuilt = _shortcut(None, fallback=lambda ptr: seen.append(ptr))
-    unbuilt.install()  # no C function: the model's callback the usual way
+    unbuilt = TraceShortcut(CallbackRegistry("test frees"), None, fallback=lambda ptr: seen.append(ptr))
+    unbuilt.install()  # no extension: the model's callback the usual way
     unbuilt.registry.fire_callbacks(8)
     unbuilt.uninstall()
-    assert seen[5:] == [8] and not unbuilt.registry.callback_list
+    assert seen[2:] == [8] and not unbuilt.registry.callback_list
+
+
+def test_the_trace_interpreter_hands_torch_every_event_it_does_not_take(extension):
+    """Only the kinds a shortcut took stay in C++; the rest reach torch's Python registries as they did, and after
+    uninstall every kind does again."""
+    import torch.cuda._gpu_trace as trace
+
+    from pytest_streamrace.detector.models.cuda import NativeTrace
+
+    native = capture.load_trace()
+    if native is None:
+        pytest.skip(f"the GPU trace's interpreter does not build here: {capture.trace_failure()}")
+    torch._C._activate_gpu_trace()
+    seen = []
+    listeners = [(trace.EventRecordCallbacks, lambda event, stream: seen.append(("record", event, stream))),
+                 (trace.MemoryAllocationCallbacks, lambda ptr: seen.append(("allocation", ptr))),
+                 (trace.StreamSynchronizationCallbacks, lambda stream: seen.append(("stream sync", stream)))]
+    for registry, listener in listeners:
+        registry.add_callback(listener)
+    patch = NativeTrace(native, extension.free_from_trace)
+    try:
+        patch.install()
+        assert native.installed()
+        native.route("allocation", True)
+        for event, args in [("event_record", [3, 9]), ("allocation", [64]), ("stream_synchronization", [9])]:
+            native.emit(event, args)
+        assert seen == [("record", 3, 9), ("stream sync", 9)]
+        patch.uninstall()
+        native.emit("allocation", [128])
+        assert seen[2:] == [("allocation", 128)] and not native.installed()
+    finally:
+        patch.uninstall()
+        for registry, listener in listeners:
+            registry.callback_list.remove(listener)
+
+
+def test_the_trace_interpreters_stubs_are_every_pure_virtual_but_the_traces():
+    header = """
+struct C10_API PyInterpreterVTable {
+  virtual ~PyInterpreterVTable() = default;
+
+  // Report the name of this interpreter
+  virtual std::string name() const = 0;
+  virtual void python_dispatcher(
+      const c10::OperatorHandle& op,
+      c10::DispatchKeySet,
+      torch::jit::Stack* stack) const = 0;  // a comment; with a semicolon
+  virtual void trace_gpu_event_creation(
+      c10::DeviceType device_type,
+      uintptr_t event) const = 0;
+};
+"""
+    stubs = capture.interpreter_stubs(header).splitlines()
+    assert stubs == [
+        '  std::string name() const override { unreachable("name"); }',
+        '  void python_dispatcher( const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) const '
+        'override { unreachable("python_dispatcher"); }']
+    with pytest.raises(RuntimeError, match="no PyInterpreterVTable methods"):
+        capture.interpreter_stubs("struct C10_API PyInterpreterVTable {\n};")

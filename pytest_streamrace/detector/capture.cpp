@@ -35,7 +35,8 @@ struct Stack {
 };
 
 // held (host memory only): the storage, first seen here, kept alive until drained (see `hold`)
-struct Span { int64_t storage, start, end; bool write; std::vector<int64_t> shape; c10::ScalarType dtype; int64_t nbytes;
+using Shape = c10::SmallVector<int64_t, 5>;  // inline: no allocation per access
+struct Span { int64_t storage, start, end; bool write; Shape shape; c10::ScalarType dtype; int64_t nbytes;
               c10::Storage held; };
 
 // "float", "long", ...: as a tensor's description names its dtype (hb.TensorInfo). Called with the GIL held.
@@ -71,6 +72,24 @@ struct Pending : at::ObserverContext {
 
 std::mutex mutex;  // records and plans
 std::vector<Record> records;
+std::vector<Record> spare;  // an emptied buffer of records kept for the next one: no regrowth per drain
+
+// The records so far, for a drain; `records` starts again on the spare buffer.
+std::vector<Record> take_records() {
+  std::vector<Record> taken;
+  std::lock_guard<std::mutex> guard(mutex);
+  taken.swap(records);
+  records.swap(spare);
+  return taken;
+}
+
+// A drained buffer back as the spare. Emptied first, outside the lock: a storage a record held may die and queue its
+// free.
+void give_back(std::vector<Record>& drained) {
+  drained.clear();
+  std::lock_guard<std::mutex> guard(mutex);
+  if (drained.capacity() > spare.capacity()) spare.swap(drained);
+}
 // keyed by the op's name, which lives in its schema; shared with the ops running one, as `enable` clears the map
 std::unordered_map<const char*, std::shared_ptr<const Plan>> plans;
 at::CallbackHandle handle = 0;
@@ -245,7 +264,7 @@ void add(Record& r, std::vector<Span>& out, const at::Tensor& t, bool write, boo
   else for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
   auto key = reinterpret_cast<int64_t>(t.storage().data());
   if (key == 0) return;
-  Span span{key, start, start + (last + 1) * size, write, t.sizes().vec(), t.scalar_type(),
+  Span span{key, start, start + (last + 1) * size, write, Shape(t.sizes().begin(), t.sizes().end()), t.scalar_type(),
             fresh ? (int64_t)t.storage().nbytes() : -1, {}};
   if (!cuda && !frees_reported(t)) hold(span, t);
   out.push_back(std::move(span));
@@ -556,6 +575,11 @@ PyObject* traced_free(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+// The same for gpu_trace.cpp's interpreter, which takes the allocator's frees in C++ (handed over as a capsule).
+void free_from_trace(int64_t ptr) {
+  if (on.load()) queue_free(ptr);
+}
+
 PyMethodDef traced_defs[] = {
     {"traced_nothing", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(traced_nothing)), METH_FASTCALL,
      "A GPU trace event nobody listens to."},
@@ -590,11 +614,8 @@ void watch_held(py::list& out, const std::vector<Span>& spans) {
 // stream or None, (args, kwargs) or None), or ("watch", ptr, storage) right after the op that first saw a storage (host
 // memory); a tensor is (storage, start, end, write, shape, dtype[, nbytes]).
 py::list drain() {
-  std::vector<Record> taken;
-  {
-    std::lock_guard<std::mutex> guard(mutex);
-    taken.swap(records);
-  }
+  std::vector<Record> taken = take_records();
+  struct GiveBack { std::vector<Record>& records; ~GiveBack() { give_back(records); } } later{taken};
   py::list out;
   for (auto& r : taken) {
     py::object stack = r.stack ? py::cast(r.stack) : py::object(py::none());
@@ -645,7 +666,7 @@ struct Site : NativePayload {
 
 // An access's tensor: (shape, dtype, name or None), as tracker._accesses describes it.
 struct Tensor : NativePayload {
-  std::vector<int64_t> shape;
+  Shape shape;
   c10::ScalarType dtype;
   py::object name;
   py::object to_python() override {
@@ -757,11 +778,7 @@ class Feed {
     engine_records_streams_ = engine_records_streams;
     py::object first = py::none();
     for (;;) {
-      std::vector<Record> taken;
-      {
-        std::lock_guard<std::mutex> guard(mutex);
-        taken.swap(records);
-      }
+      std::vector<Record> taken = take_records();
       if (taken.empty()) break;
       for (auto& r : taken) {
         if (name_first && !r.free) {
@@ -774,7 +791,7 @@ class Feed {
           for (const Span& span : r.fresh) watch(span);
         });
       }
-      taken.clear();  // the storages they held (host memory): frees that follow are queued now
+      give_back(taken);  // the storages they held (host memory): frees that follow are queued now
       if (!track_frees_) break;
     }
     streams_ = py::none();
@@ -955,6 +972,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   for (auto& def : traced_defs)
     m.attr(def.ml_name) = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.attr("__name__").ptr()));
+  m.attr("free_from_trace") = py::capsule(reinterpret_cast<void*>(&free_from_trace), "streamrace.free_from_trace");
   py::class_<feed::Feed>(m, "Feed")
       .def(py::init<py::object, py::object>(), py::arg("core"), py::arg("tracker"))
       .def("apply", &feed::Feed::apply, py::arg("streams"), py::arg("engine_records_streams"), py::arg("name_first"))

@@ -45,21 +45,9 @@ def load():
             _failure = f"{env.NATIVE}=0"
             return None
         try:
-            _ninja_on_path()
-            # NDEBUG: torch's headers give RecordFunction debug-only members otherwise, and its layout would not
-            # match the release build of torch.
-            import torch
-            from torch.utils.cpp_extension import load_inline
-
-            # one build per torch version (compiled against its headers and ABI) and per source: checkouts with other
-            # sources share the extensions folder without rebuilding each other's
-            code = sources()
-            digest = hashlib.sha1("\0".join(code).encode()).hexdigest()[:10]
-            name = f"streamrace_capture_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{digest}"
-            _extension = load_inline(name, code, extra_cflags=["-O2", "-DNDEBUG"],
-                                     build_directory=_build_directory(name, torch))
+            _extension = _build("streamrace_capture", sources())
         except Exception as exc:  # a failed build must leave the slower dispatch mode working, and say why
-            _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+            _failure = _why(exc)
             import warnings
 
             try:
@@ -69,6 +57,75 @@ def load():
             except Warning:  # warnings made errors (-W error): the fallback must still run, every backend loads this
                 pass
     return _extension
+
+
+_trace = None
+_trace_failure: str | None = None
+
+
+def load_trace():
+    """The GPU trace's interpreter in C++ (``gpu_trace.cpp``), or None with `trace_failure()` saying why. Built apart
+    from the capture: its stubs are generated from torch's header, and a torch whose header they do not fit must still
+    get the capture (the cuda model then keeps the trace's Python shortcut)."""
+    global _trace, _trace_failure
+    if _trace is None and _trace_failure is None:
+        if load() is None:
+            _trace_failure = "the capture did not build"
+            return None
+        try:
+            from torch.utils.cpp_extension import include_paths
+
+            header = os.path.join(include_paths()[0], "c10", "core", "impl", "PyInterpreter.h")
+            with open(header, encoding="utf-8") as f:
+                stubs = interpreter_stubs(f.read())
+            code = importlib.resources.files(__package__).joinpath("gpu_trace.cpp").read_text(encoding="utf-8")
+            _trace = _build("streamrace_trace", [code.replace("// STUBS", stubs)])
+        except Exception as exc:
+            _trace_failure = _why(exc)
+    return _trace
+
+
+def trace_failure() -> str | None:
+    return _trace_failure
+
+
+_VIRTUAL = re.compile(r"virtual (?P<returns>.+?)\b(?P<name>\w+)\((?P<params>.*)\) const = 0")
+
+
+def interpreter_stubs(header: str) -> str:
+    """Overrides of ``PyInterpreterVTable``'s pure virtual methods other than the GPU trace's, read from torch's
+    header (their set changes between versions): each throws, as the trace's interpreter is asked only for those."""
+    start = header.index("struct C10_API PyInterpreterVTable")
+    body = header[header.index("{", start) + 1:header.index("\n};", start)]
+    body = re.sub(r"//[^\n]*", "", body)
+    stubs = []
+    for declaration in body.split(";"):
+        found = _VIRTUAL.fullmatch(" ".join(declaration.split()))
+        if found is not None and not found["name"].startswith("trace_gpu_"):
+            stubs.append(f'  {found["returns"]}{found["name"]}({found["params"]}) const override '
+                         f'{{ unreachable("{found["name"]}"); }}')
+    if not stubs:
+        raise RuntimeError("no PyInterpreterVTable methods found in torch's header")
+    return "\n".join(stubs)
+
+
+def _build(prefix: str, code: list[str]):
+    """One build per torch version (compiled against its headers and ABI) and per source: checkouts with other sources
+    share the extensions folder without rebuilding each other's."""
+    _ninja_on_path()
+    # NDEBUG: torch's headers give RecordFunction debug-only members otherwise, and its layout would not match the
+    # release build of torch.
+    import torch
+    from torch.utils.cpp_extension import load_inline
+
+    digest = hashlib.sha1("\0".join(code).encode()).hexdigest()[:10]
+    name = f"{prefix}_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{digest}"
+    return load_inline(name, code, extra_cflags=["-O2", "-DNDEBUG"], build_directory=_build_directory(name, torch))
+
+
+def _why(exc: Exception) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[-1] if text else ''}"
 
 
 def _build_directory(name: str, torch) -> str:

@@ -103,11 +103,13 @@ class RaceChecks:
             raise pytest.UsageError(f"streamrace: {exc}") from None
         self.tally = tally.Tally(self.policy)
         self.children.latent, self.children.incidental = self.policy.latent != "off", self.policy.incidental
-        # build (or load) the C++ extension once, before any test's clock starts: the op capture and the
-        # happens-before core (both backends)
+        # build (or load) the C++ extensions once, before any test's clock starts: the op capture and the
+        # happens-before core (both backends), the GPU trace's interpreter (cuda)
         from ..detector import capture
 
         capture.load()
+        if self.backend == "cuda":
+            capture.load_trace()
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item):

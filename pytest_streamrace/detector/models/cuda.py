@@ -163,19 +163,25 @@ class CudaStreams:
                                                             lambda stream: self._stream_sync(stream.cuda_stream)))]
 
     def _shortcuts(self) -> list:
-        """The allocator's frees (`_dealloc`) and the trace events the model ignores, without a Python frame where
-        the capture's extension is built (`TraceShortcut`)."""
+        """The allocator's frees (`_dealloc`) and the trace events the model ignores, without Python where the
+        capture's extension is built (`TraceShortcut`): taken in C++ by the trace's own interpreter (``gpu_trace.cpp``)
+        where it builds, else by C functions in place of the registries' Python method."""
         import torch.cuda._gpu_trace as trace
 
         from .. import capture
 
         extension = capture.load()  # None where it does not build: the frees reach `_dealloc` then
-        fast = extension.traced_free if extension is not None else None
-        nothing = extension.traced_nothing if extension is not None else None
-        return [TraceShortcut(trace.MemoryDeallocationCallbacks, fast, self._dealloc),
-                TraceShortcut(trace.MemoryAllocationCallbacks, nothing),
-                TraceShortcut(trace.EventCreationCallbacks, nothing),
-                TraceShortcut(trace.EventDeletionCallbacks, nothing)]
+        native = capture.load_trace()
+        kinds = [(trace.MemoryDeallocationCallbacks, "free", self._dealloc),
+                 (trace.MemoryAllocationCallbacks, "allocation", None),
+                 (trace.EventCreationCallbacks, "event_creation", None),
+                 (trace.EventDeletionCallbacks, "event_deletion", None)]
+        if native is not None:
+            return [NativeTrace(native, extension.free_from_trace),
+                    *(TraceShortcut(registry, _routed(native, kind), fallback) for registry, kind, fallback in kinds)]
+        return [TraceShortcut(registry, _in_place(registry, None if extension is None else (
+            extension.traced_free if kind == "free" else extension.traced_nothing)), fallback)
+                for registry, kind, fallback in kinds]
 
     def _explicit_patches(self) -> list:
         """The explicit sync APIs (``EXPLICIT``), each marking its sync callbacks as explicit."""
@@ -208,25 +214,63 @@ class CudaStreams:
         self._registered.clear()
 
 
-class TraceShortcut:
-    """A patch: a C function (the capture's; None: none built) in place of a GPU trace registry's ``fire_callbacks``.
+class NativeTrace:
+    """A patch: the GPU trace's interpreter is ``gpu_trace.cpp``'s while installed (it must come after the trace is
+    activated). It hands torch's Python interpreter every event no `TraceShortcut` takes."""
 
-    Once the trace is on, torch looks that attribute up and calls it for every caching-allocator allocation and free
-    and every event created or destroyed, even with no callback registered, and the method's loop is a Python frame
-    per call (about a hundred a launch-bound step). The shortcut goes in only while nobody else listens to
-    the registry, else `fallback` (the model's own Python callback, where it needs the events) is registered; one who
-    registers later (``add_callback``) puts the method back, with `fallback` registered before them.
-    """
-
-    def __init__(self, registry, fast, fallback=None):
-        self.registry, self.fast, self.fallback = registry, fast, fallback
-        self._fallback_added = False
+    def __init__(self, native, free_from_trace):
+        self.native, self.free_from_trace = native, free_from_trace
 
     def install(self) -> None:
-        if self.fast is None or self.registry.callback_list or "fire_callbacks" in vars(self.registry):
+        self.native.install(self.free_from_trace)
+
+    def uninstall(self) -> None:
+        self.native.uninstall()
+
+
+def _routed(native, kind: str):
+    """A `TraceShortcut`'s take: the trace's C++ interpreter keeps `kind`'s events (`NativeTrace`)."""
+    return lambda taken: native.route(kind, taken)
+
+
+def _in_place(registry, fast):
+    """A `TraceShortcut`'s take: the C function `fast` in place of the registry's ``fire_callbacks`` (torch's Python
+    interpreter looks that attribute up per event). None where there is no C function."""
+    if fast is None:
+        return None
+
+    def take(taken: bool) -> None:
+        own = vars(registry)
+        if taken:
+            own["fire_callbacks"] = fast
+        elif own.get("fire_callbacks") is fast:
+            del own["fire_callbacks"]
+    return take
+
+
+class TraceShortcut:
+    """A patch: the events of one GPU trace registry kept out of Python (`take(True)`, given back with `take(False)`;
+    `take` None: no extension built).
+
+    Once the trace is on, torch reports every caching-allocator allocation and free and every event created or
+    destroyed through its Python interpreter, even with no callback registered, and the registry's ``fire_callbacks``
+    loop is a Python frame per call (about a hundred a launch-bound step). The shortcut is taken only while nobody else
+    listens to the registry, else `fallback` (the model's own Python callback, where it needs the events) is
+    registered; one who registers later (``add_callback``) gets the events back, with `fallback` registered before
+    them.
+    """
+
+    def __init__(self, registry, take, fallback=None):
+        self.registry, self.take, self.fallback = registry, take, fallback
+        self._taken = self._fallback_added = False
+
+    def install(self) -> None:
+        if self.take is None or self.registry.callback_list or "fire_callbacks" in vars(self.registry):
             self._add_fallback()
             return
-        vars(self.registry).update(fire_callbacks=self.fast, add_callback=self._add_callback)
+        self.take(True)
+        self._taken = True
+        vars(self.registry)["add_callback"] = self._add_callback
 
     def _add_callback(self, callback) -> None:
         self._remove_shortcut()
@@ -239,9 +283,10 @@ class TraceShortcut:
             self._fallback_added = True
 
     def _remove_shortcut(self) -> None:
+        if self._taken:
+            self.take(False)
+            self._taken = False
         own = vars(self.registry)
-        if "fire_callbacks" in own and own["fire_callbacks"] is self.fast:
-            del own["fire_callbacks"]
         if "add_callback" in own and own["add_callback"] == self._add_callback:
             del own["add_callback"]
 
