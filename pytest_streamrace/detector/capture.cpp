@@ -351,6 +351,23 @@ std::unique_ptr<at::ObserverContext> nodes_only() {
   return std::make_unique<Pending>();
 }
 
+// This thread's current stream as records key it: the CUDA stream's handle, or the virtual model's small int.
+int64_t current_stream() {
+  if (!cuda) return stream_now();
+  const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
+  return reinterpret_cast<int64_t>(impl->getStream(impl->getDevice()).native_handle());
+}
+
+// Whether an autograd node runs on this thread; if so the record takes its number and name (backward sites).
+bool in_node(Record& r) {
+  auto node = torch::autograd::get_current_node();
+  if (node == nullptr) return false;
+  r.in_node = true;
+  r.seq = static_cast<int64_t>(node->sequence_nr());
+  r.node = node->name();
+  return true;
+}
+
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (depth > 0 || paused || !on.load()) return nullptr;
   auto plan = plan_for(fn);
@@ -368,20 +385,8 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     Record& r = pending->record;
     r.op = fn.name();
     r.sync = plan->sync;
-    if (cuda) {
-      const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-      r.stream = reinterpret_cast<int64_t>(impl->getStream(impl->getDevice()).native_handle());
-    } else {
-      r.stream = stream_now();
-    }
-    auto node = torch::autograd::get_current_node();
-    r.in_node = node != nullptr;
-    if (node != nullptr) {
-      r.seq = static_cast<int64_t>(node->sequence_nr());
-      r.node = node->name();
-    } else {
-      r.seq = fn.seqNr();
-    }
+    r.stream = current_stream();
+    if (!in_node(r)) r.seq = fn.seqNr();
     auto inputs = fn.inputs();
     for (const auto& [index, write] : plan->args)
       if (index < inputs.size()) add_value(r, r.accesses, inputs[index], write, false);
@@ -414,6 +419,16 @@ void drain_now() {
   draining = false;
 }
 
+void push(Record&& r) {
+  bool full;
+  {
+    std::lock_guard<std::mutex> guard(mutex);
+    records.push_back(std::move(r));
+    full = records.size() >= kDrainEvery;
+  }
+  if (full) drain_now();
+}
+
 void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
   if (context == nullptr) return;
   auto* pending = static_cast<Pending*>(context);
@@ -431,13 +446,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
   if (plan->fresh)
     for (const auto& v : fn.outputs()) add_value(r, r.fresh, v, plan->writes_output, true);
   if (!cuda && r.touched == 0) return;  // no tensor of the modelled device: no launch, as under the dispatch mode
-  bool full;
-  {
-    std::lock_guard<std::mutex> guard(mutex);
-    records.push_back(std::move(r));
-    full = records.size() >= kDrainEvery;
-  }
-  if (full) drain_now();
+  push(std::move(r));
 }
 
 py::tuple shape_of(const Span& t) {
@@ -521,6 +530,25 @@ void set_recording(bool value) { paused = !value; }
 void set_stream(int64_t stream) {
   stream_here = stream;
   stream_generation = generation.load(std::memory_order_relaxed);
+}
+
+// A kernel the capture does not see as an op (compiled code's: Triton's, Inductor's C++ kernels), recorded in order
+// with the ops: it reads `reads` and writes `writes` on `stream` (None: this thread's current). The GIL is held (the
+// interned names rely on it). False when nothing is captured here (the tracker then runs it the slow way).
+bool record_launch(const std::string& name, std::optional<int64_t> stream, const std::vector<at::Tensor>& reads,
+                   const std::vector<at::Tensor>& writes) {
+  if (!on.load() || paused) return false;
+  static auto* names = new std::unordered_set<std::string>();  // a record's op name outlives it; never freed
+  Record r;
+  r.op = names->insert(name).first->c_str();
+  r.stream = stream ? *stream : current_stream();
+  in_node(r);
+  for (const auto& t : reads) add(r, r.accesses, t, false, false);
+  for (const auto& t : writes) add(r, r.accesses, t, true, false);
+  if (r.accesses.empty()) return true;
+  r.stack = stack_here();
+  push(std::move(r));
+  return true;
 }
 
 // The host waits for `stream` inside the op this thread is running (torch reports the sync from within the op, before
@@ -963,6 +991,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_recording", &set_recording);
   m.def("set_stream", &set_stream);
   m.def("sync_inside_op", &sync_inside_op);
+  m.def("record_launch", &record_launch, py::arg("name"), py::arg("stream"), py::arg("reads"), py::arg("writes"));
   m.def("mark_free", &mark_free, py::arg("ptr"), py::arg("stack") = true);
   m.def("drain", &drain);
   m.def("bind_nodes", &node_streams::start, py::arg("enter"), py::arg("leave"), py::arg("core"));

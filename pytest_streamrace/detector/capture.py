@@ -22,6 +22,9 @@ extension loader (a compiler is needed; about 20-40 s, cached). The same module 
 (``hb_core.cpp``, submodule ``hb``; ``hb_native``), and the capture feeds it without Python per op (``Feed``: the
 tracker's ``_apply_captured`` in C++, over the tracker's own tables; Python is entered for host syncs, races and
 notes, and on host memory to watch the storages first seen).
+
+``gpu_trace.cpp`` (``load_trace``, a module of its own) is the GPU trace's interpreter in C++ for the cuda model: it
+keeps the allocator's frees and the events nobody needs out of Python (``models.cuda.NativeTrace``).
 """
 
 from __future__ import annotations

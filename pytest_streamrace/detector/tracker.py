@@ -495,6 +495,16 @@ class AccessTracker(TorchDispatchMode):
             self._report(races)
             return op
 
+    def launch(self, name: str, stream: Hashable | None, reads=(), writes=()) -> None:
+        """A kernel launch that no op reports (compiled code's kernels) reading and writing the given tensors on
+        `stream` (None: the current one). Where the capture runs it is queued in order with the captured ops, without
+        Python: a compiled step launches dozens."""
+        capture = self._capture
+        if capture is not None and (stream is None or self.device_type == "cuda") and capture.record_launch(
+                name, stream, list(reads), list(writes)):
+            return
+        self.run(name, self.current_stream() if stream is None else stream, reads, writes)
+
     def _report(self, races: list[Race]) -> None:
         if races and self.on_race is not None:
             self.on_race(races)

@@ -148,7 +148,7 @@ class CompiledCode:
                     writes.append(arg)
         if reads or writes:
             try:
-                tracker.run(name, self.current() if stream is None else stream, reads, writes)
+                tracker.launch(name, stream, reads, writes)
             except Exception as exc:  # never inside the user's test
                 tracker.note(f"{name} is not checked: {type(exc).__name__}: {exc}")
 

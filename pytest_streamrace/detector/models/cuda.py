@@ -13,6 +13,8 @@ A stream or device sync callback is an explicit sync only while one of the expli
 patched to say so per thread, and ``Work.wait``, which the collectives model marks); any other — a read-back's copy, a
 data-dependent size — is an implicit one for the latent view (``hb``), named after the op that made it. A stream or
 event ``query()`` that returns True orders the host as explicitly, though no callback reports it (``_query_patches``).
+Allocations, frees and event creation and deletion, a hundred a launch-bound step, stay out of Python while nobody
+else listens to them (``TraceShortcut``; the trace's own interpreter in C++, ``NativeTrace``, where it builds).
 """
 
 from __future__ import annotations
