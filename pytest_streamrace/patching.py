@@ -41,6 +41,19 @@ class AttrPatch:
             setattr(self.obj, self.name, self._original)
 
 
+class CallPatch:
+    """A patch that is a pair of calls: `on()` installs, `off()` uninstalls (a mode entered, a C++ hook swapped in)."""
+
+    def __init__(self, on, off):
+        self.on, self.off = on, off
+
+    def install(self) -> None:
+        self.on()
+
+    def uninstall(self) -> None:
+        self.off()
+
+
 @contextlib.contextmanager
 def patched(obj, name: str, value):
     """``obj.name`` is `value` inside the block; the original attribute (or its absence) comes back after."""

@@ -323,7 +323,7 @@ def free_shortcut(extension, how: str, fallback=None, busy=None):
     trace registry, `fire` calling it as torch's CUDA code does. `busy`: a callback registered before."""
     from torch._utils import CallbackRegistry
 
-    from pytest_streamrace.detector.models.cuda import NativeTrace, TraceShortcut, _in_place, _routed
+    from pytest_streamrace.detector.models.cuda import TraceShortcut, _in_place, _routed, native_trace
 
     if how == "in place":
         registry = CallbackRegistry("test frees")
@@ -337,7 +337,7 @@ def free_shortcut(extension, how: str, fallback=None, busy=None):
         torch._C._activate_gpu_trace()  # for good in this process: on CPU no CUDA code reports to it
         registry = trace.MemoryDeallocationCallbacks
         assert not registry.callback_list
-        patches = [NativeTrace(native, extension.free_from_trace),
+        patches = [native_trace(native, extension.free_from_trace),
                    TraceShortcut(registry, _routed(native, "free"), fallback)]
         fire = lambda ptr: native.emit("free", [ptr])  # noqa: E731
     if busy is not None:
@@ -419,7 +419,7 @@ def test_the_trace_interpreter_hands_torch_every_event_it_does_not_take(extensio
     uninstall every kind does again."""
     import torch.cuda._gpu_trace as trace
 
-    from pytest_streamrace.detector.models.cuda import NativeTrace
+    from pytest_streamrace.detector.models.cuda import native_trace
 
     native = capture.load_trace()
     if native is None:
@@ -431,7 +431,7 @@ def test_the_trace_interpreter_hands_torch_every_event_it_does_not_take(extensio
                  (trace.StreamSynchronizationCallbacks, lambda stream: seen.append(("stream sync", stream)))]
     for registry, listener in listeners:
         registry.add_callback(listener)
-    patch = NativeTrace(native, extension.free_from_trace)
+    patch = native_trace(native, extension.free_from_trace)
     try:
         patch.install()
         assert native.installed()

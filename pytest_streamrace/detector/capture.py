@@ -24,7 +24,7 @@ tracker's ``_apply_captured`` in C++, over the tracker's own tables; Python is e
 notes, and on host memory to watch the storages first seen).
 
 ``gpu_trace.cpp`` (``load_trace``, a module of its own) is the GPU trace's interpreter in C++ for the cuda model: it
-keeps the allocator's frees and the events nobody needs out of Python (``models.cuda.NativeTrace``).
+keeps the allocator's frees and the events nobody needs out of Python (``models.cuda.native_trace``).
 """
 
 from __future__ import annotations

@@ -14,35 +14,10 @@ from __future__ import annotations
 
 from typing import Hashable
 
+from ..patching import CallPatch
 from . import active as _handle
 
 STREAM_MODELS = ("virtual", "cuda")  # what Detector(backend=...) selects
-
-
-class _Mode:
-    """A torch mode (dispatch or function) entered for the session."""
-
-    def __init__(self, mode):
-        self.mode = mode
-
-    def install(self) -> None:
-        self.mode.__enter__()
-
-    def uninstall(self) -> None:
-        self.mode.__exit__(None, None, None)
-
-
-class _Capture:
-    """The C++ capture feeding the tracker for the session (in place of the dispatch mode)."""
-
-    def __init__(self, tracker, extension):
-        self.tracker, self.extension = tracker, extension
-
-    def install(self) -> None:
-        self.tracker.capture_with(self.extension)
-
-    def uninstall(self) -> None:
-        self.tracker.stop_capture()
 
 
 def _core(trace: bool):
@@ -172,9 +147,9 @@ class Detector:
         `capture_failure` says why."""
         if extension is None:
             self.op_source = "dispatch mode"
-            return _Mode(self.tracker)
+            return CallPatch(self.tracker.__enter__, lambda: self.tracker.__exit__(None, None, None))
         self.op_source = "capture"
-        return _Capture(self.tracker, extension)
+        return CallPatch(lambda: self.tracker.capture_with(extension), self.tracker.stop_capture)
 
     def _current(self):
         return self.streams.current()

@@ -14,14 +14,14 @@ patched to say so per thread, and ``Work.wait``, which the collectives model mar
 data-dependent size — is an implicit one for the latent view (``hb``), named after the op that made it. A stream or
 event ``query()`` that returns True orders the host as explicitly, though no callback reports it (``_query_patches``).
 Allocations, frees and event creation and deletion, a hundred a launch-bound step, stay out of Python while nobody
-else listens to them (``TraceShortcut``; the trace's own interpreter in C++, ``NativeTrace``, where it builds).
+else listens to them (``TraceShortcut``; the trace's own interpreter in C++, ``native_trace``, where it builds).
 """
 
 from __future__ import annotations
 
 import torch
 
-from ...patching import AttrPatch
+from ...patching import AttrPatch, CallPatch
 from .. import compile_time
 from ..frames import created_at, stack
 from ..hb import Site
@@ -179,7 +179,7 @@ class CudaStreams:
                  (trace.EventCreationCallbacks, "event_creation", None),
                  (trace.EventDeletionCallbacks, "event_deletion", None)]
         if native is not None:
-            return [NativeTrace(native, extension.free_from_trace),
+            return [native_trace(native, extension.free_from_trace),
                     *(TraceShortcut(registry, _routed(native, kind), fallback) for registry, kind, fallback in kinds)]
         return [TraceShortcut(registry, _in_place(registry, None if extension is None else (
             extension.traced_free if kind == "free" else extension.traced_nothing)), fallback)
@@ -216,22 +216,14 @@ class CudaStreams:
         self._registered.clear()
 
 
-class NativeTrace:
+def native_trace(native, free_from_trace) -> CallPatch:
     """A patch: the GPU trace's interpreter is ``gpu_trace.cpp``'s while installed (it must come after the trace is
     activated). It hands torch's Python interpreter every event no `TraceShortcut` takes."""
-
-    def __init__(self, native, free_from_trace):
-        self.native, self.free_from_trace = native, free_from_trace
-
-    def install(self) -> None:
-        self.native.install(self.free_from_trace)
-
-    def uninstall(self) -> None:
-        self.native.uninstall()
+    return CallPatch(lambda: native.install(free_from_trace), native.uninstall)
 
 
 def _routed(native, kind: str):
-    """A `TraceShortcut`'s take: the trace's C++ interpreter keeps `kind`'s events (`NativeTrace`)."""
+    """A `TraceShortcut`'s take: the trace's C++ interpreter keeps `kind`'s events (`native_trace`)."""
     return lambda taken: native.route(kind, taken)
 
 
