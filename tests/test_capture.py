@@ -255,6 +255,24 @@ def test_work_recorded_by_hand_lands_after_the_captured_ops_before_it(extension)
     assert [r.kind for r in hb.races] == ["read-after-write"]  # the comm stream never waited on the add_
 
 
+def test_a_kernel_launch_no_op_reports_is_queued_in_order_with_the_captured_ops(extension):
+    """Compiled code's kernels (tracker.launch) go into the capture's buffer between the ops around them, on their
+    stream, with the user's line, without a drain."""
+    with capturing(extension) as (hb, tracker):
+        hb.add_stream(7, "side")
+        t = torch.ones(4)
+        tracker.drain()
+        t.mul_(2)  # captured, not applied yet
+        tracker.launch("triton_poi_fused_0", 7, reads=[t], writes=[t])  # LAUNCH
+        t.add_(1)  # no stream waits for the other: the kernel races with the op before it and the one after
+        tracker.drain()
+    assert [op.site.op for op in hb.timeline][-3:] == ["aten::mul_", "triton_poi_fused_0", "aten::add_"]
+    assert {(r.earlier.op.site.op, r.later.op.site.op) for r in hb.races} == {
+        ("aten::mul_", "triton_poi_fused_0"), ("triton_poi_fused_0", "aten::add_")}
+    kernel = next(r.earlier for r in hb.races if r.earlier.op.site.op == "triton_poi_fused_0")
+    assert kernel.op.site.frames[0][:2] == (__file__, line("LAUNCH"))
+
+
 def test_a_host_storage_reports_its_own_free_in_order_with_the_ops(extension):
     """On host memory a storage of the default CPU allocator gets the capture's deleter when first recorded: its free
     is queued as it happens, between the ops it came between, and nothing holds the storage until the next drain
