@@ -677,7 +677,7 @@ py::object* site_factory = nullptr;  // backward_sites.site_of: (op, stack or No
 
 // An op's site: named (a Python Site) only when a report or a trace reads it.
 struct Site : NativePayload {
-  std::string op;
+  const char* op;  // a schema's name or an interned launch name: lives as long as the process
   std::shared_ptr<Stack> stack;
   Payload forward;  // inside an autograd node: the site of the forward op that created it (may be empty)
   std::string node;  // inside an autograd node: its name
@@ -686,7 +686,7 @@ struct Site : NativePayload {
     if (!named) {
       py::object stack_object = stack ? py::cast(stack) : py::object(py::none());
       py::object node_name = node.empty() ? py::object(py::none()) : py::object(py::str(node));
-      named = (*site_factory)(op, stack_object, forward.to_python(), node_name);
+      named = (*site_factory)(py::str(op), stack_object, forward.to_python(), node_name);
     }
     return named;
   }
@@ -861,13 +861,13 @@ class Feed {
     return {id, key.ptr()};
   }
 
-  Payload site(const Record& r) {
+  Payload site(Record& r) {  // takes the record's node name
     auto* made = new Site();
     Payload payload = Payload::native(made);
     made->op = r.free ? "free" : r.op;
     made->stack = r.stack;
     if (r.in_node) {
-      made->node = r.node.empty() ? "a backward node" : r.node;
+      made->node = r.node.empty() ? std::string("a backward node") : std::move(r.node);
       made->forward = forward_.backward(r.seq);
     }
     return payload;
