@@ -129,6 +129,25 @@ def test_a_stack_seen_before_is_reused_only_for_the_same_frames(extension):
         [line("helper-line"), line("second-caller")]]
 
 
+def test_a_stack_ends_at_the_test_harness_where_naming_stops(extension):
+    """Frames beneath pytest's are never named (frames._user_only stops there), so the capture's identity of a stack
+    ends at the first harness frame: calls that differ only beneath it share a stack, named as before."""
+    namespace: dict = {}
+    harness_file = os.path.join(os.sep, "site-packages", "_pytest", "streamrace_test_runner.py")
+    exec(compile("def call(f, *args):\n    return f(*args)\n", harness_file, "exec"), namespace)
+    via_harness = namespace["call"]
+    with capturing(extension) as (hb, _):
+        x = torch.ones(4)
+        via_harness(_add_one, x)  # beneath-one
+        via_harness(_add_one, x)  # beneath-two
+        _add_one(x)  # no-harness
+    adds = [op.site.frames for op in hb.timeline if op.site.op == "aten::add_"]
+    helper = (__file__, line("helper-line"), "_add_one")
+    assert adds[:2] == [(helper,), (helper,)]
+    caller = (__file__, line("no-harness"), "test_a_stack_ends_at_the_test_harness_where_naming_stops")
+    assert adds[2][:2] == (helper, caller)
+
+
 def test_backward_ops_without_frames_of_their_own_name_the_forward_op_that_made_their_node(extension):
     """As on a GPU's engine threads: the backward runs where no line of the program is on the stack (a thread started
     on ``Tensor.backward`` itself). Its accesses name the node, the forward op and the line that created it."""

@@ -132,7 +132,31 @@ struct KnownStack { Frames frames; std::shared_ptr<Stack> stack; };
 auto* known_stacks = new std::unordered_map<size_t, KnownStack>();
 constexpr size_t kKnownStacks = 4096;
 
-// The calling thread's Python frames, innermost first, and their hash. The GIL is held.
+// Whether a code object is pytest's or pluggy's, as frames.py's `_kind` tells the test harness: no frame beneath it
+// is ever named (frames._user_only stops there), so a stack's identity ends with it and the walk need not go on
+// through the harness's thirty-odd frames. Cached per code object, which the cache keeps alive so that its address is
+// not reused; bounded. The GIL is held.
+bool harness(PyCodeObject* code) {
+  static auto* kinds = new std::unordered_map<PyCodeObject*, bool>();
+  auto found = kinds->find(code);
+  if (found != kinds->end()) return found->second;
+  if (kinds->size() >= 4096) {
+    for (auto& entry : *kinds) Py_DECREF(entry.first);
+    kinds->clear();
+  }
+  const char* file = PyUnicode_Check(code->co_filename) ? PyUnicode_AsUTF8(code->co_filename) : nullptr;
+  if (file == nullptr) PyErr_Clear();
+  std::string name = file != nullptr ? file : "";
+  bool is_harness = false;
+  for (const char* dir : {"/_pytest/", "/pluggy/", "\\_pytest\\", "\\pluggy\\"})
+    is_harness = is_harness || name.find(dir) != std::string::npos;
+  Py_INCREF(code);
+  kinds->emplace(code, is_harness);
+  return is_harness;
+}
+
+// The calling thread's Python frames, innermost first, down to the test harness's first, and their hash. The GIL is
+// held.
 size_t walk_frames(Frames& out) {
   out.clear();
   size_t hash = 0;
@@ -145,9 +169,14 @@ size_t walk_frames(Frames& out) {
 #else
     int lasti = frame->f_lasti;
 #endif
+    bool last = harness(code);
     Py_DECREF(code);
     out.emplace_back(code, lasti);
     hash = (hash ^ (reinterpret_cast<size_t>(code) + static_cast<size_t>(lasti))) * 1099511628211ULL;
+    if (last) {
+      Py_DECREF(frame);
+      break;
+    }
     PyFrameObject* back = PyFrame_GetBack(frame);  // a new reference
     Py_DECREF(frame);
     frame = back;
