@@ -619,22 +619,23 @@ void queue_free(int64_t ptr) {
 
 PyObject* traced_nothing(PyObject*, PyObject* const*, Py_ssize_t) { Py_RETURN_NONE; }
 
+// An allocator free reported through the trace, while a session captures: from gpu_trace.cpp's interpreter (handed
+// over as a capsule), or from torch's through `traced_free`.
+void free_from_trace(int64_t ptr) {
+  if (on.load()) queue_free(ptr);
+}
+
 PyObject* traced_free(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs < 1 || !on.load()) Py_RETURN_NONE;
+  if (nargs < 1) Py_RETURN_NONE;
   long long ptr = PyLong_AsLongLong(args[0]);
   if (ptr == -1 && PyErr_Occurred()) return nullptr;  // torch logs it: its trace passes an int, so never here
   try {
-    queue_free(ptr);
+    free_from_trace(ptr);
   } catch (const std::exception& error) {
     PyErr_SetString(PyExc_RuntimeError, error.what());
     return nullptr;
   }
   Py_RETURN_NONE;
-}
-
-// The same for gpu_trace.cpp's interpreter, which takes the allocator's frees in C++ (handed over as a capsule).
-void free_from_trace(int64_t ptr) {
-  if (on.load()) queue_free(ptr);
 }
 
 PyMethodDef traced_defs[] = {
