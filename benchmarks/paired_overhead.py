@@ -10,14 +10,21 @@ over rounds of each round's ratio to the plain round next to it.
 
     python benchmarks/paired_overhead.py --backend cuda   # on a GPU
 
-The cuda backend, paired the same way (wall time, synchronized per round). Activating torch's GPU trace, which the
-cuda model's stream and event callbacks need, cannot be undone in a process and costs every allocation and free a
-call into Python: the rounds before it (plain, the capture floor) and after it (plain again, the detector with its
-records applied by the C++ feed, and by the tracker's Python `_apply_captured`) are two tables, and the two plain
-rows say what the trace alone costs. "python-apply" rows force the Python path (the feed unset) on the same core;
+The cuda backend, paired the same way (wall time, synchronized per round). torch's GPU trace, which the cuda model's
+stream and event callbacks need, cannot be switched off once on; between sessions the model leaves its own C++
+interpreter there with the events nobody listens to kept out of Python (``models.cuda``), so the plain rounds after
+the first session run as plain (where that interpreter does not build, they pay torch's: about 1.2x on an H200, and
+"cuda" is then against a plain step slowed by it). "python-apply" rows force the Python path (the feed unset) on the
+same core;
 "python-trace" leaves every GPU trace callback in Python (no `TraceShortcut`); "in-place trace" takes the trace's
 frees and ignored events in C functions put in the registries' place, which torch's Python interpreter still calls
 (where the trace's own C++ interpreter does not build).
+
+    python benchmarks/paired_overhead.py --model larger   # the larger MLP (4x2048, batch 256)
+
+"RecordFunction" rows are torch's own floor under any capture built on it: an empty global callback (built here, with
+torch's C++ extension loader), without arguments and with them boxed (as the capture asks). The capture floor's
+distance from the boxed row is the capture's own per-op work.
 """
 
 from __future__ import annotations
@@ -27,17 +34,36 @@ import statistics
 import time
 
 
-def launch_bound_step(device: str):
-    """One training step of the launch-bound MLP (8x64, batch 8) on `device`: many small ops, little math."""
+MODELS = {"launch-bound": (64, 8, 8), "larger": (2048, 4, 256)}  # width, depth, batch: overhead.py's rows
+
+EMPTY_CALLBACK = r"""
+#include <torch/extension.h>
+#include <ATen/record_function.h>
+namespace {
+std::unique_ptr<at::ObserverContext> start(const at::RecordFunction&) { return nullptr; }
+void end(const at::RecordFunction&, at::ObserverContext*) {}
+}
+uint64_t add_callback(bool boxed) {
+  return at::addGlobalCallback(at::RecordFunctionCallback(start, end).needsInputs(boxed).needsOutputs(boxed)
+      .scopes({at::RecordScope::FUNCTION}));
+}
+void remove_callback(uint64_t handle) { at::removeCallback(handle); }
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("add", &add_callback); m.def("remove", &remove_callback); }
+"""
+
+
+def launch_bound_step(device: str, model: str = "launch-bound"):
+    """One training step of an MLP on `device` (the launch-bound one: many small ops, little math)."""
     import torch
 
+    width, depth, batch = MODELS[model]
     torch.manual_seed(0)
     layers = []
-    for _ in range(8):
-        layers += [torch.nn.Linear(64, 64), torch.nn.ReLU()]
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     model = torch.nn.Sequential(*layers).to(device)
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    x = torch.randn(8, 64, device=device)
+    x = torch.randn(batch, width, device=device)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -51,6 +77,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--backend", choices=("virtual", "cuda"), default="virtual")
+    parser.add_argument("--model", choices=tuple(MODELS), default="launch-bound")
     args = parser.parse_args()
     cuda = args.backend == "cuda"
 
@@ -64,7 +91,7 @@ def main() -> None:
             return func(*args, **(kwargs or {}))
 
     device = "cuda" if cuda else "cpu"
-    step = launch_bound_step(device)
+    step = launch_bound_step(device, args.model)
 
     def timed(context):
         with context() as detector:
@@ -123,16 +150,33 @@ def main() -> None:
             extension.drain()
             extension.disable()
 
+    from torch.utils.cpp_extension import load_inline
+
+    empty = load_inline("streamrace_bench_empty_callback", EMPTY_CALLBACK)
+
+    def record_function(boxed):  # torch's floor: an empty global callback, arguments boxed or not
+        @contextlib.contextmanager
+        def context():
+            handle = empty.add(boxed)
+            try:
+                yield None
+            finally:
+                empty.remove(handle)
+        return context
+
     detector = lambda: Detector(backend=args.backend)  # noqa: E731
-    if cuda:  # the GPU trace, once on, stays on: the rounds without it first
-        tables = [{"plain": contextlib.nullcontext, "capture-floor": capture_floor},
-                  {"plain (trace on)": contextlib.nullcontext, "cuda": detector, "cuda python-apply": python_apply,
-                   "cuda in-place trace": in_place_trace, "cuda python-trace": python_trace}]
+    if cuda:  # the round's last session leaves the trace as the detector does, for the next round's plain
+        tables = [{"plain": contextlib.nullcontext, "RecordFunction": record_function(False),
+                   "RecordFunction boxed": record_function(True), "capture-floor": capture_floor,
+                   "cuda python-trace": python_trace, "cuda in-place trace": in_place_trace,
+                   "cuda python-apply": python_apply, "cuda": detector}]
     else:
-        tables = [{"plain": contextlib.nullcontext, "empty-mode": Empty, "virtual": detector,
+        tables = [{"plain": contextlib.nullcontext, "empty-mode": Empty, "RecordFunction": record_function(False),
+                   "RecordFunction boxed": record_function(True), "capture-floor": capture_floor, "virtual": detector,
                    "virtual python-apply": python_apply}]
     where = torch.cuda.get_device_name(0) if cuda else "CPU"
-    print(f"torch {torch.__version__} on {where}; launch-bound MLP (8x64, batch 8); {args.rounds} rounds of "
+    width, depth, batch = MODELS[args.model]
+    print(f"torch {torch.__version__} on {where}; {args.model} MLP ({depth}x{width}, batch {batch}); {args.rounds} rounds of "
           f"{args.steps} steps; ratios: median over rounds of each round against the plain round beside it")
     for configs in tables:
         times = {name: [] for name in configs}

@@ -427,8 +427,6 @@ def test_a_trace_shortcut_gives_way_to_other_listeners(extension, how):
         fire(6)
         assert seen[2:] == [("theirs", 6)]
         assert "fire_callbacks" not in vars(registry) and "add_callback" not in vars(registry)
-        if how == "interpreter":
-            assert not capture.load_trace().installed()
     finally:
         registry.callback_list.remove(theirs)
 
@@ -452,8 +450,8 @@ def test_a_trace_shortcut_gives_way_to_other_listeners(extension, how):
 
 
 def test_the_trace_interpreter_hands_torch_every_event_it_does_not_take(extension):
-    """Only the kinds a shortcut took stay in C++; the rest reach torch's Python registries as they did, and after
-    uninstall every kind does again."""
+    """Only the kinds a shortcut took stay in C++; the rest reach torch's Python registries as they did, during the
+    session and after it (the interpreter stays in the trace, which torch cannot switch off)."""
     import torch.cuda._gpu_trace as trace
 
     from pytest_streamrace.detector.models.cuda import native_trace
@@ -477,12 +475,75 @@ def test_the_trace_interpreter_hands_torch_every_event_it_does_not_take(extensio
             native.emit(event, args)
         assert seen == [("record", 3, 9), ("stream sync", 9)]
         patch.uninstall()
-        native.emit("allocation", [128])
-        assert seen[2:] == [("allocation", 128)] and not native.installed()
+        native.route("allocation", False)
+        for event, args in [("event_record", [4, 9]), ("allocation", [128])]:
+            native.emit(event, args)
+        assert seen[2:] == [("record", 4, 9), ("allocation", 128)] and native.installed()
     finally:
         patch.uninstall()
+        native.route("allocation", False)
         for registry, listener in listeners:
             registry.callback_list.remove(listener)
+
+
+def test_between_sessions_the_trace_keeps_out_of_python_what_nobody_listens_to(extension, monkeypatch):
+    """torch's trace stays on after a session. A shortcut nobody displaced stays taken (no call into torch's Python
+    interpreter per allocation); whoever registers later (torch's sanitizer, say) gets the events; the next session
+    takes the shortcut over, or gives it back to one who listens without registering."""
+    import torch.cuda._gpu_trace as trace
+
+    from pytest_streamrace.detector.models.cuda import TraceShortcut, _routed, native_trace
+
+    native = capture.load_trace()
+    if native is None:
+        pytest.skip(f"the GPU trace's interpreter does not build here: {capture.trace_failure()}")
+    torch._C._activate_gpu_trace()
+    registry = trace.MemoryAllocationCallbacks
+    assert not registry.callback_list
+    fired = []  # what torch's Python interpreter hands the registry (it looks the method up per event)
+    fire = type(registry).fire_callbacks
+
+    def counted(self, *args):
+        if self is registry:
+            fired.append(args)
+        fire(self, *args)
+    monkeypatch.setattr(type(registry), "fire_callbacks", counted)
+
+    def session():
+        return [native_trace(native, extension.free_from_trace), TraceShortcut(registry, _routed(native, "allocation"))]
+
+    def run(patches, *then):
+        for patch in patches:
+            patch.install()
+        for patch in reversed(patches):
+            patch.uninstall()
+        for step in then:
+            step()
+
+    try:
+        run(session())
+        native.emit("allocation", [64])
+        assert fired == [] and native.installed()
+        run(session())  # taken over, then left again
+        native.emit("allocation", [65])
+        assert fired == []
+        seen = []
+        registry.add_callback(lambda ptr: seen.append(ptr))  # someone listens: back to Python
+        native.emit("allocation", [66])
+        assert seen == [66] and fired == [(66,)] and "add_callback" not in vars(registry)
+        registry.callback_list.clear()
+        fired.clear()
+        run(session())  # nobody listens again: a new session takes it, and leaves it taken
+        native.emit("allocation", [67])
+        assert fired == []
+        registry.callback_list.append(lambda ptr: seen.append(ptr))  # listening without add_callback
+        run(session())  # the next session gives it back instead of taking it over
+        native.emit("allocation", [68])
+        assert fired == [(68,)] and seen == [66, 68]
+    finally:
+        vars(registry).pop("add_callback", None)
+        native.route("allocation", False)
+        registry.callback_list.clear()
 
 
 def test_the_trace_interpreters_stubs_are_every_pure_virtual_but_the_traces():

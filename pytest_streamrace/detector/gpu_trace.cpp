@@ -8,6 +8,12 @@
 // kinds above, takes it in C++ (`route(kind, True)`): a free goes to the capture's queue, in order with the ops; the
 // rest is dropped. Stream, event and device synchronizations always go to torch's.
 //
+// The trace cannot be switched off again once on, and torch's interpreter would cost every allocation and free that
+// trip through Python for the rest of the process: 1.2x on a launch-bound step after the first session (paired on an
+// H200, docs/performance.md). So the interpreter stays in the trace between sessions (`uninstall` only stops the
+// frees reaching the capture); the model keeps there only the kinds nobody listens to, and gives a kind back to
+// torch's interpreter when someone registers for it (``models.cuda.native_trace``).
+//
 // PyInterpreterVTable's pure virtual methods differ between torch versions. Only the trace methods are ever called on
 // the trace's interpreter; the others are generated from the installed header (capture.load_trace, at `STUBS`) and
 // throw if called.
@@ -29,7 +35,7 @@ using namespace c10::impl;
 enum Kind { kAllocation, kFree, kEventCreation, kEventDeletion, kKinds };
 std::atomic<bool> in_cpp[kKinds];  // taken here rather than handed to torch's interpreter
 std::atomic<const PyInterpreter*> torch_trace{nullptr};  // what the trace held before `install`
-void (*on_free)(int64_t) = nullptr;  // the capture's (a capsule): queues the free in order with the ops
+std::atomic<void (*)(int64_t)> on_free{nullptr};  // the capture's (a capsule), in a session: queues the free in order
 
 [[noreturn]] void unreachable(const char* method) {
   throw std::logic_error(std::string("streamrace: the GPU trace's interpreter has no ") + method);
@@ -51,7 +57,8 @@ struct TraceVTable final : PyInterpreterVTable {
   void trace_gpu_memory_deallocation(DeviceType device, uintptr_t ptr) const override {
     if (!here(kFree)) return original().trace_gpu_memory_deallocation(device, ptr);
     try {  // inside the allocator: nothing may escape
-      if (on_free != nullptr) on_free(static_cast<int64_t>(ptr));
+      auto free = on_free.load(std::memory_order_acquire);
+      if (free != nullptr) free(static_cast<int64_t>(ptr));
     } catch (...) {
     }
   }
@@ -81,23 +88,19 @@ struct TraceVTable final : PyInterpreterVTable {
 const TraceVTable* vtable = new TraceVTable();
 const PyInterpreter* interpreter = new PyInterpreter(vtable);
 
-// Puts this interpreter in the trace (which must be on: torch._C._activate_gpu_trace). False when it is not on.
+// Puts this interpreter in the trace (which must be on: torch._C._activate_gpu_trace), the frees it takes going to
+// `free` from now on. False when the trace is not on.
 bool install(py::capsule free) {
-  on_free = reinterpret_cast<void (*)(int64_t)>(free.get_pointer<void>());
   const PyInterpreter* current = GPUTrace::get_trace();
   if (current == nullptr) return false;
   if (current != interpreter) torch_trace.store(current, std::memory_order_release);
+  on_free.store(reinterpret_cast<void (*)(int64_t)>(free.get_pointer<void>()), std::memory_order_release);
   GPUTrace::gpuTraceState.store(interpreter, std::memory_order_release);
   return true;
 }
 
-// torch's interpreter back in the trace, every event routed to it again.
-void uninstall() {
-  for (auto& kind : in_cpp) kind.store(false);
-  const PyInterpreter* mine = interpreter;
-  const PyInterpreter* before = torch_trace.load();
-  if (before != nullptr) GPUTrace::gpuTraceState.compare_exchange_strong(mine, before);
-}
+// The session is over: the frees it takes go nowhere. The interpreter stays, with the kinds routed as they are.
+void uninstall() { on_free.store(nullptr, std::memory_order_release); }
 
 bool installed() { return GPUTrace::get_trace() == interpreter; }
 

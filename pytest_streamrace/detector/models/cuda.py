@@ -14,7 +14,8 @@ patched to say so per thread, and ``Work.wait``, which the collectives model mar
 data-dependent size — is an implicit one for the latent view (``hb``), named after the op that made it. A stream or
 event ``query()`` that returns True orders the host as explicitly, though no callback reports it (``_query_patches``).
 Allocations, frees and event creation and deletion, a hundred a launch-bound step, stay out of Python while nobody
-else listens to them (``TraceShortcut``; the trace's own interpreter in C++, ``native_trace``, where it builds).
+else listens to them (``TraceShortcut``; the trace's own interpreter in C++, ``native_trace``, where it builds), and
+between sessions too: torch cannot switch its trace off once on.
 """
 
 from __future__ import annotations
@@ -217,8 +218,9 @@ class CudaStreams:
 
 
 def native_trace(native, free_from_trace) -> CallPatch:
-    """A patch: the GPU trace's interpreter is ``gpu_trace.cpp``'s while installed (it must come after the trace is
-    activated). It hands torch's Python interpreter every event no `TraceShortcut` takes."""
+    """A patch: the GPU trace's interpreter is ``gpu_trace.cpp``'s from now on (it must come after the trace is
+    activated), its frees going to the capture while installed. It hands torch's Python interpreter every event no
+    `TraceShortcut` takes."""
     return CallPatch(lambda: native.install(free_from_trace), native.uninstall)
 
 
@@ -251,7 +253,8 @@ class TraceShortcut:
     loop is a Python frame per call (about a hundred a launch-bound step). The shortcut is taken only while nobody else
     listens to the registry, else `fallback` (the model's own Python callback, where it needs the events) is
     registered; one who registers later (``add_callback``) gets the events back, with `fallback` registered before
-    them.
+    them. The trace stays on after the session, so a shortcut nobody displaced stays taken after it too (`_Idle`),
+    until someone registers or the next session's shortcut installs.
     """
 
     def __init__(self, registry, take, fallback=None):
@@ -259,6 +262,7 @@ class TraceShortcut:
         self._taken = self._fallback_added = False
 
     def install(self) -> None:
+        _Idle.end(self.registry)
         if self.take is None or self.registry.callback_list or "fire_callbacks" in vars(self.registry):
             self._add_fallback()
             return
@@ -285,7 +289,33 @@ class TraceShortcut:
             del own["add_callback"]
 
     def uninstall(self) -> None:
+        if self._taken and not self.registry.callback_list:  # nobody displaced it: taken between sessions too
+            _Idle(self.registry, self.take)
+            self._taken = False
         self._remove_shortcut()
         if self._fallback_added and self.fallback in self.registry.callback_list:
             self.registry.callback_list.remove(self.fallback)
         self._fallback_added = False
+
+
+class _Idle:
+    """A shortcut left taken between sessions, on its registry's ``add_callback``: whoever registers gets the events
+    back in Python first (torch's sanitizer does, enabled later in the process), and so does the next session's
+    `TraceShortcut` before it decides for itself."""
+
+    def __init__(self, registry, take):
+        self.registry, self.take = registry, take
+        vars(registry)["add_callback"] = self
+
+    def __call__(self, callback) -> None:
+        self.take(False)
+        vars(self.registry).pop("add_callback", None)
+        self.registry.add_callback(callback)
+
+    @staticmethod
+    def end(registry) -> None:
+        """`registry`'s events back in Python, if a shortcut was left taken on it."""
+        idle = vars(registry).get("add_callback")
+        if isinstance(idle, _Idle):
+            del vars(registry)["add_callback"]
+            idle.take(False)
