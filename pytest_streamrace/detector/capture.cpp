@@ -16,6 +16,9 @@
 #include <unordered_set>
 #if PY_VERSION_HEX < 0x030B0000
 #include <frameobject.h>  // PyFrameObject's fields (f_lasti), read directly before Python 3.11's accessors
+#elif PY_VERSION_HEX < 0x030E0000
+#include <torch/csrc/dynamo/cpython_includes.h>  // _PyInterpreterFrame, F_CODE, PREV_INSTR: as torch's dynamo reads them
+#define STREAMRACE_INTERPRETER_FRAMES 1
 #endif
 
 namespace {
@@ -125,21 +128,27 @@ thread_local bool draining = false;
 
 // Stacks seen before, by their frames' (code, instruction) pairs: a training loop takes the same few hundred stacks
 // again and again, and a hit costs a walk of the frames, without the traceback's allocations and references. Each
-// entry's traceback holds its code objects, so no other code object can take one of their addresses. Read and written
-// with the GIL held; bounded (emptied when full); never freed (it would outlive the interpreter).
+// entry's traceback holds its code objects, so no other code object can take one of their addresses. Bounded (emptied
+// when full); never freed (it would outlive the interpreter). Guarded by `frames_mutex`, with the harness cache below.
 using Frames = std::vector<std::pair<const void*, int>>;
 struct KnownStack { Frames frames; std::shared_ptr<Stack> stack; };
 auto* known_stacks = new std::unordered_map<size_t, KnownStack>();
 constexpr size_t kKnownStacks = 4096;
+std::mutex frames_mutex;
 
 // Whether a code object is pytest's or pluggy's, as frames.py's `_kind` tells the test harness: no frame beneath it
 // is ever named (frames._user_only stops there), so a stack's identity ends with it and the walk need not go on
 // through the harness's thirty-odd frames. Cached per code object, which the cache keeps alive so that its address is
-// not reused; bounded. The GIL is held.
-bool harness(PyCodeObject* code) {
-  static auto* kinds = new std::unordered_map<PyCodeObject*, bool>();
+// not reused; bounded. `kinds_known` answers from the cache alone (no GIL needed); `harness` fills it (the GIL held).
+auto* kinds = new std::unordered_map<PyCodeObject*, bool>();
+
+const bool* kinds_known(PyCodeObject* code) {
   auto found = kinds->find(code);
-  if (found != kinds->end()) return found->second;
+  return found == kinds->end() ? nullptr : &found->second;
+}
+
+bool harness(PyCodeObject* code) {
+  if (const bool* known = kinds_known(code)) return *known;
   if (kinds->size() >= 4096) {
     for (auto& entry : *kinds) Py_DECREF(entry.first);
     kinds->clear();
@@ -155,11 +164,41 @@ bool harness(PyCodeObject* code) {
   return is_harness;
 }
 
-// The calling thread's Python frames, innermost first, down to the test harness's first, and their hash. The GIL is
-// held.
-size_t walk_frames(Frames& out) {
+void add_frame(Frames& out, size_t& hash, const void* code, int lasti) {
+  out.emplace_back(code, lasti);
+  hash = (hash ^ (reinterpret_cast<size_t>(code) + static_cast<size_t>(lasti))) * 1099511628211ULL;
+}
+
+#ifdef STREAMRACE_INTERPRETER_FRAMES
+// The calling thread's Python frames, innermost first, down to the test harness's first, and their hash, read from the
+// interpreter's own frames: no frame object is made for them (PyEval_GetFrame would make one per new frame, each op).
+// Without the GIL (`fill` false) this reads only the thread's own frames, which do not change while it runs this C++
+// inside an op it called, and the harness cache: false when a code object is not in it yet. `frames_mutex` is held.
+bool walk_frames(PyThreadState* thread, Frames& out, size_t& hash, bool fill) {
   out.clear();
-  size_t hash = 0;
+  hash = 0;
+#if PY_VERSION_HEX >= 0x030D0000
+  _PyInterpreterFrame* frame = thread->current_frame;
+#else
+  _PyInterpreterFrame* frame = thread->cframe->current_frame;
+#endif
+  for (; frame != nullptr; frame = frame->previous) {
+    if (_PyFrame_IsIncomplete(frame)) continue;  // a frame that has not started yet, or the C stack's shim
+    PyCodeObject* code = F_CODE(frame);
+    const bool* known = kinds_known(code);
+    if (known == nullptr && !fill) return false;
+    bool last = known != nullptr ? *known : harness(code);
+    add_frame(out, hash, code, static_cast<int>(PREV_INSTR(frame) - _PyCode_CODE(code)));
+    if (last) break;
+  }
+  return true;
+}
+#else
+// The same through frame objects (before Python 3.11, and on versions whose frames this does not know). The GIL and
+// `frames_mutex` are held.
+bool walk_frames(PyThreadState*, Frames& out, size_t& hash, bool) {
+  out.clear();
+  hash = 0;
   PyFrameObject* frame = PyEval_GetFrame();  // borrowed
   Py_XINCREF(frame);
   while (frame != nullptr) {
@@ -171,8 +210,7 @@ size_t walk_frames(Frames& out) {
 #endif
     bool last = harness(code);
     Py_DECREF(code);
-    out.emplace_back(code, lasti);
-    hash = (hash ^ (reinterpret_cast<size_t>(code) + static_cast<size_t>(lasti))) * 1099511628211ULL;
+    add_frame(out, hash, code, lasti);
     if (last) {
       Py_DECREF(frame);
       break;
@@ -181,20 +219,37 @@ size_t walk_frames(Frames& out) {
     Py_DECREF(frame);
     frame = back;
   }
-  return hash;
+  return true;
 }
+#endif
 
 // None on a thread with no Python thread state (a C++ worker): it has no frames to take, and taking them would create
-// and drop a thread state per op. (torch's autograd device threads keep one: their stacks are taken, and empty.)
+// and drop a thread state per op. (torch's autograd device threads keep one: their stacks are taken, and empty.) A
+// stack seen before is found without the GIL where the interpreter's frames can be read; a new one takes the GIL.
 std::shared_ptr<Stack> stack_here() {
-  if (PyGILState_GetThisThreadState() == nullptr) return nullptr;
-  py::gil_scoped_acquire gil;
+  PyThreadState* thread = PyGILState_GetThisThreadState();
+  if (thread == nullptr) return nullptr;
   thread_local Frames frames;
-  size_t hash = walk_frames(frames);
-  auto found = known_stacks->find(hash);
-  if (found != known_stacks->end() && found->second.frames == frames) return found->second.stack;
+  size_t hash = 0;
+#ifdef STREAMRACE_INTERPRETER_FRAMES
+  {
+    std::lock_guard<std::mutex> guard(frames_mutex);
+    if (walk_frames(thread, frames, hash, false)) {
+      auto found = known_stacks->find(hash);
+      if (found != known_stacks->end() && found->second.frames == frames) return found->second.stack;
+    }
+  }
+#endif
+  py::gil_scoped_acquire gil;
+  {
+    std::lock_guard<std::mutex> guard(frames_mutex);
+    walk_frames(thread, frames, hash, true);
+    auto found = known_stacks->find(hash);
+    if (found != known_stacks->end() && found->second.frames == frames) return found->second.stack;
+  }
   auto s = std::make_shared<Stack>();
   s->traceback = torch::CapturedTraceback::gather(/*python=*/true, /*script=*/false, /*cpp=*/false);
+  std::lock_guard<std::mutex> guard(frames_mutex);
   if (known_stacks->size() >= kKnownStacks) known_stacks->clear();
   (*known_stacks)[hash] = KnownStack{frames, s};
   return s;
