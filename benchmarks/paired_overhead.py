@@ -165,31 +165,31 @@ def main() -> None:
         return context
 
     detector = lambda: Detector(backend=args.backend)  # noqa: E731
+    configs = {"plain": contextlib.nullcontext, "RecordFunction": record_function(False),
+               "RecordFunction boxed": record_function(True), "capture-floor": capture_floor}
     if cuda:  # the round's last session leaves the trace as the detector does, for the next round's plain
-        tables = [{"plain": contextlib.nullcontext, "RecordFunction": record_function(False),
-                   "RecordFunction boxed": record_function(True), "capture-floor": capture_floor,
-                   "cuda python-trace": python_trace, "cuda in-place trace": in_place_trace,
-                   "cuda python-apply": python_apply, "cuda": detector}]
+        configs.update({"cuda python-trace": python_trace, "cuda in-place trace": in_place_trace,
+                        "cuda python-apply": python_apply, "cuda": detector})
     else:
-        tables = [{"plain": contextlib.nullcontext, "empty-mode": Empty, "RecordFunction": record_function(False),
-                   "RecordFunction boxed": record_function(True), "capture-floor": capture_floor, "virtual": detector,
-                   "virtual python-apply": python_apply}]
+        configs.update({"empty-mode": Empty, "virtual": detector, "virtual python-apply": python_apply})
     where = torch.cuda.get_device_name(0) if cuda else "CPU"
     width, depth, batch = MODELS[args.model]
     print(f"torch {torch.__version__} on {where}; {args.model} MLP ({depth}x{width}, batch {batch}); {args.rounds} rounds of "
           f"{args.steps} steps; ratios: median over rounds of each round against the plain round beside it")
-    for configs in tables:
-        times = {name: [] for name in configs}
-        for _ in range(args.rounds):
-            for name, context in configs.items():
-                times[name].append(timed(context))
-        plain = times[next(iter(configs))]
-        for name in configs:
-            cpu = statistics.median(t[0] for t in times[name])
-            wall = statistics.median(t[1] for t in times[name])
-            cpu_x = statistics.median(t[0] / p[0] for t, p in zip(times[name], plain))
-            wall_x = statistics.median(t[1] / p[1] for t, p in zip(times[name], plain))
-            print(f"{name:20} cpu {cpu:7.3f} ms/step ({cpu_x:5.2f}x)   wall {wall:7.3f} ms/step ({wall_x:5.2f}x)")
+    times = {name: [] for name in configs}
+    for _ in range(args.rounds):
+        for name, context in configs.items():
+            times[name].append(timed(context))
+    plain = times["plain"]
+    for name in configs:
+        cpu = statistics.median(t[0] for t in times[name])
+        wall = statistics.median(t[1] for t in times[name])
+        cpu_x = statistics.median(t[0] / p[0] for t, p in zip(times[name], plain))
+        wall_x = statistics.median(t[1] / p[1] for t, p in zip(times[name], plain))
+        print(f"{name:20} cpu {cpu:7.3f} ms/step ({cpu_x:5.2f}x)   wall {wall:7.3f} ms/step ({wall_x:5.2f}x)")
+    if cuda:  # what torch's trace, on from the first session, leaves on the plain step after it
+        print(f"plain: first round (before any session) wall {plain[0][1]:.3f} ms/step; the later rounds' median "
+              f"{statistics.median(t[1] for t in plain[1:]):.3f}")
 
 
 if __name__ == "__main__":

@@ -4,8 +4,10 @@
 #   device run (kind nvidia-h200): bash scripts/device/paired.sh
 set -u
 . "$(dirname "$0")/setup.sh" paired
-echo "== paired overhead (cuda)"
-timeout 300 python3 benchmarks/paired_overhead.py --backend cuda --rounds 9; echo "exit $?"
+for model in launch-bound larger; do
+  echo "== paired overhead (cuda, $model)"
+  timeout 200 python3 benchmarks/paired_overhead.py --backend cuda --rounds 9 --model $model; echo "exit $?"
+done
 echo "== profile (cuda)"
 timeout 120 python3 benchmarks/profile_step.py --backend cuda --top 15; echo "exit $?"
 echo "== cuda backend unit tests"
