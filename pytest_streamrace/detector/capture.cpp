@@ -472,6 +472,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     r.stream = current_stream();
     if (!in_node(r)) r.seq = fn.seqNr();
     auto inputs = fn.inputs();
+    r.accesses.reserve(plan->args.size());
     for (const auto& [index, write] : plan->args)
       if (index < inputs.size()) add_value(r, r.accesses, inputs[index], write, false);
     if (plan->keep_args) {
@@ -527,8 +528,10 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
   if (!plan->record) return;
   in_flight = nullptr;
   Record& r = pending->record;
-  if (plan->fresh)
+  if (plan->fresh) {
+    r.fresh.reserve(fn.outputs().size());
     for (const auto& v : fn.outputs()) add_value(r, r.fresh, v, plan->writes_output, true);
+  }
   if (!cuda && r.touched == 0) return;  // no tensor of the modelled device: no launch, as under the dispatch mode
   push(std::move(r));
 }
@@ -996,8 +999,11 @@ class Feed {
     }
     auto [id, stream_key] = stream(r.stream);
     py::object keep_key = py::reinterpret_borrow<py::object>(stream_key);
-    std::vector<py::object> keys;
-    keys.reserve(r.accesses.size());
+    Borrowed borrowed(*this);
+    Scratch& scratch = borrowed.get();
+    auto& keys = scratch.keys;
+    auto& touches = scratch.touches;
+    auto& allocs = scratch.allocs;
     for (const Span& span : r.accesses) keys.push_back(int_key(span.storage));
     if (PyDict_GET_SIZE(redirect_.ptr()) > 0)  // a gradient's add the engine runs on its consumer's stream
       for (const auto& key : keys) {
@@ -1010,9 +1016,6 @@ class Feed {
         }
       }
     PyObject* stream_object = keep_key.ptr();
-    std::vector<PyCore::Touch> touches;
-    std::vector<PyCore::Alloc> allocs;
-    touches.reserve(r.accesses.size() + r.fresh.size());
     for (size_t i = 0; i < r.accesses.size(); ++i) {
       Span& span = r.accesses[i];
       PyObject* key = keys[i].ptr();
@@ -1061,6 +1064,34 @@ class Feed {
   py::object streams_ = py::none();
   std::unordered_map<int64_t, std::pair<int32_t, py::object>> streams_by_record_;
   ForwardSites forward_;
+  // The vectors a record is applied with, kept between records (no allocation per record once grown); a record
+  // applied from inside another's (a drain in a race's callback) borrows vectors of its own.
+  struct Scratch {
+    std::vector<py::object> keys;
+    std::vector<PyCore::Touch> touches;
+    std::vector<PyCore::Alloc> allocs;
+  };
+  class Borrowed {
+   public:
+    explicit Borrowed(Feed& feed) : feed_(feed), mine_(!feed.scratch_busy_) {
+      if (mine_) feed_.scratch_busy_ = true;
+    }
+    ~Borrowed() {
+      Scratch& s = get();
+      s.keys.clear();
+      s.touches.clear();
+      s.allocs.clear();
+      if (mine_) feed_.scratch_busy_ = false;
+    }
+    Scratch& get() { return mine_ ? feed_.scratch_ : own_; }
+
+   private:
+    Feed& feed_;
+    bool mine_;
+    Scratch own_;
+  };
+  Scratch scratch_;
+  bool scratch_busy_ = false;
 };
 
 }  // namespace feed

@@ -286,7 +286,8 @@ class Core {
     const Clock& clock = *op->clock;
     const Clock* strict = op->strict.get();
     const bool two_views = strict != nullptr && op->strict != op->clock;
-    std::vector<Rec> kept;
+    std::vector<Rec>& kept = scratch_;  // becomes the history; the old one, emptied, the next access's scratch
+    kept.clear();
     kept.reserve(history.size() + 2);
     for (Rec& rec : history) {
       if (rec.start < end && start < rec.end) {
@@ -313,6 +314,7 @@ class Core {
     }
     kept.push_back({op, start, end, write, std::move(tensor)});
     history.swap(kept);
+    kept.clear();
     flush(sink);
   }
 
@@ -473,6 +475,7 @@ class Core {
   std::deque<Implicit> implicit_;
   std::vector<OpPtr> timeline_;
   std::vector<Candidate> batch_;
+  std::vector<Rec> scratch_;  // `access`'s: no allocation per access once grown
 };
 
 // ---- the Python binding: keys to ids, payloads to objects, candidates to the Python judge
