@@ -5,7 +5,6 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
-#include <torch/csrc/profiler/combined_traceback.h>
 #include <torch/csrc/Storage.h>
 #include <atomic>
 #include <deque>
@@ -23,19 +22,53 @@
 
 namespace {
 
+// A Python stack as its frames' code objects and instruction offsets (in bytes), innermost first, down to the test
+// harness's first frame; named only when read. Named here, not by torch's symbolizer: that one imports Inductor (two
+// seconds) the first time it runs. A stack holds its code objects (so no other can take one of their addresses while
+// `known_stacks` keys on them), released with the GIL: at once where it is held, else by the next stack taken.
+using Frames = std::vector<std::pair<const void*, int>>;
+std::mutex release_mutex;
+auto* to_release = new std::vector<const void*>();  // never freed: it would outlive the interpreter
+std::atomic<bool> releasing{false};
+
 struct Stack {
-  std::shared_ptr<torch::CapturedTraceback> traceback;
+  Frames code;
+  explicit Stack(const Frames& frames) : code(frames) {
+    for (auto& frame : code) Py_INCREF(reinterpret_cast<PyObject*>(const_cast<void*>(frame.first)));
+  }
+  Stack(const Stack&) = delete;
+  Stack& operator=(const Stack&) = delete;
+  ~Stack() {
+    if (!Py_IsInitialized()) return;  // the interpreter is gone, and its code objects with it
+    if (PyGILState_Check()) {
+      for (auto& frame : code) Py_DECREF(reinterpret_cast<PyObject*>(const_cast<void*>(frame.first)));
+      return;
+    }
+    std::lock_guard<std::mutex> guard(release_mutex);
+    for (auto& frame : code) to_release->push_back(frame.first);
+    releasing = true;
+  }
   py::list frames() const {  // innermost first: (file, line, function)
     py::list out;
-    std::vector<torch::CapturedTraceback*> one{traceback.get()};
-    auto symbolized = torch::symbolize(one);
-    for (uint64_t index : symbolized.tracebacks.at(0)) {
-      const auto& f = symbolized.all_frames.at(index);
-      out.append(py::make_tuple(f.filename, f.lineno, f.funcname));
+    for (auto& [pointer, offset] : code) {
+      auto* c = reinterpret_cast<PyCodeObject*>(const_cast<void*>(pointer));
+      out.append(py::make_tuple(py::reinterpret_borrow<py::object>(c->co_filename), PyCode_Addr2Line(c, offset),
+                                py::reinterpret_borrow<py::object>(c->co_name)));
     }
     return out;
   }
 };
+
+void release_stacks() {  // the GIL held
+  if (!releasing) return;
+  std::vector<const void*> now;
+  {
+    std::lock_guard<std::mutex> guard(release_mutex);
+    now.swap(*to_release);
+    releasing = false;
+  }
+  for (const void* code : now) Py_DECREF(reinterpret_cast<PyObject*>(const_cast<void*>(code)));
+}
 
 // held (host memory only): the storage, first seen here, kept alive until drained (see `hold`)
 using Shape = c10::SmallVector<int64_t, 5>;  // inline: no allocation per access
@@ -128,9 +161,8 @@ thread_local bool draining = false;
 
 // Stacks seen before, by their frames' (code, instruction) pairs: a training loop takes the same few hundred stacks
 // again and again, and a hit costs a walk of the frames, without the traceback's allocations and references. Each
-// entry's traceback holds its code objects, so no other code object can take one of their addresses. Bounded (emptied
+// entry's stack holds its code objects, so no other code object can take one of their addresses. Bounded (emptied
 // when full); never freed (it would outlive the interpreter). Guarded by `frames_mutex`, with the harness cache below.
-using Frames = std::vector<std::pair<const void*, int>>;
 struct KnownStack { Frames frames; std::shared_ptr<Stack> stack; };
 auto* known_stacks = new std::unordered_map<size_t, KnownStack>();
 constexpr size_t kKnownStacks = 4096;
@@ -188,7 +220,7 @@ bool walk_frames(PyThreadState* thread, Frames& out, size_t& hash, bool fill) {
     const bool* known = kinds_known(code);
     if (known == nullptr && !fill) return false;
     bool last = known != nullptr ? *known : harness(code);
-    add_frame(out, hash, code, static_cast<int>(PREV_INSTR(frame) - _PyCode_CODE(code)));
+    add_frame(out, hash, code, static_cast<int>((PREV_INSTR(frame) - _PyCode_CODE(code)) * sizeof(_Py_CODEUNIT)));
     if (last) break;
   }
   return true;
@@ -204,9 +236,9 @@ bool walk_frames(PyThreadState*, Frames& out, size_t& hash, bool) {
   while (frame != nullptr) {
     PyCodeObject* code = PyFrame_GetCode(frame);  // a new reference, dropped at once: the frame holds it
 #if PY_VERSION_HEX >= 0x030B0000
-    int lasti = PyFrame_GetLasti(frame);
+    int lasti = PyFrame_GetLasti(frame);  // in bytes
 #else
-    int lasti = frame->f_lasti;
+    int lasti = frame->f_lasti * static_cast<int>(sizeof(_Py_CODEUNIT));
 #endif
     bool last = harness(code);
     Py_DECREF(code);
@@ -247,8 +279,8 @@ std::shared_ptr<Stack> stack_here() {
     auto found = known_stacks->find(hash);
     if (found != known_stacks->end() && found->second.frames == frames) return found->second.stack;
   }
-  auto s = std::make_shared<Stack>();
-  s->traceback = torch::CapturedTraceback::gather(/*python=*/true, /*script=*/false, /*cpp=*/false);
+  release_stacks();
+  auto s = std::make_shared<Stack>(frames);
   std::lock_guard<std::mutex> guard(frames_mutex);
   if (known_stacks->size() >= kKnownStacks) known_stacks->clear();
   (*known_stacks)[hash] = KnownStack{frames, s};
@@ -1099,6 +1131,7 @@ class Feed {
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_core(m);  // hb_core.cpp, compiled into this module (capture.load)
   py::class_<Stack, std::shared_ptr<Stack>>(m, "Stack").def("frames", &Stack::frames);
+  m.def("stack", &stack_here);
   m.def("enable", &enable, py::arg("cuda"), py::arg("plan"), py::arg("handoff"), py::arg("drain") = py::none(),
         py::arg("every_thread") = true, py::arg("host_frees") = false);
   m.def("observe", &observe);

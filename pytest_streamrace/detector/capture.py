@@ -49,6 +49,9 @@ def load():
             return None
         try:
             _extension = _build("streamrace_capture", sources())
+            from . import frames
+
+            frames.use_capture(_extension)
         except Exception as exc:  # a failed build must leave the slower dispatch mode working, and say why
             _failure = _why(exc)
             import warnings

@@ -137,8 +137,22 @@ def _walked_now():
     return user_frames(depth=2)
 
 
-# The caller's user frames for a Site, cheaply: captured now, named when read (walked at once without torch's capture).
-stack = _Stack if _gather is not None else _walked_now
+_taken_natively = None  # the capture extension's stack taker, once it is loaded (``use_capture``)
+
+
+def stack():
+    """The caller's user frames for a Site, cheaply: captured now, named when read. The capture extension's taker
+    where it is loaded (it names frames itself: torch's symbolizer imports Inductor, two seconds, when it first runs);
+    else torch's capture; else walked at once."""
+    if _taken_natively is not None:
+        return Captured(_taken_natively())
+    return _Stack() if _gather is not None else _walked_now()
+
+
+def use_capture(extension) -> None:
+    """Take stacks with the capture extension's taker from now on (``capture.load`` calls this)."""
+    global _taken_natively
+    _taken_natively = extension.stack
 
 
 def created_at() -> str:
