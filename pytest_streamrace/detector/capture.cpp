@@ -1,4 +1,4 @@
-#include <torch/extension.h>
+#include <torch/csrc/jit/python/pybind_utils.h>  // toPyObject, pybind11 and torch's type casters
 #include <ATen/record_function.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/CPUAllocator.h>

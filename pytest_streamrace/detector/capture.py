@@ -115,6 +115,9 @@ def interpreter_stubs(header: str) -> str:
     return "\n".join(stubs)
 
 
+_CFLAGS = ["-O2", "-DNDEBUG"]
+
+
 def _build(prefix: str, code: list[str]):
     """One build per torch version (compiled against its headers and ABI) and per source: checkouts with other sources
     share the extensions folder without rebuilding each other's."""
@@ -122,11 +125,24 @@ def _build(prefix: str, code: list[str]):
     # NDEBUG: torch's headers give RecordFunction debug-only members otherwise, and its layout would not match the
     # release build of torch.
     import torch
-    from torch.utils.cpp_extension import load_inline
+    from torch.utils.cpp_extension import load
 
-    digest = hashlib.sha1("\0".join(code).encode()).hexdigest()[:10]
+    source = "\n".join(code)
+    digest = hashlib.sha1(repr((source, _CFLAGS)).encode()).hexdigest()[:10]
     name = f"{prefix}_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{digest}"
-    return load_inline(name, code, extra_cflags=["-O2", "-DNDEBUG"], build_directory=_build_directory(name, torch))
+    directory = _build_directory(name, torch)
+    path = os.path.join(directory, "main.cpp")
+    # written only when it differs, so that ninja finds the build up to date; not load_inline, which puts
+    # torch/extension.h (torch's whole C++ API: most of a minute's compiling) in front of every source
+    try:
+        with open(path, encoding="utf-8") as f:
+            same = f.read() == source
+    except OSError:
+        same = False
+    if not same:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(source)
+    return load(name, [path], extra_cflags=_CFLAGS, build_directory=directory)
 
 
 def _why(exc: Exception) -> str:
