@@ -1,0 +1,80 @@
+"""What every session pays for the capture before and after its first race: loading a finished build must not run
+cpp_extension's checks again, and naming a race's stacks must not import torch's compiler stack (torch's own
+symbolizer does: two seconds, once per process). Each case runs in a fresh interpreter, as a session starts."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pytest_streamrace.detector import capture
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if capture.load() is None:  # builds it for the subprocesses below too (same extensions folder)
+        pytest.skip(f"the capture extension does not build here: {capture.failure()}")
+
+
+def _run(script: str) -> list[str]:
+    env = {k: v for k, v in os.environ.items() if k != "STREAMRACE_NATIVE"}
+    out = subprocess.run([sys.executable, "-c", textwrap.dedent(script)], capture_output=True, text=True, env=env,
+                         timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return out.stdout.splitlines()
+
+
+def test_a_finished_build_is_imported_without_cpp_extension():
+    lines = _run("""
+        import sys
+        from pytest_streamrace.detector import capture
+        ext = capture.load()
+        print(ext is not None, hasattr(ext, "Feed"), "torch.utils.cpp_extension" in sys.modules)
+    """)
+    assert lines == ["True True False"]
+
+
+def test_only_a_finished_build_against_this_torch_is_imported_as_it_is(tmp_path):
+    """A `lock` in the folder means a build is under way (the module may be half written), a build.ninja naming
+    another torch's headers a build for another installation: cpp_extension's own path is taken then."""
+    import torch
+
+    includes = os.path.join(os.path.dirname(torch.__file__), "include")
+    (tmp_path / "m.so").write_bytes(b"")
+    (tmp_path / "build.ninja").write_text(f"cflags = -isystem {includes}\n")
+    assert capture._built_here("m", str(tmp_path), torch)
+    (tmp_path / "lock").write_text("")
+    assert not capture._built_here("m", str(tmp_path), torch)
+    (tmp_path / "lock").unlink()
+    (tmp_path / "build.ninja").write_text("cflags = -isystem /elsewhere/torch/include\n")
+    assert not capture._built_here("m", str(tmp_path), torch)
+    assert not capture._built_here("other", str(tmp_path), torch)
+
+
+def test_race_stacks_are_named_without_importing_the_compiler():
+    lines = _run("""
+        import sys
+        import torch
+        from pytest_streamrace.detector import capture, frames
+        capture.load()
+
+        def taken_here():
+            return frames.stack()  # TAKEN
+
+        def caller():
+            return taken_here()  # CALLER
+
+        site = caller()
+        assert "torch._inductor" not in sys.modules and "torch._dynamo" not in sys.modules
+        for filename, line, function in site.stack.frames()[:3]:
+            print(filename.endswith("frames.py") or filename == "<string>", line, function)
+        print("torch._inductor" in sys.modules, "torch._dynamo" in sys.modules)
+    """)
+    # the taker's own frame (frames.py), then the two callers at their lines of the script (lines 8 and 11)
+    assert lines[0].split()[2] == "stack" and lines[0].startswith("True")
+    assert lines[1:3] == ["True 8 taken_here", "True 11 caller"]
+    assert lines[3] == "False False"
