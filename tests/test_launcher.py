@@ -349,3 +349,28 @@ def test_rank_tracebacks_keep_their_structure(run, pytester):
     result.stdout.fnmatch_lines([f"*test_rank_tracebacks_keep_their_structure.py:5: {crash}"])
     junit = (pytester.path / "report.xml").read_text()
     assert f'message="{crash}' in junit
+
+
+WARMING = """
+import sys
+import pytest, torch
+
+@pytest.mark.distributed(world_size=2)
+def test_first_needs_no_optimizer():
+    assert "torch._dynamo" not in sys.modules  # the fork server did not import it for nothing
+
+@pytest.mark.distributed(world_size=2)
+def test_builds_an_optimizer():
+    torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)  # every optimizer's constructor imports dynamo
+    assert "torch._dynamo" in sys.modules
+
+@pytest.mark.distributed(world_size=2)
+def test_later_ranks_start_with_it():
+    assert "torch._dynamo" in sys.modules  # forked after the server imported what the ranks before needed
+"""
+
+
+def test_the_fork_server_imports_what_ranks_needed_for_the_ranks_after_them(run):
+    """dynamo (~1.7 s a rank) is imported by the server once a rank has needed it, not up front for every session."""
+    result = run(WARMING)
+    result.assert_outcomes(passed=3)

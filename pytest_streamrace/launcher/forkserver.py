@@ -1,9 +1,13 @@
 """Fork server: imports torch and pytest once, then forks each rank process from that warm state.
 
-A rank started as a fresh ``python -m pytest`` spends ~1.5 s importing torch before the test runs, and another ~1 s
-importing ``torch._dynamo`` once it builds an optimizer (and Inductor, once it compiles); forked from here it starts in
-~0.2 s with them imported (Inductor on CPU builds of torch only). Forking is safe because this process never
-initializes CUDA and runs no Python threads (torch's OpenMP pool threads are idle when it forks).
+A rank started as a fresh ``python -m pytest`` spends ~1.5 s importing torch before the test runs, and another ~1.7 s
+importing ``torch._dynamo`` once it builds an optimizer (~2.3 s more for Inductor, once it compiles); forked from here
+it starts in ~0.2 s. Torch is imported before the first rank; dynamo and Inductor only once a rank has needed them:
+each exiting rank says which of them it imported (a pipe every rank inherits), and the server imports those between
+forks, so the ranks after it start with them (Inductor on CPU builds of torch only). Importing both up front cost every
+session ~4.6 s of CPU, most of whose ranks build no optimizer and compile nothing. Forking is safe because this
+process never initializes CUDA and runs no Python threads (torch's OpenMP pool threads are idle when it forks), and
+it imports only between forks.
 
 Run as a script (``python forkserver.py``), not as ``-m pytest_streamrace...``: pytest warns about (and under
 ``-W error`` refuses) plugin modules imported before it could rewrite their asserts, so this process imports
@@ -27,6 +31,12 @@ import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1
+# What a rank may have imported that the next ranks should find imported: dynamo (every optimizer's constructor) and
+# Inductor (torch.compile; DeepSpeed's engine through its Muon module). Inductor's import initializes the CUDA driver
+# (a driver thread appears, measured on an H200), so only a CPU build of torch warms it here.
+_WARMABLE = ("torch._dynamo", "torch._inductor.compile_fx")
+_warmed: set = set()
+_needed_w = -1  # the write end of the pipe on which exiting ranks name the warmable modules they imported
 
 
 def die_with_parent() -> None:
@@ -71,7 +81,38 @@ def _run_rank(request: dict) -> None:
         code = 70
     sys.stdout.flush()
     sys.stderr.flush()
+    needed = [name for name in _WARMABLE if name in sys.modules and name not in _warmed]
+    if needed:
+        try:
+            os.write(_needed_w, (" ".join(needed) + "\n").encode())  # one short write: atomic on a pipe
+        except OSError:
+            pass
     os._exit(code)
+
+
+def _warm(names) -> None:
+    """Import what a rank needed, between forks. Best effort: a rank that needs a module that failed here fails
+    importing it, in its own test."""
+    import torch
+
+    for name in names:
+        if name in _warmed or name not in _WARMABLE:
+            continue
+        _warmed.add(name)
+        if name.startswith("torch._inductor") and torch.backends.cuda.is_built():
+            continue
+        try:
+            __import__(name)
+        except Exception:
+            pass
+    _freeze()
+
+
+def _freeze() -> None:
+    """Everything imported so far lives as long as the ranks: keep it out of their garbage collections, which
+    would otherwise walk (and, touching each object, copy) all of torch's objects — pytest collects at exit."""
+    gc.collect()
+    gc.freeze()
 
 
 def _reap(ranks: set) -> None:
@@ -105,28 +146,18 @@ def serve() -> None:
     import pytest  # noqa: F401  the point of this process: pay for these imports once
     import torch  # noqa: F401
     import torch.distributed  # noqa: F401
-    # ~1 s a rank each, paid once here: every optimizer's constructor imports dynamo; torch.compile (and DeepSpeed's
-    # engine, through its Muon module) imports Inductor. Dynamo starts no thread and leaves CUDA alone; Inductor's
-    # import initializes the CUDA driver (a driver thread appears, measured on an H200), so only a CPU build of torch
-    # gets it here. Best effort: a rank that needs a module that failed here fails importing it, in its own test.
-    try:
-        import torch._dynamo  # noqa: F401
 
-        if not torch.backends.cuda.is_built():
-            import torch._inductor.compile_fx  # noqa: F401
-    except Exception:
-        pass
-
-    # Everything imported so far lives as long as the ranks: keep it out of their garbage collections, which
-    # would otherwise walk (and, touching each object, copy) all of torch's objects — pytest collects at exit.
-    gc.collect()
-    gc.freeze()
+    global _needed_w
+    needed_r, _needed_w = os.pipe()
+    _freeze()
     _send({"ready": os.getpid()})
     ranks: set[int] = set()
     pending = b""
     while True:
-        readable, _, _ = select.select([0], [], [], 0.01)
-        if readable:
+        readable, _, _ = select.select([0, needed_r], [], [], 0.01)
+        if needed_r in readable:
+            _warm(os.read(needed_r, 1 << 16).decode().split())
+        if 0 in readable:
             chunk = os.read(0, 1 << 16)
             if not chunk:
                 _kill_all(ranks)
