@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -38,21 +39,39 @@ def test_a_finished_build_is_imported_without_cpp_extension():
     assert lines == ["True True False"]
 
 
-def test_only_a_finished_build_against_this_torch_is_imported_as_it_is(tmp_path):
-    """A `lock` in the folder means a build is under way (the module may be half written), a build.ninja naming
-    another torch's headers a build for another installation: cpp_extension's own path is taken then."""
+def test_only_a_finished_build_is_imported_as_it_is(tmp_path):
+    """A `lock` in the folder means a build is under way (the module may be half written): cpp_extension's own path,
+    which waits for it, is taken then."""
+    (tmp_path / "m.so").write_bytes(b"")
+    assert capture._built_here("m", str(tmp_path))
+    (tmp_path / "lock").write_text("")
+    assert not capture._built_here("m", str(tmp_path))
+    assert not capture._built_here("other", str(tmp_path))
+
+
+def test_a_killed_builds_lock_is_cleared_and_a_live_ones_kept(tmp_path):
+    """cpp_extension waits without end on the lock of a build that was killed: every later session would hang."""
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    capture._clear_stale_lock(str(tmp_path))
+    assert lock.exists()  # a build under way
+    old = time.time() - capture._STALE_LOCK_S - 60
+    os.utime(lock, (old, old))
+    capture._clear_stale_lock(str(tmp_path))
+    assert not lock.exists()
+
+
+def test_each_torch_installation_builds_in_a_folder_of_its_own(tmp_path, monkeypatch):
+    """Two venvs with the same torch version share the extensions folder; were their builds one folder, each would
+    rebuild it (its build.ninja names the other's headers) whenever the other had."""
     import torch
 
-    includes = os.path.join(os.path.dirname(torch.__file__), "include")
-    (tmp_path / "m.so").write_bytes(b"")
-    (tmp_path / "build.ninja").write_text(f"cflags = -isystem {includes}\n")
-    assert capture._built_here("m", str(tmp_path), torch)
-    (tmp_path / "lock").write_text("")
-    assert not capture._built_here("m", str(tmp_path), torch)
-    (tmp_path / "lock").unlink()
-    (tmp_path / "build.ninja").write_text("cflags = -isystem /elsewhere/torch/include\n")
-    assert not capture._built_here("m", str(tmp_path), torch)
-    assert not capture._built_here("other", str(tmp_path), torch)
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    here = capture._where("streamrace_probe", "// probe", torch)
+    assert capture._where("streamrace_probe", "// probe", torch) == here
+    monkeypatch.setattr(torch, "__file__", "/elsewhere/venv/site-packages/torch/__init__.py")
+    elsewhere = capture._where("streamrace_probe", "// probe", torch)
+    assert elsewhere[1] != here[1] and all(path.startswith(str(tmp_path)) for path in (here[1], elsewhere[1]))
 
 
 def test_race_stacks_are_named_without_importing_the_compiler():

@@ -33,6 +33,7 @@ import hashlib
 import importlib.resources
 import os
 import re
+import time
 
 from .. import env
 
@@ -119,17 +120,16 @@ _CFLAGS = ["-O2", "-DNDEBUG"]
 
 
 def _build(prefix: str, code: list[str]):
-    """One build per torch version (compiled against its headers and ABI) and per source: checkouts with other sources
-    share the extensions folder without rebuilding each other's."""
+    """One build per source, flags and torch installation (compiled against its headers and ABI): checkouts with other
+    sources, and venvs with the same torch version (tox envs, a CI clone beside a checkout), share the extensions
+    folder without rebuilding each other's in turn, a minute each time."""
     _ninja_on_path()
     # NDEBUG: torch's headers give RecordFunction debug-only members otherwise, and its layout would not match the
     # release build of torch.
     import torch
 
     source = "\n".join(code)
-    digest = hashlib.sha1(repr((source, _CFLAGS)).encode()).hexdigest()[:10]
-    name = f"{prefix}_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{digest}"
-    directory = _build_directory(name, torch)
+    name, directory = _where(prefix, source, torch)
     path = os.path.join(directory, "main.cpp")
     # written only when it differs, so that ninja finds the build up to date; not load_inline, which puts
     # torch/extension.h (torch's whole C++ API: most of a minute's compiling) in front of every source
@@ -141,24 +141,41 @@ def _build(prefix: str, code: list[str]):
     if not same:
         with open(path, "w", encoding="utf-8") as f:
             f.write(source)
-    elif _built_here(name, directory, torch):
+    elif _built_here(name, directory):
         return _import(name, os.path.join(directory, f"{name}.so"))
     from torch.utils.cpp_extension import load
 
+    _clear_stale_lock(directory)
     return load(name, [path], extra_cflags=_CFLAGS, build_directory=directory)
 
 
-def _built_here(name: str, directory: str, torch) -> bool:
-    """Whether the build folder holds a finished build of this source against this torch installation: then the
-    module is imported as it is, without cpp_extension's per-process checks (ninja and the compiler run again, 0.2 s
-    of every session's start). No lock: nobody is building it now."""
-    if os.path.exists(os.path.join(directory, "lock")) or not os.path.exists(os.path.join(directory, f"{name}.so")):
-        return False
+_STALE_LOCK_S = 600  # a build takes one to three minutes on a loaded 2-core machine
+
+
+def _clear_stale_lock(directory: str) -> None:
+    """cpp_extension waits, without end, for the `lock` of a build that was killed (SIGTERM, SIGKILL, a CI timeout):
+    every later session would hang at its start. A lock older than any build is removed."""
+    lock = os.path.join(directory, "lock")
     try:
-        with open(os.path.join(directory, "build.ninja"), encoding="utf-8") as f:
-            return os.path.join(os.path.dirname(torch.__file__), "include") in f.read()
+        if time.time() - os.path.getmtime(lock) > _STALE_LOCK_S:
+            os.remove(lock)
     except OSError:
-        return False
+        pass
+
+
+def _where(prefix: str, source: str, torch) -> tuple[str, str]:
+    """The module's name and build folder: one per source, flags and torch installation."""
+    headers = os.path.join(os.path.dirname(torch.__file__), "include")
+    digest = hashlib.sha1(repr((source, _CFLAGS, headers)).encode()).hexdigest()[:10]
+    name = f"{prefix}_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_{digest}"
+    return name, _build_directory(name, torch)
+
+
+def _built_here(name: str, directory: str) -> bool:
+    """Whether the build folder (one per source, flags and torch installation) holds a finished build: then the module
+    is imported as it is, without cpp_extension's per-process checks (ninja and the compiler run again, 0.2 s of every
+    session's start). No lock: nobody is building it now."""
+    return not os.path.exists(os.path.join(directory, "lock")) and os.path.exists(os.path.join(directory, f"{name}.so"))
 
 
 def _import(name: str, path: str):
