@@ -4,7 +4,6 @@
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/function.h>
-#include <torch/csrc/jit/python/pybind_utils.h>
 #include <torch/csrc/Storage.h>
 #include <atomic>
 #include <deque>
