@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 
 def test_plugin_loads_without_importing_torch():
     code = ("import sys, pytest_streamrace.plugin, pytest_streamrace.options, pytest_streamrace.launcher;"
@@ -16,6 +18,7 @@ def test_header_reports_machine_and_session(pytester):
     result.assert_outcomes(passed=1)
 
 
+@pytest.mark.cold_start
 def test_a_plain_session_never_imports_torch(pytester):
     """Every part the plugin registers at configure time stays torch-free until a test needs torch."""
     pytester.makeconftest("""

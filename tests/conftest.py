@@ -1,0 +1,17 @@
+"""The tests' own fixtures: pytester's subprocess sessions forked warm (see warm_pytest.py)."""
+
+import pytest
+import warm_pytest
+
+
+@pytest.fixture(autouse=True)
+def _warm_sessions(request):
+    if warm_pytest.COLD or "pytester" not in request.fixturenames or request.node.get_closest_marker("cold_start"):
+        return
+    pytester = request.getfixturevalue("pytester")
+    pytester.popen = warm_pytest.popen_for(pytester)
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cold_start: run pytester's sessions as fresh interpreters (what a fresh "
+                                       "interpreter imports is the test's subject)")
