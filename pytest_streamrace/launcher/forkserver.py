@@ -1,13 +1,13 @@
 """Fork server: imports torch and pytest once, then forks each rank process from that warm state.
 
 A rank started as a fresh ``python -m pytest`` spends ~1.5 s importing torch before the test runs, and another ~1.7 s
-importing ``torch._dynamo`` once it builds an optimizer (~2.3 s more for Inductor, once it compiles); forked from here
-it starts in ~0.2 s. Torch is imported before the first rank; dynamo and Inductor only once a rank has needed them:
-each exiting rank says which of them it imported (a pipe every rank inherits), and the server imports those between
-forks, so the ranks after it start with them (Inductor on CPU builds of torch only). Importing both up front cost every
-session ~4.6 s of CPU, most of whose ranks build no optimizer and compile nothing. Forking is safe because this
-process never initializes CUDA and runs no Python threads (torch's OpenMP pool threads are idle when it forks), and
-it imports only between forks.
+importing ``torch._dynamo`` once it builds an optimizer (~2.3 s more for Inductor, once it compiles); forked from
+here it starts in ~0.2 s. Torch is imported before the first rank; dynamo and Inductor only once a rank has needed
+them: each exiting rank says which of them it imported (a pipe every rank inherits), and the server imports those
+between forks, once no rank runs, so the ranks after it start with them (Inductor on CPU builds of torch only).
+Importing both up front cost every session ~4.6 s of CPU, most of whose ranks build no optimizer and compile nothing.
+Forking is safe because this process never initializes CUDA and runs no Python threads (torch's OpenMP pool threads
+are idle when it forks), and it imports only between forks.
 
 Run as a script (``python forkserver.py``), not as ``-m pytest_streamrace...``: pytest warns about (and under
 ``-W error`` refuses) plugin modules imported before it could rewrite their asserts, so this process imports
@@ -18,7 +18,7 @@ server started; each rank gets the parent's environment as it is when the rank i
 Protocol, JSON lines. stdin: ``{"argv", "env", "cwd", "output"}`` — start a rank. stdout: ``{"ready": pid}``
 once, ``{"pid": N}`` per request, ``{"exit": N, "status": S}`` when a rank exits (S: exit code, or -signal).
 Before reaping a rank it kills the rank's process group, so nothing the rank started outlives it.
-EOF on stdin: kill every rank and exit.
+EOF on stdin, or SIGTERM (which also cuts short a warm-up import under way): kill every rank and exit at once.
 """
 
 import ctypes
@@ -37,6 +37,7 @@ _PR_SET_PDEATHSIG = 1
 _WARMABLE = ("torch._dynamo", "torch._inductor.compile_fx")
 _warmed: set = set()
 _needed_w = -1  # the write end of the pipe on which exiting ranks name the warmable modules they imported
+_ranks: set[int] = set()  # forked and not yet reaped
 
 
 def die_with_parent() -> None:
@@ -55,6 +56,7 @@ def _send(message: dict) -> None:
 def _run_rank(request: dict) -> None:
     """In the forked child: become a fresh session leader, take the rank's environment, run pytest, exit."""
     try:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the server's handler is not the rank's
         os.setsid()
         die_with_parent()
         out = os.open(request["output"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
@@ -115,7 +117,7 @@ def _freeze() -> None:
     gc.freeze()
 
 
-def _reap(ranks: set) -> None:
+def _reap() -> None:
     while True:
         try:
             info = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -128,19 +130,23 @@ def _reap(ranks: set) -> None:
         except ProcessLookupError:
             pass
         _, status = os.waitpid(info.si_pid, 0)
-        ranks.discard(info.si_pid)
+        _ranks.discard(info.si_pid)
         _send({"exit": info.si_pid, "status": os.waitstatus_to_exitcode(status)})
 
 
-def _kill_all(ranks: set) -> None:
-    for pid in ranks:
+def _stop(*_) -> None:
+    """Kill every rank's process group and exit, skipping the interpreter's finalization: with torch (and dynamo and
+    Inductor, once warmed) imported, freeing their objects takes 0.2-1 s that the session's end would wait for."""
+    for pid in _ranks:
         try:
             os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    os._exit(0)
 
 
 def serve() -> None:
+    signal.signal(signal.SIGTERM, _stop)
     die_with_parent()
     sys.path[0] = os.getcwd()  # as for `python -m pytest`, not this file's folder
     import pytest  # noqa: F401  the point of this process: pay for these imports once
@@ -151,17 +157,15 @@ def serve() -> None:
     needed_r, _needed_w = os.pipe()
     _freeze()
     _send({"ready": os.getpid()})
-    ranks: set[int] = set()
     pending = b""
     while True:
-        readable, _, _ = select.select([0, needed_r], [], [], 0.01)
-        if needed_r in readable:
-            _warm(os.read(needed_r, 1 << 16).decode().split())
+        # A warm-up waits until no rank runs: an import under way would hold back the report of a rank's exit,
+        # which the parent waits for, and new ranks' requests come first.
+        readable, _, _ = select.select([0] if _ranks else [0, needed_r], [], [], 0.01)
         if 0 in readable:
             chunk = os.read(0, 1 << 16)
             if not chunk:
-                _kill_all(ranks)
-                return
+                _stop()
             pending += chunk
             *lines, pending = pending.split(b"\n")
             for line in lines:
@@ -169,10 +173,11 @@ def serve() -> None:
                 pid = os.fork()
                 if pid == 0:
                     _run_rank(request)
-                ranks.add(pid)
+                _ranks.add(pid)
                 _send({"pid": pid})
-        _reap(ranks)
-
+        elif needed_r in readable:
+            _warm(os.read(needed_r, 1 << 16).decode().split())
+        _reap()
 
 if __name__ == "__main__":
     serve()

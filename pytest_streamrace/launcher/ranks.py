@@ -103,7 +103,8 @@ class ForkServer:
         return tail(self._log.read().decode(errors="replace"), 20)
 
     def stop(self) -> None:
-        """Close the server's stdin (it kills its ranks and exits), then make sure it is gone."""
+        """Close the server's stdin and terminate it (it kills its ranks and exits, even in the middle of a warm-up
+        import), then make sure it is gone."""
         if self._proc is None:
             return
         proc, self._proc = self._proc, None
@@ -111,6 +112,7 @@ class ForkServer:
             proc.stdin.close()
         except OSError:
             pass
+        proc.terminate()
         try:
             proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
