@@ -374,3 +374,36 @@ def test_the_fork_server_imports_what_ranks_needed_for_the_ranks_after_them(run)
     """dynamo (~1.7 s a rank) is imported by the server once a rank has needed it, not up front for every session."""
     result = run(WARMING)
     result.assert_outcomes(passed=3)
+
+
+TWO_SESSIONS = """
+import pytest
+
+test = '''
+import os, sys
+import pytest, torch
+
+@pytest.mark.distributed(world_size=2)
+def test_rank():
+    with open(os.path.join(os.environ["PIDS_DIR"], "session-%d-%d" % (os.getppid(), os.getpid())), "w") as f:
+        f.write(str("torch._dynamo" in sys.modules))
+    torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+'''
+open("test_rank.py", "w").write(test)
+codes = [int(pytest.main(["-p", "no:cacheprovider", "-q", "test_rank.py"])) for _ in range(2)]
+print("CODES", codes)
+"""
+
+
+def test_a_process_running_two_sessions_keeps_one_fork_server(pytester, monkeypatch, tmp_path):
+    """The repro CLI runs a session per variant: the second one's ranks come from the same server, warmed by the first's."""
+    pids_dir = tmp_path / "pids"
+    pids_dir.mkdir()
+    monkeypatch.setenv("PIDS_DIR", str(pids_dir))
+    script = pytester.makepyfile(two_sessions=TWO_SESSIONS)
+    result = pytester.run(sys.executable, str(script), timeout=120)
+    assert "CODES [0, 0]" in result.outlines, result.outlines + result.errlines
+    seen = sorted(p.name.split("-")[1:] + [p.read_text()] for p in pids_dir.iterdir())
+    assert len(seen) == 4 and len({server for server, _, _ in seen}) == 1, seen
+    assert sorted(dynamo for _, _, dynamo in seen) == ["False", "False", "True", "True"]
+    assert not alive(int(seen[0][0]))  # the server ended with the process

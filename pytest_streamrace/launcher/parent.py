@@ -16,7 +16,7 @@ import pytest
 
 from .. import env, options
 from . import marker, placement, report
-from .ranks import ForkServer, LaunchError
+from .ranks import LaunchError, shared
 from .spec import RankSpec
 from .supervise import RankRun, reap, supervise
 
@@ -28,7 +28,7 @@ def install(config: pytest.Config) -> None:
 class ParentPlugin:
     def __init__(self, config: pytest.Config):
         self.config = config
-        self.server = ForkServer()
+        self.server = shared()
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         # Start importing torch in the fork server now, while the other tests run.
@@ -36,9 +36,6 @@ class ParentPlugin:
             return
         if any(item.get_closest_marker("distributed") for item in session.items):
             self.server.start(str(self.config.invocation_params.dir))
-
-    def pytest_unconfigure(self) -> None:
-        self.server.stop()
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem) -> bool | None:

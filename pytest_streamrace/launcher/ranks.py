@@ -1,11 +1,14 @@
 """The parent's handle on its fork server: start rank processes, learn how they exited, kill their trees.
 
-One fork server per pytest process (so one per xdist worker), started at the first distributed item and
-stopped at the end of the session; the fork server dies with this process even if it is SIGKILLed.
+One fork server per process (so one per xdist worker), started at the first distributed item and stopped when the
+process exits, not at the end of a session: a process that runs several sessions (the repro CLI runs one per variant)
+keeps it, and its later ranks find what earlier ones imported. The fork server dies with this process even if it is
+SIGKILLed.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import select
@@ -95,6 +98,8 @@ class ForkServer:
             if "exit" in message:
                 self.exits[message["exit"]] = message["status"]
             else:
+                if "pid" in message:  # a new rank: an exit recorded under its pid was an earlier process's
+                    self.exits.pop(message["pid"], None)
                 messages.append(message)
         return messages
 
@@ -118,6 +123,18 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             kill_tree(proc.pid)
             proc.wait()
+
+
+_shared: ForkServer | None = None
+
+
+def shared() -> ForkServer:
+    """This process's fork server."""
+    global _shared
+    if _shared is None:
+        _shared = ForkServer()
+        atexit.register(_shared.stop)
+    return _shared
 
 
 def kill_tree(pid: int, sig: int = signal.SIGKILL) -> None:
