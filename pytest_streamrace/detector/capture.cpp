@@ -1,4 +1,5 @@
-#include <torch/csrc/jit/python/pybind_utils.h>  // toPyObject, pybind11 and torch's type casters
+#include <torch/csrc/utils/pybind.h>  // pybind11 and torch's type casters
+#include <ATen/core/ivalue.h>
 #include <ATen/record_function.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/CPUAllocator.h>
@@ -18,6 +19,12 @@
 #include <torch/csrc/dynamo/cpython_includes.h>  // _PyInterpreterFrame, F_CODE, PREV_INSTR: as torch's dynamo reads them
 #define STREAMRACE_INTERPRETER_FRAMES 1
 #endif
+
+// The one function of torch/csrc/jit/python/pybind_utils.h used here, declared as it is there: that header (all of the
+// JIT's Python glue) was a fifth of the build.
+namespace torch::jit {
+TORCH_PYTHON_API py::object toPyObject(c10::IValue ivalue);
+}
 
 namespace {
 
