@@ -10,7 +10,7 @@ python3 -c "import torch, pytest, xdist; print('torch', torch.__version__, 'cuda
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 python3 -c "import pytest_streamrace.plugin" || exit 1
 pt="python3 -m pytest -p no:cacheprovider"
-echo "== launcher on NCCL"; $pt tests/test_launcher_gpu.py tests/test_torchrun.py -v -p no:xdist 2>&1 | tee "$OUT/launcher.log" | tail -15
+echo "== launcher on NCCL"; $pt tests/test_launcher_gpu.py tests/test_torchrun.py -v -n 0 2>&1 | tee "$OUT/launcher.log" | tail -15
 echo "== corpus, ours (cuda backend)"
 $pt tests/corpus/corpus_cases.py --streamrace --streamrace-backend=cuda --junitxml="$OUT/ours.xml" -q \
   --streamrace-json "$OUT/corpus-races.json" 2>&1 > "$OUT/corpus-ours.log" | tail -3; tail -3 "$OUT/corpus-ours.log"
