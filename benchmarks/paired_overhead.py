@@ -21,6 +21,10 @@ frees and ignored events in C functions put in the registries' place, which torc
 (where the trace's own C++ interpreter does not build).
 
     python benchmarks/paired_overhead.py --model larger   # the larger MLP (4x2048, batch 256)
+    python benchmarks/paired_overhead.py --model ddp --backend cuda   # overhead.py's 2-rank DDP row (NCCL; gloo on CPU)
+
+The DDP row runs a process a rank, in lockstep (DDP's all-reduce holds each round's ranks together); rank 0 prints,
+and only the rows that tell the detector from its floors run there.
 
 "RecordFunction" rows are torch's own floor under any capture built on it: an empty global callback (built here, with
 torch's C++ extension loader), without arguments and with them boxed (as the capture asks). The capture floor's
@@ -34,7 +38,9 @@ import statistics
 import time
 
 
-MODELS = {"launch-bound": (64, 8, 8), "larger": (2048, 4, 256)}  # width, depth, batch: overhead.py's rows
+MODELS = {"launch-bound": (64, 8, 8), "larger": (2048, 4, 256), "ddp": (512, 8, 32)}  # width, depth, batch:
+# overhead.py's rows
+RANKS = {"ddp": 2}
 
 EMPTY_CALLBACK = r"""
 #include <torch/extension.h>
@@ -53,15 +59,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("add", &add_callback); m.def("r
 
 
 def launch_bound_step(device: str, model: str = "launch-bound"):
-    """One training step of an MLP on `device` (the launch-bound one: many small ops, little math)."""
+    """One training step of an MLP on `device` (the launch-bound one: many small ops, little math); wrapped in
+    DistributedDataParallel for the ddp row (its process group already started)."""
     import torch
 
     width, depth, batch = MODELS[model]
+    ddp = model in RANKS
     torch.manual_seed(0)
     layers = []
     for _ in range(depth):
         layers += [torch.nn.Linear(width, width), torch.nn.ReLU()]
     model = torch.nn.Sequential(*layers).to(device)
+    if ddp:
+        index = torch.device(device).index
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=None if index is None else [index])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(batch, width, device=device)
 
@@ -78,8 +89,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--backend", choices=("virtual", "cuda"), default="virtual")
     parser.add_argument("--model", choices=tuple(MODELS), default="launch-bound")
+    parser.add_argument("--rank", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--store", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     cuda = args.backend == "cuda"
+    ranks = RANKS.get(args.model, 1)
+    if ranks > 1 and args.rank is None:  # the launcher: a process a rank, rank 0's output is the result
+        import subprocess
+        import sys
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            procs = [subprocess.Popen([sys.executable, *sys.argv, "--rank", str(r), "--store", f"{tmp}/store"],
+                                      stdout=None if r == 0 else subprocess.DEVNULL) for r in range(ranks)]
+            raise SystemExit(max(p.wait() for p in procs))
 
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -90,8 +113,17 @@ def main() -> None:
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             return func(*args, **(kwargs or {}))
 
-    device = "cuda" if cuda else "cpu"
-    step = launch_bound_step(device, args.model)
+    device = "cuda" if cuda else "cpu"  # the tracker's device type
+    step_device = device
+    if ranks > 1:
+        import torch.distributed as dist
+
+        if cuda:
+            torch.cuda.set_device(args.rank)
+            step_device = f"cuda:{args.rank}"
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{args.store}", rank=args.rank,
+                                world_size=ranks)
+    step = launch_bound_step(step_device, args.model)
 
     def timed(context):
         with context() as detector:
@@ -167,14 +199,19 @@ def main() -> None:
     detector = lambda: Detector(backend=args.backend)  # noqa: E731
     configs = {"plain": contextlib.nullcontext, "RecordFunction": record_function(False),
                "RecordFunction boxed": record_function(True), "capture-floor": capture_floor}
-    if cuda:  # the round's last session leaves the trace as the detector does, for the next round's plain
+    if ranks > 1:  # a round of every configuration costs a rank-pair's seconds: the detector and its floors only
+        configs = {"plain": contextlib.nullcontext, "RecordFunction boxed": record_function(True),
+                   "capture-floor": capture_floor, args.backend: detector}
+    elif cuda:  # the round's last session leaves the trace as the detector does, for the next round's plain
         configs.update({"cuda python-trace": python_trace, "cuda in-place trace": in_place_trace,
                         "cuda python-apply": python_apply, "cuda": detector})
     else:
         configs.update({"empty-mode": Empty, "virtual": detector, "virtual python-apply": python_apply})
     where = torch.cuda.get_device_name(0) if cuda else "CPU"
     width, depth, batch = MODELS[args.model]
-    print(f"torch {torch.__version__} on {where}; {args.model} MLP ({depth}x{width}, batch {batch}); {args.rounds} rounds of "
+    show = print if not args.rank else (lambda *a, **k: None)
+    show(f"torch {torch.__version__} on {where}; {args.model} MLP ({depth}x{width}, batch {batch}"
+         f"{f', {ranks} ranks' if ranks > 1 else ''}); {args.rounds} rounds of "
           f"{args.steps} steps; ratios: median over rounds of each round against the plain round beside it")
     times = {name: [] for name in configs}
     for _ in range(args.rounds):
@@ -186,9 +223,9 @@ def main() -> None:
         wall = statistics.median(t[1] for t in times[name])
         cpu_x = statistics.median(t[0] / p[0] for t, p in zip(times[name], plain))
         wall_x = statistics.median(t[1] / p[1] for t, p in zip(times[name], plain))
-        print(f"{name:20} cpu {cpu:7.3f} ms/step ({cpu_x:5.2f}x)   wall {wall:7.3f} ms/step ({wall_x:5.2f}x)")
+        show(f"{name:20} cpu {cpu:7.3f} ms/step ({cpu_x:5.2f}x)   wall {wall:7.3f} ms/step ({wall_x:5.2f}x)")
     if cuda:  # what torch's trace, on from the first session, leaves on the plain step after it
-        print(f"plain: first round (before any session) wall {plain[0][1]:.3f} ms/step; the later rounds' median "
+        show(f"plain: first round (before any session) wall {plain[0][1]:.3f} ms/step; the later rounds' median "
               f"{statistics.median(t[1] for t in plain[1:]):.3f}")
 
 
