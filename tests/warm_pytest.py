@@ -4,7 +4,8 @@ The suite starts about a hundred inner pytest sessions, and each used to spend 1
 its first line of pytest ran: on a 2-core CI machine, a fifth of the suite. Here each xdist worker keeps one server
 (this file, run as a script) that imports torch and pytest once and forks a session per request. From pytest's entry
 point on, a forked session is the session a user starts: the same argv, environment, working directory, ``sys.path``
-and standard streams, a process of its own that exits through the interpreter's normal shutdown; the plugin, xdist
+and standard streams, a process of its own that exits through the interpreter's shutdown (threads joined, atexit
+handlers run, streams flushed; not its last step, freeing every object: `_shut_down`); the plugin, xdist
 and every other pytest plugin are imported fresh in it (the server imports none of them), and so are dynamo and
 Inductor. What differs: torch was imported under the server's environment (torch's import-time settings, and
 OpenMP's thread count, follow the environment the server started with), the session's parent is the server, and
