@@ -212,7 +212,7 @@ def main() -> None:
     show = print if not args.rank else (lambda *a, **k: None)
     show(f"torch {torch.__version__} on {where}; {args.model} MLP ({depth}x{width}, batch {batch}"
          f"{f', {ranks} ranks' if ranks > 1 else ''}); {args.rounds} rounds of "
-          f"{args.steps} steps; ratios: median over rounds of each round against the plain round beside it")
+         f"{args.steps} steps; ratios: median over rounds of each round against the plain round beside it")
     times = {name: [] for name in configs}
     for _ in range(args.rounds):
         for name, context in configs.items():
@@ -226,7 +226,7 @@ def main() -> None:
         show(f"{name:20} cpu {cpu:7.3f} ms/step ({cpu_x:5.2f}x)   wall {wall:7.3f} ms/step ({wall_x:5.2f}x)")
     if cuda:  # what torch's trace, on from the first session, leaves on the plain step after it
         show(f"plain: first round (before any session) wall {plain[0][1]:.3f} ms/step; the later rounds' median "
-              f"{statistics.median(t[1] for t in plain[1:]):.3f}")
+             f"{statistics.median(t[1] for t in plain[1:]):.3f}")
 
 
 if __name__ == "__main__":

@@ -169,8 +169,8 @@ class Collectives:
         if plan.synchronous(args) or not python:
             self.hb.wait_stream(current, comm)
         work = None
-        boxed = out[plan.work] if plan.work is not None and isinstance(out, (tuple, list)) else out
-        if plan.work is not None and boxed is not None:  # none before the op ran (C++'s): unbox would raise, 0.1 ms
+        if plan.work is not None and out is not None:  # none before the op ran (C++'s): unbox would raise, 0.1 ms
+            boxed = out[plan.work] if isinstance(out, (tuple, list)) else out
             try:
                 work = Work.unbox(boxed)
             except (RuntimeError, TypeError):
