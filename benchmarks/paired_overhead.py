@@ -16,7 +16,8 @@ interpreter there with the events nobody listens to kept out of Python (``models
 the first session run as plain (where that interpreter does not build, they pay torch's: about 1.2x on an H200, and
 "cuda" is then against a plain step slowed by it). "python-apply" rows force the Python path (the feed unset) on the
 same core;
-"python-trace" leaves every GPU trace callback in Python (no `TraceShortcut`); "in-place trace" takes the trace's
+"python-trace" leaves every GPU trace callback in Python (no `TraceShortcut`), "events-in-python" only the event
+records and waits (a drain each: a dozen a DDP step); "in-place trace" takes the trace's
 frees and ignored events in C functions put in the registries' place, which torch's Python interpreter still calls
 (where the trace's own C++ interpreter does not build).
 
@@ -159,6 +160,25 @@ def main() -> None:
             yield d
 
     @contextlib.contextmanager
+    def events_in_python():  # the cuda detector with the trace's event records and waits in Python, a drain each
+        from unittest import mock
+
+        import torch.cuda._gpu_trace as trace
+
+        from pytest_streamrace.detector.models.cuda import TraceShortcut
+
+        install = TraceShortcut.install
+
+        def in_python(shortcut):
+            if shortcut.registry in (trace.EventRecordCallbacks, trace.EventWaitCallbacks):
+                shortcut._add_fallback()
+            else:
+                install(shortcut)
+
+        with mock.patch.object(TraceShortcut, "install", in_python), Detector(backend="cuda") as d:
+            yield d
+
+    @contextlib.contextmanager
     def in_place_trace():  # the cuda detector with C functions in the registries, not the trace's C++ interpreter
         from unittest import mock
 
@@ -202,6 +222,8 @@ def main() -> None:
     if ranks > 1:  # a round of every configuration costs a rank-pair's seconds: the detector and its floors only
         configs = {"plain": contextlib.nullcontext, "RecordFunction boxed": record_function(True),
                    "capture-floor": capture_floor, args.backend: detector}
+        if cuda:
+            configs["cuda events-in-python"] = events_in_python
     elif cuda:  # the round's last session leaves the trace as the detector does, for the next round's plain
         configs.update({"cuda python-trace": python_trace, "cuda in-place trace": in_place_trace,
                         "cuda python-apply": python_apply, "cuda": detector})

@@ -374,7 +374,7 @@ def free_shortcut(extension, how: str, fallback=None, busy=None):
         torch._C._activate_gpu_trace()  # for good in this process: on CPU no CUDA code reports to it
         registry = trace.MemoryDeallocationCallbacks
         assert not registry.callback_list
-        patches = [native_trace(native, extension.free_from_trace),
+        patches = [native_trace(native, extension),
                    TraceShortcut(registry, _routed(native, "free"), fallback)]
         fire = lambda ptr: native.emit("free", [ptr])  # noqa: E731
     if busy is not None:
@@ -409,6 +409,53 @@ def test_a_traced_free_lands_between_the_captured_ops_it_came_between(extension,
         tracker.drain()
         assert t.untyped_storage().data_ptr() not in tracker.watched
     assert [r.kind for r in hb.races] == ([] if waited else ["free-while-in-use"]), hb.races
+
+
+@contextlib.contextmanager
+def event_shortcut(extension):
+    """`fire(event, args)`: torch's CUDA code reporting an event record or wait to the trace, which the cuda model's
+    shortcut (``gpu_trace.cpp``'s interpreter) queues in the capture, while inside."""
+    import torch.cuda._gpu_trace as trace
+
+    from pytest_streamrace.detector.models.cuda import TraceShortcut, _routed, native_trace
+
+    native = capture.load_trace()
+    if native is None:
+        pytest.skip(f"the GPU trace's interpreter does not build here: {capture.trace_failure()}")
+    torch._C._activate_gpu_trace()
+    patches = [native_trace(native, extension)]
+    for registry, kind in [(trace.EventRecordCallbacks, "event_record"), (trace.EventWaitCallbacks, "event_wait")]:
+        assert not registry.callback_list
+        patches.append(TraceShortcut(registry, _routed(native, kind), fallback=lambda *args: pytest.fail("Python")))
+    for patch in patches:
+        patch.install()
+    try:
+        yield native.emit
+    finally:
+        for patch in reversed(patches):
+            patch.uninstall()
+        native.route("event_record", False)
+        native.route("event_wait", False)
+
+
+@pytest.mark.parametrize("recorded", ["after the write", "before the write"])
+def test_traced_event_records_and_waits_land_between_the_captured_ops_they_came_between(extension, recorded):
+    """An event recorded on the program's stream and waited on by a side stream, taken in C++ (no Python per event),
+    orders the side stream after what the program's stream ran before the record: the write before it is ordered
+    before the side stream's read; a write captured after the record (still unapplied when the record came) is not."""
+    with event_shortcut(extension) as fire, capturing(extension) as (hb, tracker):
+        hb.add_stream(7, "side")
+        t = torch.zeros(4)
+        tracker.drain()
+        if recorded == "before the write":
+            fire("event_record", [11, 0])
+        t.add_(1)  # captured on stream 0, not yet applied
+        if recorded == "after the write":
+            fire("event_record", [11, 0])
+        fire("event_wait", [11, 7])
+        fire("event_wait", [12, 7])  # an event never recorded: no wait, and no error
+        tracker.run("side_read", 7, reads=[t])
+    assert [r.kind for r in hb.races] == ([] if recorded == "after the write" else ["read-after-write"]), hb.races
 
 
 @pytest.mark.parametrize("how", ["in place", "interpreter"])
@@ -466,7 +513,7 @@ def test_the_trace_interpreter_hands_torch_every_event_it_does_not_take(extensio
                  (trace.StreamSynchronizationCallbacks, lambda stream: seen.append(("stream sync", stream)))]
     for registry, listener in listeners:
         registry.add_callback(listener)
-    patch = native_trace(native, extension.free_from_trace)
+    patch = native_trace(native, extension)
     try:
         patch.install()
         assert native.installed()
@@ -510,7 +557,7 @@ def test_between_sessions_the_trace_keeps_out_of_python_what_nobody_listens_to(e
     monkeypatch.setattr(type(registry), "fire_callbacks", counted)
 
     def session():
-        return [native_trace(native, extension.free_from_trace), TraceShortcut(registry, _routed(native, "allocation"))]
+        return [native_trace(native, extension), TraceShortcut(registry, _routed(native, "allocation"))]
 
     def run(patches, *then):
         for patch in patches:

@@ -94,9 +94,12 @@ struct Plan { bool below_autograd = false, record = false, handoff = false, fres
                    copy = false, keep_args = false, sync = false; std::vector<std::pair<size_t, bool>> args;
               std::vector<std::pair<std::string, bool>> names; };  // keep_args: (name, keyword-only) per argument
 
+// An op's record, or (`what`) a storage's free or a CUDA event recorded or waited on, queued in order with the ops.
+enum class What : uint8_t { kOp, kFree, kEventRecord, kEventWait };
 struct Record {
-  bool free = false; const char* op = nullptr; int64_t stream = 0; bool in_node = false;
-  std::vector<Span> accesses, fresh; std::shared_ptr<Stack> stack; int64_t freed = 0;
+  What what = What::kOp; const char* op = nullptr; int64_t stream = 0; bool in_node = false;
+  std::vector<Span> accesses, fresh; std::shared_ptr<Stack> stack;
+  int64_t handle = 0;  // a free's storage, an event's handle
   // the autograd sequence number: in forward, of the node the op may create; in backward, of the node running it
   int64_t seq = -1; std::string node;
   // a stream the host waited for inside this op (a read-back: a copy to the host, t[mask]). Not 0 for none: 0 is a
@@ -688,13 +691,26 @@ bool sync_inside_op(int64_t stream) {
 // may be handed out again from now on, to a storage the tracker does not watch yet. stack: whether to take one.
 void mark_free(int64_t ptr, bool stack) {
   Record r;
-  r.free = true;
-  r.freed = ptr;
+  r.what = What::kFree;
+  r.handle = ptr;
   if (stack) r.stack = stack_here();
   {
     std::lock_guard<std::mutex> guard(known_mutex);
     known.erase(ptr);
   }
+  std::lock_guard<std::mutex> guard(mutex);
+  records.push_back(std::move(r));
+}
+
+// A CUDA event recorded on `stream`, or `stream` waiting on it (`wait`), as the GPU trace reports it (gpu_trace.cpp's
+// interpreter, in a session, from any thread): queued in order with the ops; the feed applies it to the core with no
+// Python. No stack (an event's record or wait is never a race's access).
+void event_from_trace(bool wait, int64_t event, int64_t stream) {
+  if (!on.load()) return;
+  Record r;
+  r.what = wait ? What::kEventWait : What::kEventRecord;
+  r.handle = event;
+  r.stream = stream;
   std::lock_guard<std::mutex> guard(mutex);
   records.push_back(std::move(r));
 }
@@ -764,7 +780,7 @@ void watch_held(py::list& out, const std::vector<Span>& spans) {
       out.append(py::make_tuple("watch", t.storage, py::reinterpret_steal<py::object>(THPStorage_Wrap(t.held))));
 }
 
-// ("free", ptr, stack or None), ("op", name, stream, in_node, accesses, fresh, stack, seq, node name or None, synced
+// ("free", ptr, stack or None), ("event_record" or "event_wait", event, stream), ("op", name, stream, in_node, accesses, fresh, stack, seq, node name or None, synced
 // stream or None, (args, kwargs) or None), or ("watch", ptr, storage) right after the op that first saw a storage (host
 // memory); a tensor is (storage, start, end, write, shape, dtype[, nbytes]).
 py::list drain() {
@@ -773,8 +789,12 @@ py::list drain() {
   py::list out;
   for (auto& r : taken) {
     py::object stack = r.stack ? py::cast(r.stack) : py::object(py::none());
-    if (r.free) {
-      out.append(py::make_tuple("free", r.freed, stack));
+    if (r.what == What::kFree) {
+      out.append(py::make_tuple("free", r.handle, stack));
+      continue;
+    }
+    if (r.what != What::kOp) {
+      out.append(py::make_tuple(r.what == What::kEventWait ? "event_wait" : "event_record", r.handle, r.stream));
       continue;
     }
     py::list accesses, fresh;
@@ -935,7 +955,7 @@ class Feed {
       std::vector<Record> taken = take_records();
       if (taken.empty()) break;
       for (auto& r : taken) {
-        if (name_first && !r.free) {
+        if (name_first && r.what == What::kOp) {
           first = py::str(r.op);
           name_first = false;
         }
@@ -972,7 +992,7 @@ class Feed {
   }
 
   void note(const Record& r, py::str type, py::str message) {
-    std::string what = r.free ? "free" : r.op;
+    std::string what = r.what == What::kOp ? r.op : r.what == What::kFree ? "free" : "an event's record or wait";
     note_(py::str("{} is not checked: {}: {}").format(what, type, message));
   }
 
@@ -990,7 +1010,7 @@ class Feed {
   Payload site(Record& r) {  // takes the record's node name
     auto* made = new Site();
     Payload payload = Payload::native(made);
-    made->op = r.free ? "free" : r.op;
+    made->op = r.what == What::kFree ? "free" : r.op;
     made->stack = r.stack;
     if (r.in_node) {
       made->node = r.node.empty() ? std::string("a backward node") : std::move(r.node);
@@ -1027,12 +1047,18 @@ class Feed {
   }
 
   void apply_one(Record& r) {
-    if (r.free) {  // tracker._freed
-      py::object key = int_key(r.freed);
+    if (r.what == What::kFree) {  // tracker._freed
+      py::object key = int_key(r.handle);
       if (!pop(watched_.ptr(), key.ptr())) return;  // never touched by a tracked op
       if (PyDict_GET_SIZE(names_.ptr()) > 0) pop(names_.ptr(), key.ptr());
       pop(last_writer_.ptr(), key.ptr());
-      core_.free(r.freed, site(r));
+      core_.free(r.handle, site(r));
+      return;
+    }
+    if (r.what != What::kOp) {  // the cuda model's _event_record / _event_wait
+      int32_t id = stream(r.stream).first;
+      if (r.what == What::kEventRecord) core_.record_event(r.handle, id);
+      else core_.wait_event(id, r.handle);
       return;
     }
     auto [id, stream_key] = stream(r.stream);
@@ -1157,6 +1183,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   for (auto& def : traced_defs)
     m.attr(def.ml_name) = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.attr("__name__").ptr()));
   m.attr("free_from_trace") = py::capsule(reinterpret_cast<void*>(&free_from_trace), "streamrace.free_from_trace");
+  m.attr("event_from_trace") = py::capsule(reinterpret_cast<void*>(&event_from_trace), "streamrace.event_from_trace");
   py::class_<feed::Feed>(m, "Feed")
       .def(py::init<py::object, py::object>(), py::arg("core"), py::arg("tracker"))
       .def("apply", &feed::Feed::apply, py::arg("streams"), py::arg("engine_records_streams"), py::arg("name_first"))

@@ -5,8 +5,9 @@
 // GIL, imports torch.cuda._gpu_trace and calls a Python method each time: about 0.2 ms of a launch-bound step on an
 // H200 (docs/gpu-validation.md). For the session this module puts an interpreter of its own there, which hands each
 // event either to torch's (`route(kind, False)`, the default: Python's registries see it as before) or, for the four
-// kinds above, takes it in C++ (`route(kind, True)`): a free goes to the capture's queue, in order with the ops; the
-// rest is dropped. Stream, event and device synchronizations always go to torch's.
+// kinds above and event records and waits, takes it in C++ (`route(kind, True)`): a free, an event record or wait goes
+// to the capture's queue, in order with the ops (the feed applies records and waits to the C++ core, with no Python
+// per event: a dozen a DDP step); the rest is dropped. Stream, event and device synchronizations always go to torch's.
 //
 // The trace cannot be switched off again once on, and torch's interpreter would cost every allocation and free that
 // trip through Python for the rest of the process: 1.2x on a launch-bound step after the first session (paired on an
@@ -32,10 +33,20 @@ namespace streamrace_trace {
 using namespace c10;
 using namespace c10::impl;
 
-enum Kind { kAllocation, kFree, kEventCreation, kEventDeletion, kKinds };
+enum Kind { kAllocation, kFree, kEventCreation, kEventDeletion, kEventRecord, kEventWait, kKinds };
 std::atomic<bool> in_cpp[kKinds];  // taken here rather than handed to torch's interpreter
 std::atomic<const PyInterpreter*> torch_trace{nullptr};  // what the trace held before `install`
-std::atomic<void (*)(int64_t)> on_free{nullptr};  // the capture's (a capsule), in a session: queues the free in order
+// The capture's (capsules), in a session: each queues its event in order with the ops.
+std::atomic<void (*)(int64_t)> on_free{nullptr};
+std::atomic<void (*)(bool, int64_t, int64_t)> on_event{nullptr};  // (wait, event, stream)
+
+void queue_event(bool wait, uintptr_t event, uintptr_t stream) {
+  try {  // inside torch's CUDA code: nothing may escape
+    auto queue = on_event.load(std::memory_order_acquire);
+    if (queue != nullptr) queue(wait, static_cast<int64_t>(event), static_cast<int64_t>(stream));
+  } catch (...) {
+  }
+}
 
 [[noreturn]] void unreachable(const char* method) {
   throw std::logic_error(std::string("streamrace: the GPU trace's interpreter has no ") + method);
@@ -63,10 +74,12 @@ struct TraceVTable final : PyInterpreterVTable {
     }
   }
   void trace_gpu_event_record(DeviceType device, uintptr_t event, uintptr_t stream) const override {
-    original().trace_gpu_event_record(device, event, stream);
+    if (!here(kEventRecord)) return original().trace_gpu_event_record(device, event, stream);
+    queue_event(false, event, stream);
   }
   void trace_gpu_event_wait(DeviceType device, uintptr_t event, uintptr_t stream) const override {
-    original().trace_gpu_event_wait(device, event, stream);
+    if (!here(kEventWait)) return original().trace_gpu_event_wait(device, event, stream);
+    queue_event(true, event, stream);
   }
   void trace_gpu_stream_creation(DeviceType device, uintptr_t stream) const override {
     original().trace_gpu_stream_creation(device, stream);
@@ -89,18 +102,23 @@ const TraceVTable* vtable = new TraceVTable();
 const PyInterpreter* interpreter = new PyInterpreter(vtable);
 
 // Puts this interpreter in the trace (which must be on: torch._C._activate_gpu_trace), the frees it takes going to
-// `free` from now on. False when the trace is not on.
-bool install(py::capsule free) {
+// `free` and the event records and waits to `event` from now on. False when the trace is not on.
+bool install(py::capsule free, py::capsule event) {
   const PyInterpreter* current = GPUTrace::get_trace();
   if (current == nullptr) return false;
   if (current != interpreter) torch_trace.store(current, std::memory_order_release);
   on_free.store(reinterpret_cast<void (*)(int64_t)>(free.get_pointer<void>()), std::memory_order_release);
+  on_event.store(reinterpret_cast<void (*)(bool, int64_t, int64_t)>(event.get_pointer<void>()),
+                 std::memory_order_release);
   GPUTrace::gpuTraceState.store(interpreter, std::memory_order_release);
   return true;
 }
 
-// The session is over: the frees it takes go nowhere. The interpreter stays, with the kinds routed as they are.
-void uninstall() { on_free.store(nullptr, std::memory_order_release); }
+// The session is over: what it takes goes nowhere. The interpreter stays, with the kinds routed as they are.
+void uninstall() {
+  on_free.store(nullptr, std::memory_order_release);
+  on_event.store(nullptr, std::memory_order_release);
+}
 
 bool installed() { return GPUTrace::get_trace() == interpreter; }
 
@@ -115,6 +133,7 @@ void emit(const std::string& event, const std::vector<int64_t>& args) {
   else if (event == "event_creation") (*trace)->trace_gpu_event_creation(cuda, at(0));
   else if (event == "event_deletion") (*trace)->trace_gpu_event_deletion(cuda, at(0));
   else if (event == "event_record") (*trace)->trace_gpu_event_record(cuda, at(0), at(1));
+  else if (event == "event_wait") (*trace)->trace_gpu_event_wait(cuda, at(0), at(1));
   else if (event == "stream_synchronization") (*trace)->trace_gpu_stream_synchronization(cuda, at(0));
   else throw std::invalid_argument("unknown GPU trace event: " + event);
 }
@@ -123,11 +142,12 @@ void emit(const std::string& event, const std::vector<int64_t>& args) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace streamrace_trace;
-  m.def("install", &install, py::arg("free"));
+  m.def("install", &install, py::arg("free"), py::arg("event"));
   m.def("uninstall", &uninstall);
   m.def("installed", &installed);
   m.def("route", [](const std::string& kind, bool here) {
-    static const std::vector<std::string> names{"allocation", "free", "event_creation", "event_deletion"};
+    static const std::vector<std::string> names{"allocation", "free", "event_creation", "event_deletion",
+                                                "event_record", "event_wait"};
     for (size_t i = 0; i < names.size(); ++i)
       if (names[i] == kind) return in_cpp[i].store(here);
     throw std::invalid_argument("unknown GPU trace event kind: " + kind);

@@ -678,6 +678,31 @@ class PyCore {
     return stream_id(key);
   }
 
+  // Events by raw handle (the cuda model's cudaEvent_t): kept here, where the Feed records and waits on them without
+  // Python, and where hb_native.py sends every int-keyed event (hb.py keeps int keys the same way: until recorded
+  // again, never dropped). A never-recorded event is no wait, as in hb.wait_event.
+  void record_event(int64_t event, int32_t id) {
+    Guard g(mutex_);
+    events_[event] = core_.snapshot(id);
+    created(id);
+  }
+
+  void wait_event(int32_t id, int64_t event) {
+    Guard g(mutex_);
+    auto found = events_.find(event);
+    core_.wait_snapshot(id, found == events_.end() ? nullptr : &found->second);
+    created(id);
+  }
+
+  void record_event(int64_t event, py::handle stream) { record_event(event, locked_stream_id(stream)); }
+  void wait_event(py::handle stream, int64_t event) { wait_event(locked_stream_id(stream), event); }
+
+  py::object event_snapshot(int64_t event) {
+    Guard g(mutex_);
+    auto found = events_.find(event);
+    return found == events_.end() ? py::object(py::none()) : py::cast(found->second);
+  }
+
   void record_stream(int64_t storage, int32_t id) {
     Guard g(mutex_);
     core_.record_stream(storage, id);
@@ -774,6 +799,7 @@ class PyCore {
   py::dict stream_ids_, storage_ids_;
   std::vector<py::object> names_;  // by stream id: None until the stream counts
   std::vector<py::object> storage_keys_;  // interned storage keys, by -id - 1
+  std::unordered_map<int64_t, Snapshot> events_;  // by raw handle
 };
 
 py::object clock_dict(const Op& op, const Clock& clock) {
@@ -822,6 +848,11 @@ void bind_core(py::module_& m) {
       .def_property_readonly("frees_can_race", &PyCore::frees_can_race)
       .def("snapshot", &PyCore::snapshot, py::arg("stream"))
       .def("wait_snapshot", &PyCore::wait_snapshot, py::arg("stream"), py::arg("snapshot").none(true))
+      .def("record_event", py::overload_cast<int64_t, py::handle>(&PyCore::record_event), py::arg("event"),
+           py::arg("stream"))
+      .def("wait_event", py::overload_cast<py::handle, int64_t>(&PyCore::wait_event), py::arg("stream"),
+           py::arg("event"))
+      .def("event_snapshot", &PyCore::event_snapshot, py::arg("event"))
       .def("wait_stream", &PyCore::wait_stream, py::arg("waiter"), py::arg("target"))
       .def("synchronize_stream", &PyCore::synchronize_stream, py::arg("stream"), py::arg("implicit") = py::none())
       .def("synchronize_snapshot", &PyCore::synchronize_snapshot, py::arg("snapshot"),

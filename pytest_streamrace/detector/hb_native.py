@@ -18,6 +18,11 @@ from .hb import FREE, RAW, WAR, WAW, Access, Events, Found, Race, Site, TensorIn
 _KINDS = (RAW, WAR, WAW, FREE)  # hb_core.cpp's Kind
 
 
+def _handle(event) -> bool:
+    """Whether an event key is a raw handle, which the core keeps (an int that fits its int64)."""
+    return type(event) is int and -(1 << 63) <= event < (1 << 63)
+
+
 class _Races(Found):
     """The races and latent races found so far (hb.Found, as hb.py keeps them), with the candidates the core hands
     over turned into them. Kept apart from the core object, which calls `judge`: a reference back to
@@ -93,21 +98,31 @@ class NativeHappensBefore:
         """Whether a free may yet be judged or traced (see hb.HappensBefore.frees_can_race)."""
         return self.core.frees_can_race
 
-    # events: snapshots kept by event key here, as hb.py keeps them
+    # events: raw handles (ints: the cuda model's) in the core, where the capture's feed records and waits on them
+    # too; other keys' snapshots here, as hb.py keeps them (weakly where the key allows)
 
     def record_event(self, event: Hashable, stream: Hashable) -> None:
+        if _handle(event):
+            self.core.record_event(event, stream)
+            return
         with self._event_lock:
             self._events.put(event, self.core.snapshot(stream))
 
     def wait_event(self, stream: Hashable, event: Hashable) -> None:
+        if _handle(event):
+            self.core.wait_event(stream, event)
+            return
         with self._event_lock:
             self.core.wait_snapshot(stream, self._events.get(event))
 
     def synchronize_event(self, event: Hashable, implicit: Site | None = None) -> None:
-        with self._event_lock:
-            snapshot = self._events.get(event)
-            if snapshot is not None:
-                self.core.synchronize_snapshot(snapshot, implicit)
+        if _handle(event):
+            snapshot = self.core.event_snapshot(event)
+        else:
+            with self._event_lock:
+                snapshot = self._events.get(event)
+        if snapshot is not None:
+            self.core.synchronize_snapshot(snapshot, implicit)
 
     # results
 

@@ -351,6 +351,12 @@ class AccessTracker(TorchDispatchMode):
                 if kind == "free":
                     self._freed(record[1], Site("free", Captured(record[2]) if record[2] is not None else ()))
                     continue
+                if kind == "event_record":  # the GPU trace's, taken in C++ (models.cuda, TraceShortcut)
+                    self.hb.record_event(record[1], record[2])
+                    continue
+                if kind == "event_wait":
+                    self.hb.wait_event(record[2], record[1])
+                    continue
                 _, name, stream, in_node, spans, fresh, captured, seq, node, synced, arguments = record
                 if streams is not None:
                     stream = streams[stream]

@@ -166,9 +166,11 @@ class CudaStreams:
                                                             lambda stream: self._stream_sync(stream.cuda_stream)))]
 
     def _shortcuts(self) -> list:
-        """The allocator's frees (`_dealloc`) and the trace events the model ignores, without Python where the
-        capture's extension is built (`TraceShortcut`): taken in C++ by the trace's own interpreter (``gpu_trace.cpp``)
-        where it builds, else by C functions in place of the registries' Python method."""
+        """The allocator's frees (`_dealloc`), event records and waits (`_event_record`, `_event_wait`: a dozen a
+        DDP step, each a drain in Python) and the trace events the model ignores, without Python where the capture's
+        extension is built (`TraceShortcut`): taken in C++ by the trace's own interpreter (``gpu_trace.cpp``), which
+        queues frees and events in order with the captured ops, where it builds; else frees and the ignored events by
+        C functions in place of the registries' Python method, and events in Python."""
         import torch.cuda._gpu_trace as trace
 
         from .. import capture
@@ -178,12 +180,16 @@ class CudaStreams:
         kinds = [(trace.MemoryDeallocationCallbacks, "free", self._dealloc),
                  (trace.MemoryAllocationCallbacks, "allocation", None),
                  (trace.EventCreationCallbacks, "event_creation", None),
-                 (trace.EventDeletionCallbacks, "event_deletion", None)]
+                 (trace.EventDeletionCallbacks, "event_deletion", None),
+                 (trace.EventRecordCallbacks, "event_record", self._event_record),
+                 (trace.EventWaitCallbacks, "event_wait", self._event_wait)]
         if native is not None:
-            return [native_trace(native, extension.free_from_trace),
+            return [native_trace(native, extension),
                     *(TraceShortcut(registry, _routed(native, kind), fallback) for registry, kind, fallback in kinds)]
-        return [TraceShortcut(registry, _in_place(registry, None if extension is None else (
-            extension.traced_free if kind == "free" else extension.traced_nothing)), fallback)
+        in_place = {} if extension is None else {"free": extension.traced_free, "allocation": extension.traced_nothing,
+                                                 "event_creation": extension.traced_nothing,
+                                                 "event_deletion": extension.traced_nothing}
+        return [TraceShortcut(registry, _in_place(registry, in_place.get(kind)), fallback)
                 for registry, kind, fallback in kinds]
 
     def _explicit_patches(self) -> list:
@@ -200,9 +206,7 @@ class CudaStreams:
 
         self.hb.add_stream(torch.cuda.default_stream().cuda_stream, "default stream")
         torch._C._activate_gpu_trace()
-        pairs = [(trace.StreamCreationCallbacks, self._stream_created),
-                 (trace.EventRecordCallbacks, self._event_record),
-                 (trace.EventWaitCallbacks, self._event_wait),
+        pairs = [(trace.StreamCreationCallbacks, self._stream_created),  # records and waits: `_shortcuts`
                  (trace.EventSynchronizationCallbacks, self._event_sync),
                  (trace.StreamSynchronizationCallbacks, self._stream_sync),
                  (trace.DeviceSynchronizationCallbacks, self._device_sync)]
@@ -217,11 +221,11 @@ class CudaStreams:
         self._registered.clear()
 
 
-def native_trace(native, free_from_trace) -> CallPatch:
+def native_trace(native, extension) -> CallPatch:
     """A patch: the GPU trace's interpreter is ``gpu_trace.cpp``'s from now on (it must come after the trace is
-    activated), its frees going to the capture while installed. It hands torch's Python interpreter every event no
-    `TraceShortcut` takes."""
-    return CallPatch(lambda: native.install(free_from_trace), native.uninstall)
+    activated), its frees and event records and waits going to the capture (`extension`) while installed. It hands
+    torch's Python interpreter every event no `TraceShortcut` takes."""
+    return CallPatch(lambda: native.install(extension.free_from_trace, extension.event_from_trace), native.uninstall)
 
 
 def _routed(native, kind: str):
