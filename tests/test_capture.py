@@ -1,5 +1,5 @@
 """The C++ op capture (the cuda backend's source of ops), run here on CPU tensors: it must hand the tracker what the
-dispatch mode does — the same ops, the same byte ranges, the user's lines — and c10d ops to Python at once."""
+dispatch mode does — the same ops, the same byte ranges, the user's lines — and c10d ops to their model in order."""
 
 from __future__ import annotations
 
@@ -213,6 +213,41 @@ def test_c10d_ops_are_handed_to_python_on_the_issuing_thread(extension, tmp_path
             ("start", "c10d::allreduce_", True), ("end", "c10d::allreduce_", False)]
         for _, _, lists, _ in handed:
             assert lists and lists[0][0] is t  # the caller's own tensor, not a copy
+    finally:
+        dist.destroy_process_group()
+
+
+def test_queued_c10d_ops_reach_the_model_once_in_order_from_the_records(extension, tmp_path):
+    """A queued namespace's op (c10d, the collectives model's) is not handed over while it runs: it is queued with the
+    issuing thread's stream and stack and reaches the handler once, at the next drain, after the ops before it and
+    before those after it. One torch's C++ issues comes as of its start (no outputs); one Python issues (``issuing``)
+    as it returned, with its Work."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        handed = []
+        with capturing(extension) as (hb, tracker):
+            def handler(func, args, kwargs, out, phase, stream=None, frames=None):
+                applied = [op.site.op for op in hb.timeline]
+                handed.append((phase, func.name(), out is None, stream, frames.resolve()[0][1], applied))
+            tracker.namespace_handlers["c10d"] = handler
+            tracker.queued_namespaces.add("c10d")
+            t = torch.ones(4)
+            tracker.drain()
+            t.mul_(2)
+            # not marked as Python's: as torch's C++ issues one
+            dist.all_reduce(t, async_op=True).wait()  # queued-start
+            assert handed == []  # nothing in Python until the next drain
+            t.add_(1)
+            tracker.issuing(True)
+            work = dist.all_reduce(t, async_op=True)  # python-issued
+            tracker.issuing(False)
+            work.wait()
+            tracker.drain()
+        assert handed == [
+            ("start", "c10d::allreduce_", True, 0, line("queued-start"), ["aten::ones", "aten::mul_"]),
+            ("end", "c10d::allreduce_", False, 0, line("python-issued"), ["aten::ones", "aten::mul_", "aten::add_"])]
     finally:
         dist.destroy_process_group()
 

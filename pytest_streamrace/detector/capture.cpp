@@ -90,12 +90,16 @@ py::str dtype_name(c10::ScalarType dtype) {
 }
 
 // What to do with an op, decided once (by the tracker's plan) per op overload.
-struct Plan { bool below_autograd = false, record = false, handoff = false, fresh = false, writes_output = false,
-                   copy = false, keep_args = false, sync = false; std::vector<std::pair<size_t, bool>> args;
+// handoff: a c10d op the Python model handles, handed over at its start and its end on the issuing thread; queued: one
+// the model takes from the records instead, once (`queue_handoff`).
+struct Plan { bool below_autograd = false, record = false, handoff = false, queued = false, fresh = false,
+                   writes_output = false, copy = false, keep_args = false, sync = false;
+              std::vector<std::pair<size_t, bool>> args; std::string overload;
               std::vector<std::pair<std::string, bool>> names; };  // keep_args: (name, keyword-only) per argument
 
-// An op's record, or (`what`) a storage's free or a CUDA event recorded or waited on, queued in order with the ops.
-enum class What : uint8_t { kOp, kFree, kEventRecord, kEventWait };
+// An op's record, or (`what`) a storage's free, a CUDA event recorded or waited on, or a queued c10d op (before it
+// ran: issued by torch's C++; as it returned: by Python), in order with the ops.
+enum class What : uint8_t { kOp, kFree, kEventRecord, kEventWait, kHandoffStart, kHandoffEnd };
 struct Record {
   What what = What::kOp; const char* op = nullptr; int64_t stream = 0; bool in_node = false;
   std::vector<Span> accesses, fresh; std::shared_ptr<Stack> stack;
@@ -108,6 +112,7 @@ struct Record {
   bool sync = false;  // the op is a host sync's (tracker.host_syncs): the tracker judges whether it applies
   int64_t touched = 0;  // tensors of the modelled device among its arguments and fresh outputs, empty ones included
   std::shared_ptr<const Plan> plan; std::vector<c10::IValue> args;  // the arguments, where the plan keeps them
+  std::vector<c10::IValue> outputs;  // a queued c10d op's, as it returned
 };
 
 // plan null: the op is only watched for the autograd nodes it makes (node_streams.cpp)
@@ -153,6 +158,9 @@ py::object* drain_fn = nullptr;  // applies the records, called every `kDrainEve
 thread_local int depth = 0;  // ops below autograd running on this thread
 thread_local bool paused = false;  // this thread's work is modelled by hand (set_recording): others still record
 thread_local Record* in_flight = nullptr;  // the record of the op this thread is running, until on_end pushes it
+// > 0 while Python issues a collective on this thread (`set_issuing`), in this session (`generation`)
+thread_local int issuing_here = 0;
+thread_local uint64_t issuing_generation = 0;
 
 // Host memory (the virtual model). The current stream is the model's: a small int per stream that Python sets per
 // thread (`set_stream`); 0, the default stream, on a thread that never set one in this session (`generation`).
@@ -316,12 +324,15 @@ std::shared_ptr<const Plan> plan_for(const at::RecordFunction& fn) {
   auto op = c10::Dispatcher::singleton().findOp(*name);
   plan.below_autograd = op && reaches_kernel(*op);
   plan.copy = name->name == "aten::copy_";
+  plan.overload = name->overload_name;
   if (plan.below_autograd) {
     py::gil_scoped_acquire gil;
     if (plan_fn == nullptr) return nullptr;
     py::object got = (*plan_fn)(name->name, name->overload_name);
     if (py::isinstance<py::str>(got)) {
-      plan.handoff = got.cast<std::string>() == "handled";
+      auto how = got.cast<std::string>();
+      plan.handoff = how == "handled" || how == "queued";
+      plan.queued = how == "queued";
     } else if (!got.is_none()) {
       auto t = got.cast<py::tuple>();
       for (auto item : t[0].cast<py::list>()) {
@@ -440,21 +451,28 @@ bool into_pageable_host(const at::RecordFunction& fn) {
   return dst.defined() && src.defined() && src.is_cuda() && dst.device().is_cpu() && !dst.is_pinned();
 }
 
+// An op's values as Python objects: its arguments as a tuple; its outputs as the op returns them (one, or a tuple).
+py::tuple values_object(const std::vector<c10::IValue>& values) {
+  py::tuple out(values.size());
+  for (size_t i = 0; i < values.size(); ++i) out[i] = torch::jit::toPyObject(values[i]);
+  return out;
+}
+
+py::object outputs_object(const std::vector<c10::IValue>& outputs) {  // None for none (a queued op's start)
+  if (outputs.empty()) return py::none();
+  if (outputs.size() == 1) return torch::jit::toPyObject(outputs[0]);
+  return values_object(outputs);
+}
+
 // A c10d op to the Python model, on the issuing thread: at "start" (before it runs; `out` is None) and at "end".
 void hand_over(const at::RecordFunction& fn, const std::vector<c10::IValue>& inputs, const char* phase) {
   if (paused || !on.load()) return;
   py::gil_scoped_acquire gil;
-  py::tuple args(inputs.size());
-  for (size_t i = 0; i < inputs.size(); ++i) args[i] = torch::jit::toPyObject(inputs[i]);
+  py::tuple args = values_object(inputs);
   py::object out = py::none();
   if (phase[0] == 'e') {
     auto outputs = fn.outputs();
-    if (outputs.size() == 1) out = torch::jit::toPyObject(outputs[0]);
-    else {
-      py::tuple t(outputs.size());
-      for (size_t i = 0; i < outputs.size(); ++i) t[i] = torch::jit::toPyObject(outputs[i]);
-      out = t;
-    }
+    out = outputs_object(std::vector<c10::IValue>(outputs.begin(), outputs.end()));
   }
   auto name = fn.operator_name();
   try {
@@ -493,6 +511,13 @@ bool in_node(Record& r) {
   return true;
 }
 
+void queue_handoff(const at::RecordFunction& fn, std::shared_ptr<const Plan> plan, std::vector<c10::IValue> args,
+                   std::vector<c10::IValue> outputs, What what);  // below
+
+bool issuing() {  // Python issues the collective this thread runs
+  return issuing_here > 0 && issuing_generation == generation.load(std::memory_order_relaxed);
+}
+
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (depth > 0 || paused || !on.load()) return nullptr;
   auto plan = plan_for(fn);
@@ -504,7 +529,8 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (plan->handoff) {
     auto inputs = fn.inputs();
     pending->inputs.assign(inputs.begin(), inputs.end());
-    hand_over(fn, pending->inputs, "start");
+    if (!plan->queued) hand_over(fn, pending->inputs, "start");
+    else if (!issuing()) queue_handoff(fn, plan, pending->inputs, {}, What::kHandoffStart);
   }
   if (plan->record) {
     Record& r = pending->record;
@@ -555,6 +581,23 @@ void push(Record&& r) {
   if (full) drain_now();
 }
 
+// A c10d op the Python model takes from the records (a queued plan), with its arguments (and outputs), this thread's
+// stream and stack: applied in order at the next drain, on whichever thread drains, with no Python here. A collective
+// torch's C++ issues (DDP's reducer, from the autograd engine's thread) is queued before it runs; one Python issues,
+// as it returns with its Work (collectives.py says why each). The values hold the op's tensors until drained.
+void queue_handoff(const at::RecordFunction& fn, std::shared_ptr<const Plan> plan, std::vector<c10::IValue> args,
+                   std::vector<c10::IValue> outputs, What what) {
+  Record r;
+  r.what = what;
+  r.op = fn.name();
+  r.plan = std::move(plan);
+  r.args = std::move(args);
+  r.outputs = std::move(outputs);
+  r.stream = current_stream();
+  r.stack = stack_here();
+  push(std::move(r));
+}
+
 void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
   if (context == nullptr) return;
   auto* pending = static_cast<Pending*>(context);
@@ -563,7 +606,13 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
   if (plan == nullptr) return;  // nodes_only
   --depth;
   if (plan->handoff) {
-    hand_over(fn, pending->inputs, "end");
+    if (!plan->queued) {
+      hand_over(fn, pending->inputs, "end");
+    } else if (issuing()) {
+      auto outputs = fn.outputs();
+      queue_handoff(fn, pending->plan, std::move(pending->inputs), {outputs.begin(), outputs.end()},
+                    What::kHandoffEnd);
+    }
     return;
   }
   if (!plan->record) return;
@@ -653,6 +702,14 @@ void disable() {
 }
 
 void set_recording(bool value) { paused = !value; }
+
+// Python issues a collective on this thread (true) or is done issuing it (false): its c10d op is queued as it returns.
+void set_issuing(bool value) {
+  uint64_t now = generation.load(std::memory_order_relaxed);
+  if (issuing_generation != now) issuing_here = 0;
+  issuing_generation = now;
+  issuing_here = std::max(0, issuing_here + (value ? 1 : -1));
+}
 
 // The virtual model's current stream on this thread (its small int for the stream; 0: the default stream).
 void set_stream(int64_t stream) {
@@ -780,9 +837,10 @@ void watch_held(py::list& out, const std::vector<Span>& spans) {
       out.append(py::make_tuple("watch", t.storage, py::reinterpret_steal<py::object>(THPStorage_Wrap(t.held))));
 }
 
-// ("free", ptr, stack or None), ("event_record" or "event_wait", event, stream), ("op", name, stream, in_node, accesses, fresh, stack, seq, node name or None, synced
-// stream or None, (args, kwargs) or None), or ("watch", ptr, storage) right after the op that first saw a storage (host
-// memory); a tensor is (storage, start, end, write, shape, dtype[, nbytes]).
+// ("free", ptr, stack or None), ("event_record" or "event_wait", event, stream), ("handoff", name, overload, args,
+// outputs or None, "start" or "end", stream, stack or None), ("op", name, stream, in_node, accesses, fresh, stack, seq,
+// node name or None, synced stream or None, (args, kwargs) or None), or ("watch", ptr, storage) right after the op
+// that first saw a storage (host memory); a tensor is (storage, start, end, write, shape, dtype[, nbytes]).
 py::list drain() {
   std::vector<Record> taken = take_records();
   struct GiveBack { std::vector<Record>& records; ~GiveBack() { give_back(records); } } later{taken};
@@ -793,8 +851,13 @@ py::list drain() {
       out.append(py::make_tuple("free", r.handle, stack));
       continue;
     }
-    if (r.what != What::kOp) {
+    if (r.what == What::kEventRecord || r.what == What::kEventWait) {
       out.append(py::make_tuple(r.what == What::kEventWait ? "event_wait" : "event_record", r.handle, r.stream));
+      continue;
+    }
+    if (r.what != What::kOp) {
+      out.append(py::make_tuple("handoff", r.op, r.plan->overload, values_object(r.args), outputs_object(r.outputs),
+                                r.what == What::kHandoffStart ? "start" : "end", r.stream, stack));
       continue;
     }
     py::list accesses, fresh;
@@ -919,6 +982,7 @@ class Feed {
     captured_sync_ = tracker.attr("_captured_sync");
     report_ = tracker.attr("_report");
     note_ = tracker.attr("note");
+    queued_ = tracker.attr("_queued");
     free_core.store(&core_);
     if (site_factory == nullptr)
       site_factory = new py::object(py::module_::import("pytest_streamrace.detector.backward_sites").attr("site_of"));
@@ -992,7 +1056,7 @@ class Feed {
   }
 
   void note(const Record& r, py::str type, py::str message) {
-    std::string what = r.what == What::kOp ? r.op : r.what == What::kFree ? "free" : "an event's record or wait";
+    std::string what = r.op != nullptr ? r.op : r.what == What::kFree ? "free" : "an event's record or wait";
     note_(py::str("{} is not checked: {}: {}").format(what, type, message));
   }
 
@@ -1055,10 +1119,17 @@ class Feed {
       core_.free(r.handle, site(r));
       return;
     }
-    if (r.what != What::kOp) {  // the cuda model's _event_record / _event_wait
+    if (r.what == What::kEventRecord || r.what == What::kEventWait) {  // the cuda model's _event_record / _wait
       int32_t id = stream(r.stream).first;
       if (r.what == What::kEventRecord) core_.record_event(r.handle, id);
       else core_.wait_event(id, r.handle);
+      return;
+    }
+    if (r.what != What::kOp) {  // tracker._queued: the model's, in order
+      py::object stack = r.stack ? py::cast(r.stack) : py::object(py::none());
+      py::object key = py::reinterpret_borrow<py::object>(stream(r.stream).second);
+      queued_(py::str(r.op), py::str(r.plan->overload), values_object(r.args), outputs_object(r.outputs),
+              r.what == What::kHandoffStart ? "start" : "end", key, stack);
       return;
     }
     auto [id, stream_key] = stream(r.stream);
@@ -1123,7 +1194,7 @@ class Feed {
 
   py::object core_object_;
   PyCore& core_;
-  py::object watched_, ref_keys_, on_dead_, names_, last_writer_, redirect_, captured_sync_, report_, note_;
+  py::object watched_, ref_keys_, on_dead_, names_, last_writer_, redirect_, captured_sync_, report_, note_, queued_;
   bool track_frees_ = false, engine_records_streams_ = false;
   py::object streams_ = py::none();
   std::unordered_map<int64_t, std::pair<int32_t, py::object>> streams_by_record_;
@@ -1170,6 +1241,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unobserve", &unobserve);
   m.def("disable", &disable);
   m.def("set_recording", &set_recording);
+  m.def("set_issuing", &set_issuing);
   m.def("set_stream", &set_stream);
   m.def("sync_inside_op", &sync_inside_op);
   m.def("record_launch", &record_launch, py::arg("name"), py::arg("stream"), py::arg("reads"), py::arg("writes"));

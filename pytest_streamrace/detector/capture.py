@@ -8,9 +8,11 @@ outputs, the current stream, whether it runs inside an autograd node, and the Py
 later). Which arguments are read or written is the tracker's own plan (``tracker._plan``), asked once per op.
 
 The tracker drains the records in order at every point where order matters (stream and event calls, frees, waits,
-reading races); frees arrive as markers in the same buffer. c10d ops are handed to Python on the issuing thread, as
-the dispatch mode did (their model needs the process group, the Work object and the stream of that moment), twice:
-before they run, and as they return. ``x.copy_(y)`` of a view onto the same bytes launches nothing and is no access.
+reading races); frees, and on a GPU the trace's event records and waits, arrive as markers in the same buffer. c10d
+ops (the collectives model's) are queued there too, with their arguments, stream and stack, and modelled when drained:
+one torch's C++ issues as of before it ran, one Python issues (``set_issuing``) as it returned, with its Work. Other
+handled namespaces' ops (functional collectives) are handed to Python on the issuing thread before they run and as
+they return. ``x.copy_(y)`` of a view onto the same bytes launches nothing and is no access.
 
 On host memory (the virtual model) the current stream is the model's, set per thread (``set_stream``); the callback
 is per thread, on the threads a dispatch mode would see (``observe``); a storage first seen by a record is held by it
@@ -24,7 +26,8 @@ tracker's ``_apply_captured`` in C++, over the tracker's own tables; Python is e
 notes, and on host memory to watch the storages first seen).
 
 ``gpu_trace.cpp`` (``load_trace``, a module of its own) is the GPU trace's interpreter in C++ for the cuda model: it
-keeps the allocator's frees and the events nobody needs out of Python (``models.cuda.native_trace``).
+keeps the allocator's frees, event records and waits, and the events nobody needs out of Python
+(``models.cuda.native_trace``).
 """
 
 from __future__ import annotations

@@ -197,6 +197,8 @@ class AccessTracker(TorchDispatchMode):
         self.last_writer: dict[Hashable, Hashable] = {}  # storage key -> stream of its latest write
         # op namespace -> handler(func, args, kwargs, out) that models those ops itself (collectives: "c10d")
         self.namespace_handlers: dict[str, Callable] = {}
+        self.queued_namespaces: set[str] = set()  # their ops come from the capture's records (`_queued`)
+        self._applying = False  # the capture's records are being applied (under the lock)
         self.redirect: dict[Hashable, Hashable] = {}  # storage key -> stream of the next op reading it (autograd)
         self.watched: dict[Hashable, weakref.ref | None] = {}  # storages alive and known -> their weak reference
         self._ref_keys: dict[weakref.ref, Hashable] = {}
@@ -313,7 +315,9 @@ class AccessTracker(TorchDispatchMode):
         if plan is None:
             plan = self._plans[func._op] = _plan(func)
         if plan is _HANDLED:
-            return "handled" if namespace in self.namespace_handlers else None
+            if namespace not in self.namespace_handlers:
+                return None
+            return "queued" if namespace in self.queued_namespaces else "handled"
         if plan is _SKIPPED:
             return None
         _, inputs, fresh, writes_output = plan
@@ -322,6 +326,22 @@ class AccessTracker(TorchDispatchMode):
         sync = self.host_syncs.get(name)
         keep_args = self.device_type != "cuda" and sync is not None and sync.rule is not None
         return [(i, write) for i, _, write in inputs], bool(fresh), writes_output, keep_args, sync is not None
+
+    def _queued(self, name: str, overload: str, args: tuple, out, phase: str, stream: Hashable, captured) -> None:
+        """A c10d op of a queued namespace (``queued_namespaces``), from the records in their order: "start" for one
+        torch's C++ issued (before it ran), "end" for one Python issued (as it returned, `out` its outputs), with the
+        issuing thread's `stream` and stack. The drain applying it holds the lock; the handler must not drain."""
+        namespace, op = name.split("::", 1)
+        handler = self.namespace_handlers.get(namespace)
+        if handler is not None:
+            func = getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
+            handler(func, args, {}, out, phase, stream=stream, frames=Captured(captured))
+
+    def issuing(self, value: bool) -> None:
+        """Python starts (True) or ends (False) issuing a collective on this thread: the capture queues its c10d op as
+        it returns, with its Work, rather than before it runs."""
+        if self._capture is not None:
+            self._capture.set_issuing(value)
 
     @_called_from_cpp
     def _handoff(self, name: str, overload: str, args: tuple, out, phase: str) -> None:
@@ -356,6 +376,11 @@ class AccessTracker(TorchDispatchMode):
                     continue
                 if kind == "event_wait":
                     self.hb.wait_event(record[2], record[1])
+                    continue
+                if kind == "handoff":
+                    _, name, overload, args, out, phase, stream, captured = record
+                    self._queued(name, overload, args, out, phase, streams[stream] if streams is not None else stream,
+                                 captured)
                     continue
                 _, name, stream, in_node, spans, fresh, captured, seq, node, synced, arguments = record
                 if streams is not None:
@@ -454,23 +479,31 @@ class AccessTracker(TorchDispatchMode):
         """Apply the frees seen since the last call: report uses not ordered before them, forget the storages.
         Every entry point (an op, a stream call, reading races) drains first, so a freed address is forgotten
         before it can be handed out again."""
-        if self._feed is not None:
+        if self._capture is not None:
             with self._lock:
-                first = self._feed.apply(self.capture_streams, self.engine_records_streams,
-                                         self._unnamed_sync is not None)
-                if first is not None and self._unnamed_sync is not None:
-                    self._name_sync(first)
-        elif self._capture is not None:
-            with self._lock:
-                records = self._capture.drain()
-                while records:
-                    self._apply_captured(records)
-                    if not self.track_frees:
-                        break
-                    records = None  # releases the storages they held (host memory): the frees that follow land now
-                    records = self._capture.drain()
+                if self._applying:  # a queued c10d op's model, inside this drain: later records wait their turn
+                    return
+                self._applying = True
+                try:
+                    self._apply_capture()
+                finally:
+                    self._applying = False
         while self._frees:
             self._freed(*self._frees.popleft())
+
+    def _apply_capture(self) -> None:
+        if self._feed is not None:
+            first = self._feed.apply(self.capture_streams, self.engine_records_streams, self._unnamed_sync is not None)
+            if first is not None and self._unnamed_sync is not None:
+                self._name_sync(first)
+            return
+        records = self._capture.drain()
+        while records:
+            self._apply_captured(records)
+            if not self.track_frees:
+                break
+            records = None  # releases the storages they held (host memory): the frees that follow land now
+            records = self._capture.drain()
 
     def _freed(self, key: Hashable, site: Site) -> None:
         if self.watched.pop(key, False) is False:

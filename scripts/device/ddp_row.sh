@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The 2-rank DDP row on the cuda backend after a change to what the detector does in Python per step (seventeenth
-# session: the GPU trace's event records and waits queued in C++, no drain each): the cuda unit tests; the row paired,
-# with the events in Python beside it in the same rounds; what rank 0 still does in Python per step; and the stock
-# stacks on NCCL, whose verdicts must not move. With the wheels under .whl/ (docs/gpu-validation.md says how):
+# session: the GPU trace's event records and waits, and the c10d ops, queued in order with the captured ops, no Python
+# at issue): the cuda unit tests; the row paired, with the events in Python beside it in the same rounds; where rank
+# 0's detector time goes by thread; the stock stacks on NCCL and the zero_overlap repro, whose verdicts must not move. With the wheels under .whl/ (docs/gpu-validation.md says how):
 #   device run (kind nvidia-h200-x2, carry .whl): bash scripts/device/ddp_row.sh
 set -u
 . "$(dirname "$0")/setup.sh" ddp
@@ -13,10 +13,14 @@ timeout 200 $pt tests/test_cuda_backend.py tests/test_capture.py -q -n 0 > "$OUT
 echo "exit $?"; grep -E "^(FAILED|ERROR)" "$OUT/unit.log" | head; tail -1 "$OUT/unit.log"
 echo "== the DDP row, paired (NCCL, a process a rank)"
 timeout 200 python3 benchmarks/paired_overhead.py --model ddp --backend cuda --rounds "${ROUNDS:-6}"; echo "exit $?"
-echo "== what rank 0 does in Python per step (cProfile, cuda)"
-STEPS=100 timeout 150 python3 scripts/device/ddp_python_calls.py cuda 2>&1 | head -32
+echo "== where rank 0's detector time goes per step, by thread (timers)"
+STEPS=100 timeout 150 python3 scripts/device/ddp_thread_times.py cuda 2>&1 | grep -v "Warning" | head -16
 echo "== stock stacks on NCCL (clean cases clean, racy twins caught)"
 STACKS="tests/stacks/stack_ddp.py tests/stacks/stack_fsdp2.py tests/stacks/stack_dtensor.py tests/stacks/stack_deepspeed.py" \
   LIMIT=220 OUT="$OUT/stacks" bash scripts/device/stacks.sh 2>&1 | grep -v "^PASSED" | tail -20
 grep -c "^PASSED" "$OUT/stacks/stacks-streamrace.log"
+echo "== deepspeed 0.19.8: zero_overlap on cuda, both variants, 2 runs each"
+PYTHONPATH=/tmp/site timeout 150 python3 -m pytest_streamrace.repro zero_overlap --backend cuda --repeat 2 \
+  > "$OUT/zero_overlap.log" 2>&1; echo "exit $?"
+grep -E ": (reproduced|clean|inconclusive|error) [0-9]+/|every variant" "$OUT/zero_overlap.log" | sort | uniq -c
 echo "total: $((SECONDS - start)) s"

@@ -138,19 +138,19 @@ class Collectives:
 
     # what happens at dispatch
 
-    def on_op(self, func, args, kwargs, out, phase: str = "once") -> None:
-        """One c10d op issued by the current thread: model it on its communication stream.
+    def on_op(self, func, args, kwargs, out, phase: str = "once", stream: Hashable | None = None,
+              frames=None) -> None:
+        """One c10d op: model it on its communication stream.
 
-        The C++ capture hands each op over twice: before it runs ("start") and as it returns ("end"); the dispatch
-        mode once, after it ran ("once"). A collective torch's C++ issues is modelled before it runs: the events the
-        backend records inside it (ProcessGroupNCCL's stream waiting on the issuing one, the work's future completed
-        on its stream) then carry it to whatever stream waits on them — a C++ then-callback's stream, say. Python's
-        are modelled as they return, with the Work its wait() will name."""
+        A collective torch's C++ issues is modelled as of before it ran ("start": the C++ capture queues it then, in
+        order with the ops, with the issuing thread's `stream` and `frames`): the events the backend records inside
+        it (ProcessGroupNCCL's stream waiting on the issuing one, the work's future completed on its stream) then
+        carry it to whatever stream waits on them — a C++ then-callback's stream, say. Python's are modelled as they
+        return ("end": queued then, `out` holding the Work its wait() will name). The dispatch mode hands each op over
+        once, after it ran, on the issuing thread ("once")."""
         from torch._C._distributed_c10d import ProcessGroup, Work
 
-        python = getattr(self._python, "depth", 0) > 0
-        if phase == ("end" if not python else "start"):
-            return
+        python = phase == "end" or (phase == "once" and getattr(self._python, "depth", 0) > 0)
         plan = self._plans.get(func)
         if plan is None:
             plan = self._plans[func] = _Plan(func)
@@ -161,11 +161,11 @@ class Collectives:
             except (RuntimeError, TypeError):
                 group = None
         group_rank = group.rank() if group is not None else None
-        current = self.current_stream()
+        current = self.current_stream() if stream is None else stream
         comm = self._comm_stream(plan, group, args)
         self.hb.wait_stream(comm, current)
         reads, writes = plan.accesses(args, group_rank)
-        self.tracker.run(plan.name, comm, reads, writes)
+        self.tracker.run(plan.name, comm, reads, writes, frames)
         if plan.synchronous(args) or not python:
             self.hb.wait_stream(current, comm)
         work = None
@@ -195,9 +195,9 @@ class Collectives:
     def waited(self, work) -> None:
         """The caller waited on `work`: its current stream is ordered after the collective. A barrier's wait
         also blocks the host until the current stream is done (ProcessGroupNCCL synchronizes it)."""
+        self.tracker.drain()  # the collective itself first, if it is still queued
         if getattr(self._held, "work", None) is work:
             self._held.work = None
-        self.tracker.drain()
         current = self.current_stream()
         self.hb.wait_event(current, work)
         if work in self._barriers:
@@ -218,15 +218,18 @@ class Collectives:
         return wait
 
     def _issuing(self, original):
-        """A ProcessGroup method Python issues collectives through: marks them as Python's while it runs."""
-        python = self._python
+        """A ProcessGroup method Python issues collectives through: marks them as Python's while it runs (for the
+        dispatch mode here, for the capture in C++)."""
+        python, issuing = self._python, self.tracker.issuing
 
         def issue(*args, **kwargs):
             python.depth = getattr(python, "depth", 0) + 1
+            issuing(True)
             try:
                 return original(*args, **kwargs)
             finally:
                 python.depth -= 1
+                issuing(False)
 
         issue.__name__ = getattr(original, "__name__", "collective")
         issue.__doc__ = getattr(original, "__doc__", None)
@@ -246,9 +249,11 @@ class Collectives:
 
     def install(self) -> None:
         self.tracker.namespace_handlers["c10d"] = self.on_op
+        self.tracker.queued_namespaces.add("c10d")
 
     def uninstall(self) -> None:
         self.tracker.namespace_handlers.pop("c10d", None)
+        self.tracker.queued_namespaces.discard("c10d")
         self._held = threading.local()
 
 
