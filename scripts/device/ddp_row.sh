@@ -2,7 +2,8 @@
 # The 2-rank DDP row on the cuda backend after a change to what the detector does in Python per step (seventeenth
 # session: the GPU trace's event records and waits, and the c10d ops, queued in order with the captured ops, no Python
 # at issue): the cuda unit tests; the row paired, with the events in Python beside it in the same rounds; where rank
-# 0's detector time goes by thread; the stock stacks on NCCL and the zero_overlap repro, whose verdicts must not move. With the wheels under .whl/ (docs/gpu-validation.md says how):
+# 0's detector time goes by thread; the stock stacks on NCCL and the zero_overlap repro, whose verdicts must not move.
+# With the wheels under .whl/ (docs/gpu-validation.md says how):
 #   device run (kind nvidia-h200-x2, carry .whl): bash scripts/device/ddp_row.sh
 set -u
 . "$(dirname "$0")/setup.sh" ddp

@@ -57,6 +57,7 @@ def instrument():
     from pytest_streamrace.detector.tracker import AccessTracker
 
     timed(AccessTracker, "_handoff", lambda a: f"_handoff {a[5]}")
+    timed(AccessTracker, "_queued", lambda a: f"_queued {a[5]}")
     timed(AccessTracker, "drain")
     timed(AccessTracker, "run")
     timed(Collectives, "on_op", lambda a: f"on_op {a[5] if len(a) > 5 else 'once'}")
