@@ -40,11 +40,11 @@ def core(request, monkeypatch):
 
 
 @contextlib.contextmanager
-def capturing(extension, track_frees=False, worker=False):
+def capturing(extension, track_frees=False):
     """(hb, tracker) fed by the capture, on CPU tensors, while inside (one stream: the capture's CPU key, 0)."""
     hb = HappensBefore(trace=True)
     tracker = AccessTracker(hb, lambda: 0, "cpu", track_frees=track_frees)
-    tracker.capture_with(extension, every_thread=True, worker=worker)  # as on cuda
+    tracker.capture_with(extension, every_thread=True)  # as on cuda
     try:
         yield hb, tracker
     finally:
@@ -168,39 +168,6 @@ def test_backward_ops_without_frames_of_their_own_name_the_forward_op_that_made_
     (add,) = [op for op in hb.timeline if op.site.op == "aten::add_"]
     assert add.site.frames[0][2] == "test_backward_ops_without_frames_of_their_own_name_the_forward_op_that_made_" \
         "their_node"
-
-
-def test_a_full_buffer_is_applied_by_the_capture_worker_in_order(extension, monkeypatch):
-    """With the worker (on cuda: the backward's records fill the buffer on the autograd engine's thread), a full
-    buffer is applied beside the program, in record order, with no drain on the recording thread; the worker is gone
-    when the session ends."""
-    import threading
-    import time
-
-    forced_on = []
-    forced = AccessTracker._drain_forced
-    monkeypatch.setattr(AccessTracker, "_drain_forced",
-                        lambda self: (forced_on.append(threading.get_ident()), forced(self)))
-    threads = set(os.listdir("/proc/self/task"))
-    with capturing(extension, worker=True) as (hb, tracker):
-        hb.add_stream(7, "side")
-        t = torch.zeros(4)
-        tracker.drain()
-        for _ in range(600):  # more than two buffers' worth
-            t.add_(1)
-        deadline = time.monotonic() + 60
-        while len(hb.timeline) < 257 and time.monotonic() < deadline:
-            time.sleep(0.01)  # the GIL free for the worker, which applies what is there when it runs
-        applied = len(hb.timeline)
-        tracker.drain()  # the rest, as every entry point does before it orders streams
-        hb.wait_stream(7, 0)
-        tracker.run("side_read", 7, reads=[t])  # ordered after every add: none may land after it
-        t.add_(1)  # after the side stream's read, unordered: one race
-    assert applied >= 257, applied  # the first fill at least, with no drain on this thread
-    assert forced_on and threading.get_ident() not in forced_on
-    assert [op.site.op for op in hb.timeline][1:601] == ["aten::add_"] * 600
-    assert [(r.kind, r.earlier.op.site.op) for r in hb.races] == [("write-after-read", "side_read")], hb.races
-    assert set(os.listdir("/proc/self/task")) == threads
 
 
 def test_paused_tracker_captures_nothing(extension):

@@ -7,12 +7,10 @@
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/Storage.h>
 #include <atomic>
-#include <condition_variable>
 #include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <thread>
 #include <unordered_map>
 #include <unordered_set>
 #if PY_VERSION_HEX < 0x030B0000
@@ -573,58 +571,6 @@ void drain_now() {
   draining = false;
 }
 
-// On a GPU a full buffer is applied by a thread of the capture's own (`enable(worker=True)`), not on the thread that
-// filled it. DDP's reducer and the backward's ops record on the autograd engine's device thread, the backward's
-// critical path, while the program's thread waits in the engine without the GIL: the worker applies the records beside
-// them. It takes the GIL like any thread (on the program's Python thread's side, within its switch interval), applies
-// in record order under the tracker's lock, and is stopped (joined) by `disable`. Never freed: outlives the interpreter.
-struct Worker {
-  std::mutex mutex;
-  std::condition_variable cv;
-  bool wake = false, stop = false;
-  std::thread* thread = nullptr;
-};
-Worker* worker = new Worker();
-std::atomic<bool> worker_running{false};
-std::atomic<bool> worker_woken{false};  // a wake not yet taken: one notify per fill, not one per record
-
-void worker_loop() {
-  for (;;) {
-    {
-      std::unique_lock<std::mutex> lock(worker->mutex);
-      worker->cv.wait(lock, [] { return worker->wake || worker->stop; });
-      if (worker->stop) return;
-      worker->wake = false;
-    }
-    worker_woken.store(false);
-    drain_now();  // the GIL taken inside; nothing if the session ended meanwhile
-  }
-}
-
-void start_worker() {
-  if (worker->thread != nullptr) return;
-  worker->stop = worker->wake = false;
-  worker_woken.store(false);
-  worker->thread = new std::thread(worker_loop);
-  worker_running.store(true);
-}
-
-void stop_worker() {  // the GIL held (disable): released while the worker finishes what it applies
-  if (worker->thread == nullptr) return;
-  worker_running.store(false);
-  {
-    std::lock_guard<std::mutex> lock(worker->mutex);
-    worker->stop = true;
-  }
-  worker->cv.notify_all();
-  {
-    py::gil_scoped_release release;
-    worker->thread->join();
-  }
-  delete worker->thread;
-  worker->thread = nullptr;
-}
-
 void push(Record&& r) {
   bool full;
   {
@@ -632,16 +578,7 @@ void push(Record&& r) {
     records.push_back(std::move(r));
     full = records.size() >= kDrainEvery;
   }
-  if (!full) return;
-  if (!worker_running.load()) {
-    drain_now();
-  } else if (!worker_woken.exchange(true)) {
-    {
-      std::lock_guard<std::mutex> lock(worker->mutex);
-      worker->wake = true;
-    }
-    worker->cv.notify_one();
-  }
+  if (full) drain_now();
 }
 
 // A c10d op the Python model takes from the records (a queued plan), with its arguments (and outputs), this thread's
@@ -734,9 +671,7 @@ void unobserve() {
   observed = 0;
 }
 
-void enable(bool on_cuda, py::object plan, py::object handoff, py::object drain, bool all_threads, bool host_frees,
-            bool drain_aside) {
-  stop_worker();  // a session enabled over one never disabled: its worker must not apply into this one
+void enable(bool on_cuda, py::object plan, py::object handoff, py::object drain, bool all_threads, bool host_frees) {
   cuda = on_cuda;
   if (!cuda && host_frees && cpu_deleter == nullptr)
     cpu_deleter = c10::GetDefaultCPUAllocator()->allocate(1).get_deleter();
@@ -750,7 +685,6 @@ void enable(bool on_cuda, py::object plan, py::object handoff, py::object drain,
   generation.fetch_add(1);  // every thread back on the default stream
   clear_all();
   on.store(true);
-  if (drain_aside && drain_fn != nullptr) start_worker();
   every_thread = all_threads;
   if (every_thread) handle = at::addGlobalCallback(callback(true));
   else observe();
@@ -758,7 +692,6 @@ void enable(bool on_cuda, py::object plan, py::object handoff, py::object drain,
 
 void disable() {
   on.store(false);
-  stop_worker();
   if (every_thread) at::removeCallback(handle);
   else unobserve();  // other threads keep theirs: they record into the next session, as a forwarding mode would
   clear_all();
@@ -1303,7 +1236,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Stack, std::shared_ptr<Stack>>(m, "Stack").def("frames", &Stack::frames);
   m.def("stack", &stack_here);
   m.def("enable", &enable, py::arg("cuda"), py::arg("plan"), py::arg("handoff"), py::arg("drain") = py::none(),
-        py::arg("every_thread") = true, py::arg("host_frees") = false, py::arg("worker") = false);
+        py::arg("every_thread") = true, py::arg("host_frees") = false);
   m.def("observe", &observe);
   m.def("unobserve", &unobserve);
   m.def("disable", &disable);

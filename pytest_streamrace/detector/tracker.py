@@ -253,22 +253,19 @@ class AccessTracker(TorchDispatchMode):
     def capturing(self) -> bool:
         return self._capture is not None
 
-    def capture_with(self, extension, every_thread: bool | None = None, worker: bool | None = None) -> None:
+    def capture_with(self, extension, every_thread: bool | None = None) -> None:
         """Take ops from the C++ capture instead of this dispatch mode (which then stays uninstalled). The capture
         asks for a drain every few hundred records (`_drain_forced`), so its buffer stays bounded in a loop that never
         syncs; on host memory its records hold the storages they saw first until then, unless their deleter reports
         their free as it happens (the default CPU allocator's storages, with `track_frees`). It sees the threads the
         dispatch mode would see (`observe_thread`), unless `every_thread` (the default on cuda, where a global
-        callback has always been what ran). With `worker` (the default on cuda) those drains run on a thread of the
-        capture's own, beside the program: the backward's records fill the buffer on the autograd engine's thread,
-        while the program's thread waits without the GIL."""
+        callback has always been what ran)."""
         self._capture = extension
         core = getattr(self.hb, "core", None)  # hb_native's C++ core: the records go straight into it
         self._feed = extension.Feed(core, self) if isinstance(core, extension.hb.Core) else None
         cuda = self.device_type == "cuda"
         extension.enable(cuda, self._capture_plan, self._handoff, self._drain_forced,
-                         cuda if every_thread is None else every_thread, host_frees=self.track_frees and not cuda,
-                         worker=cuda if worker is None else worker)
+                         cuda if every_thread is None else every_thread, host_frees=self.track_frees and not cuda)
 
     def observe_thread(self):
         """Capture this thread's ops from now on, where the capture does not see every thread: the undo (None when
@@ -284,8 +281,8 @@ class AccessTracker(TorchDispatchMode):
 
     @_called_from_cpp
     def _drain_forced(self) -> None:
-        """The capture's records, applied every few hundred records on the thread that recorded the last one, or on
-        the capture's worker (`capture_with`): they hold memory, and on host memory the storages they saw first."""
+        """The capture's records, applied every few hundred records on the thread that recorded the last one (they
+        hold memory, and on host memory the storages they saw first)."""
         try:
             self.drain()
         except Exception as exc:  # never inside the user's test
