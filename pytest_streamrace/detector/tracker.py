@@ -345,8 +345,9 @@ class AccessTracker(TorchDispatchMode):
 
     @_called_from_cpp
     def _handoff(self, name: str, overload: str, args: tuple, out, phase: str) -> None:
-        """A c10d op, handed over by the C++ capture on the issuing thread before it runs (phase "start", out None)
-        and as it returns ("end"). The dispatch mode sees it once, after it ran (phase "once")."""
+        """An op of a handled namespace that is not queued (functional collectives), handed over by the C++ capture
+        on the issuing thread before it runs (phase "start", out None) and as it returns ("end"). The dispatch mode
+        sees every handled op once, after it ran (phase "once")."""
         namespace, op = name.split("::", 1)
         handler = self.namespace_handlers.get(namespace)
         if handler is None:
