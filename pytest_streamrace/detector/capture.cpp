@@ -464,6 +464,14 @@ py::object outputs_object(const std::vector<c10::IValue>& outputs) {  // None fo
   return values_object(outputs);
 }
 
+py::object stack_object(const Record& r) { return r.stack ? py::cast(r.stack) : py::object(py::none()); }
+
+// A queued c10d op's arguments to tracker._queued: (name, overload, args, outputs or None, phase, stream, stack).
+py::tuple queued_call(const Record& r, py::object stream) {
+  return py::make_tuple(r.op, r.plan->overload, values_object(r.args), outputs_object(r.outputs),
+                        r.what == What::kHandoffStart ? "start" : "end", std::move(stream), stack_object(r));
+}
+
 // A c10d op to the Python model, on the issuing thread: at "start" (before it runs; `out` is None) and at "end".
 void hand_over(const at::RecordFunction& fn, const std::vector<c10::IValue>& inputs, const char* phase) {
   if (paused || !on.load()) return;
@@ -746,30 +754,32 @@ bool sync_inside_op(int64_t stream) {
 
 // A storage freed (the allocator's callback, or a storage's weak reference): queued in order with the ops. Its address
 // may be handed out again from now on, to a storage the tracker does not watch yet. stack: whether to take one.
-void mark_free(int64_t ptr, bool stack) {
+// A free or an event, queued in order with the ops without forcing a drain (it may come from the allocator, on any
+// thread).
+void enqueue(What what, int64_t handle, int64_t stream, std::shared_ptr<Stack> stack) {
   Record r;
-  r.what = What::kFree;
-  r.handle = ptr;
-  if (stack) r.stack = stack_here();
+  r.what = what;
+  r.handle = handle;
+  r.stream = stream;
+  r.stack = std::move(stack);
+  std::lock_guard<std::mutex> guard(mutex);
+  records.push_back(std::move(r));
+}
+
+void mark_free(int64_t ptr, bool stack) {
+  std::shared_ptr<Stack> taken = stack ? stack_here() : nullptr;
   {
     std::lock_guard<std::mutex> guard(known_mutex);
     known.erase(ptr);
   }
-  std::lock_guard<std::mutex> guard(mutex);
-  records.push_back(std::move(r));
+  enqueue(What::kFree, ptr, 0, std::move(taken));
 }
 
 // A CUDA event recorded on `stream`, or `stream` waiting on it (`wait`), as the GPU trace reports it (gpu_trace.cpp's
 // interpreter, in a session, from any thread): queued in order with the ops; the feed applies it to the core with no
 // Python. No stack (an event's record or wait is never a race's access).
 void event_from_trace(bool wait, int64_t event, int64_t stream) {
-  if (!on.load()) return;
-  Record r;
-  r.what = wait ? What::kEventWait : What::kEventRecord;
-  r.handle = event;
-  r.stream = stream;
-  std::lock_guard<std::mutex> guard(mutex);
-  records.push_back(std::move(r));
+  if (on.load()) enqueue(wait ? What::kEventWait : What::kEventRecord, event, stream, nullptr);
 }
 
 // torch's GPU trace calls `<registry>.fire_callbacks(...)`, the GIL taken, for every caching-allocator allocation and
@@ -837,16 +847,16 @@ void watch_held(py::list& out, const std::vector<Span>& spans) {
       out.append(py::make_tuple("watch", t.storage, py::reinterpret_steal<py::object>(THPStorage_Wrap(t.held))));
 }
 
-// ("free", ptr, stack or None), ("event_record" or "event_wait", event, stream), ("handoff", name, overload, args,
-// outputs or None, "start" or "end", stream, stack or None), ("op", name, stream, in_node, accesses, fresh, stack, seq,
-// node name or None, synced stream or None, (args, kwargs) or None), or ("watch", ptr, storage) right after the op
-// that first saw a storage (host memory); a tensor is (storage, start, end, write, shape, dtype[, nbytes]).
+// ("free", ptr, stack or None), ("event_record" or "event_wait", event, stream), ("handoff", `queued_call`), ("op",
+// name, stream, in_node, accesses, fresh, stack, seq, node name or None, synced stream or None, (args, kwargs) or
+// None), or ("watch", ptr, storage) right after the op that first saw a storage (host memory); a tensor is (storage,
+// start, end, write, shape, dtype[, nbytes]).
 py::list drain() {
   std::vector<Record> taken = take_records();
   struct GiveBack { std::vector<Record>& records; ~GiveBack() { give_back(records); } } later{taken};
   py::list out;
   for (auto& r : taken) {
-    py::object stack = r.stack ? py::cast(r.stack) : py::object(py::none());
+    py::object stack = stack_object(r);
     if (r.what == What::kFree) {
       out.append(py::make_tuple("free", r.handle, stack));
       continue;
@@ -856,8 +866,7 @@ py::list drain() {
       continue;
     }
     if (r.what != What::kOp) {
-      out.append(py::make_tuple("handoff", r.op, r.plan->overload, values_object(r.args), outputs_object(r.outputs),
-                                r.what == What::kHandoffStart ? "start" : "end", r.stream, stack));
+      out.append(py::make_tuple("handoff", queued_call(r, py::int_(r.stream))));
       continue;
     }
     py::list accesses, fresh;
@@ -893,9 +902,9 @@ struct Site : NativePayload {
   py::object named;
   py::object to_python() override {
     if (!named) {
-      py::object stack_object = stack ? py::cast(stack) : py::object(py::none());
+      py::object frames = stack ? py::cast(stack) : py::object(py::none());
       py::object node_name = node.empty() ? py::object(py::none()) : py::object(py::str(node));
-      named = (*site_factory)(py::str(op), stack_object, forward.to_python(), node_name);
+      named = (*site_factory)(py::str(op), frames, forward.to_python(), node_name);
     }
     return named;
   }
@@ -1126,19 +1135,15 @@ class Feed {
       return;
     }
     if (r.what != What::kOp) {  // tracker._queued: the model's, in order
-      py::object stack = r.stack ? py::cast(r.stack) : py::object(py::none());
-      py::object key = py::reinterpret_borrow<py::object>(stream(r.stream).second);
-      queued_(py::str(r.op), py::str(r.plan->overload), values_object(r.args), outputs_object(r.outputs),
-              r.what == What::kHandoffStart ? "start" : "end", key, stack);
+      queued_(*queued_call(r, py::reinterpret_borrow<py::object>(stream(r.stream).second)));
       return;
     }
     auto [id, stream_key] = stream(r.stream);
     py::object keep_key = py::reinterpret_borrow<py::object>(stream_key);
-    Borrowed borrowed(*this);
-    Scratch& scratch = borrowed.get();
-    auto& keys = scratch.keys;
-    auto& touches = scratch.touches;
-    auto& allocs = scratch.allocs;
+    Emptied emptied{scratch_};
+    auto& keys = scratch_.keys;
+    auto& touches = scratch_.touches;
+    auto& allocs = scratch_.allocs;
     for (const Span& span : r.accesses) keys.push_back(int_key(span.storage));
     if (PyDict_GET_SIZE(redirect_.ptr()) > 0)  // a gradient's add the engine runs on its consumer's stream
       for (const auto& key : keys) {
@@ -1186,7 +1191,7 @@ class Feed {
     if (py::len(races) > 0) report_(races);
     // a host sync's rule (and a sync reported from inside the op) is the tracker's: tracker._captured_sync
     if (r.synced || r.sync) {
-      py::object stack = r.stack ? py::cast(r.stack) : py::object(py::none());
+      py::object stack = stack_object(r);
       captured_sync_(py::str(r.op), keep_key, synced_of(r), stack, arguments_of(r),
                      !r.accesses.empty() || !streams_.is_none());
     }
@@ -1199,34 +1204,22 @@ class Feed {
   py::object streams_ = py::none();
   std::unordered_map<int64_t, std::pair<int32_t, py::object>> streams_by_record_;
   ForwardSites forward_;
-  // The vectors a record is applied with, kept between records (no allocation per record once grown); a record
-  // applied from inside another's (a drain in a race's callback) borrows vectors of its own.
+  // The vectors a record is applied with, kept between records (no allocation per record once grown), emptied after
+  // each. One set: the tracker never applies a record from inside another's (its drain returns while it applies).
   struct Scratch {
     std::vector<py::object> keys;
     std::vector<PyCore::Touch> touches;
     std::vector<PyCore::Alloc> allocs;
   };
-  class Borrowed {
-   public:
-    explicit Borrowed(Feed& feed) : feed_(feed), mine_(!feed.scratch_busy_) {
-      if (mine_) feed_.scratch_busy_ = true;
-    }
-    ~Borrowed() {
-      Scratch& s = get();
+  struct Emptied {
+    Scratch& s;
+    ~Emptied() {
       s.keys.clear();
       s.touches.clear();
       s.allocs.clear();
-      if (mine_) feed_.scratch_busy_ = false;
     }
-    Scratch& get() { return mine_ ? feed_.scratch_ : own_; }
-
-   private:
-    Feed& feed_;
-    bool mine_;
-    Scratch own_;
   };
   Scratch scratch_;
-  bool scratch_busy_ = false;
 };
 
 }  // namespace feed

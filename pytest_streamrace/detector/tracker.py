@@ -331,11 +331,17 @@ class AccessTracker(TorchDispatchMode):
         """A c10d op of a queued namespace (``queued_namespaces``), from the records in their order: "start" for one
         torch's C++ issued (before it ran), "end" for one Python issued (as it returned, `out` its outputs), with the
         issuing thread's `stream` and stack. The drain applying it holds the lock; the handler must not drain."""
+        handler, func = self._handler(name, overload)
+        if handler is not None:
+            handler(func, args, {}, out, phase, stream=stream, frames=Captured(captured))
+
+    def _handler(self, name: str, overload: str):
+        """(handler, OpOverload) of a handled op the capture names, or (None, None) once its namespace has none."""
         namespace, op = name.split("::", 1)
         handler = self.namespace_handlers.get(namespace)
-        if handler is not None:
-            func = getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
-            handler(func, args, {}, out, phase, stream=stream, frames=Captured(captured))
+        if handler is None:
+            return None, None
+        return handler, getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
 
     def issuing(self, value: bool) -> None:
         """Python starts (True) or ends (False) issuing a collective on this thread: the capture queues its c10d op as
@@ -348,11 +354,9 @@ class AccessTracker(TorchDispatchMode):
         """An op of a handled namespace that is not queued (functional collectives), handed over by the C++ capture
         on the issuing thread before it runs (phase "start", out None) and as it returns ("end"). The dispatch mode
         sees every handled op once, after it ran (phase "once")."""
-        namespace, op = name.split("::", 1)
-        handler = self.namespace_handlers.get(namespace)
+        handler, func = self._handler(name, overload)
         if handler is None:
             return
-        func = getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
         with self._lock:
             self.drain()
             handler(func, args, {}, out, phase)
@@ -379,7 +383,7 @@ class AccessTracker(TorchDispatchMode):
                     self.hb.wait_event(record[2], record[1])
                     continue
                 if kind == "handoff":
-                    _, name, overload, args, out, phase, stream, captured = record
+                    name, overload, args, out, phase, stream, captured = record[1]
                     self._queued(name, overload, args, out, phase, streams[stream] if streams is not None else stream,
                                  captured)
                     continue
