@@ -115,7 +115,7 @@ def step_time(model_name: str, mode: str, steps: int, rank: int = 0, store: str 
         if extension is None:
             raise SystemExit(f"capture-floor: {capture.failure()}")
         tracker = AccessTracker(HappensBefore(), lambda: 0, device)
-        extension.enable(cuda, tracker._capture_plan, tracker._handoff)
+        extension.enable(cuda, tracker._capture_plan)
         try:
             return timed(after_step=extension.drain)
         finally:

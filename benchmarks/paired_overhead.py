@@ -195,7 +195,7 @@ def main() -> None:
 
         extension = capture.load()
         tracker = AccessTracker(HappensBefore(), lambda: 0, device)
-        extension.enable(cuda, tracker._capture_plan, tracker._handoff)
+        extension.enable(cuda, tracker._capture_plan)
         try:
             yield None
         finally:

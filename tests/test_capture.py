@@ -196,32 +196,32 @@ def test_other_threads_are_captured_and_a_pause_stays_on_its_thread(extension):
     assert [op.site.op for op in hb.timeline] == ["aten::ones", "aten::mul_"]
 
 
-def test_c10d_ops_are_handed_to_python_on_the_issuing_thread(extension, tmp_path):
+def test_a_queued_collective_reaches_the_model_with_the_callers_own_tensors(extension, tmp_path):
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
     try:
         handed = []
         with capturing(extension) as (_, tracker):
-            tracker.namespace_handlers["c10d"] = lambda func, args, kwargs, out, phase: handed.append(
+            tracker.namespace_handlers["c10d"] = lambda func, args, kwargs, out, phase, stream, frames: handed.append(
                 (phase, func.name(), [a for a in args if isinstance(a, list)], out))
             t = torch.ones(4)
             work = dist.all_reduce(t, async_op=True)
             work.wait()
-        # before it runs (nothing returned yet), then as it returns (with its Work)
-        assert [(phase, name, out is None) for phase, name, _, out in handed] == [
-            ("start", "c10d::allreduce_", True), ("end", "c10d::allreduce_", False)]
-        for _, _, lists, _ in handed:
-            assert lists and lists[0][0] is t  # the caller's own tensor, not a copy
+            tracker.drain()
+        # not queued at issue: as it returned, with its Work, once
+        assert [(phase, name, out is None) for phase, name, _, out in handed] == [("end", "c10d::allreduce_", False)]
+        assert handed[0][2] and handed[0][2][0][0] is t  # the caller's own tensor, not a copy
     finally:
         dist.destroy_process_group()
 
 
 def test_queued_c10d_ops_reach_the_model_once_in_order_from_the_records(extension, tmp_path):
-    """A queued namespace's op (c10d, the collectives model's) is not handed over while it runs: it is queued with the
-    issuing thread's stream and stack and reaches the handler once, at the next drain, after the ops before it and
-    before those after it. One torch's C++ issues comes as of its start (no outputs); one Python issues (``issuing``)
-    as it returned, with its Work."""
+    """A handled namespace's op is not handed over while it runs: it is queued with the issuing thread's stream and
+    stack and reaches the handler once, at the next drain, after the ops before it and before those after it. A c10d
+    op (``queued_at_issue``) torch's C++ issues comes as of its start (no outputs); one Python issues (``issuing``) as
+    it returned, with its Work; a functional collective and its wait (a namespace not queued at issue) as they
+    returned, with their outputs."""
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
@@ -231,8 +231,9 @@ def test_queued_c10d_ops_reach_the_model_once_in_order_from_the_records(extensio
             def handler(func, args, kwargs, out, phase, stream=None, frames=None):
                 applied = [op.site.op for op in hb.timeline]
                 handed.append((phase, func.name(), out is None, stream, frames.resolve()[0][1], applied))
-            tracker.namespace_handlers["c10d"] = handler
-            tracker.queued_namespaces.add("c10d")
+            for namespace in ("c10d", "_c10d_functional"):
+                tracker.namespace_handlers[namespace] = handler
+            tracker.queued_at_issue.add("c10d")
             t = torch.ones(4)
             tracker.drain()
             t.mul_(2)
@@ -244,10 +245,17 @@ def test_queued_c10d_ops_reach_the_model_once_in_order_from_the_records(extensio
             work = dist.all_reduce(t, async_op=True)  # python-issued
             tracker.issuing(False)
             work.wait()
+            out = torch.ops._c10d_functional.all_reduce(t, "sum", dist.group.WORLD.group_name)  # functional
+            out.sub_(1)
+            torch.ops._c10d_functional.wait_tensor(out)  # functional-wait
+            assert handed == []  # the functional ones too wait for the next drain
             tracker.drain()
+        ops = ["aten::ones", "aten::mul_", "aten::add_"]
         assert handed == [
-            ("start", "c10d::allreduce_", True, 0, line("queued-start"), ["aten::ones", "aten::mul_"]),
-            ("end", "c10d::allreduce_", False, 0, line("python-issued"), ["aten::ones", "aten::mul_", "aten::add_"])]
+            ("start", "c10d::allreduce_", True, 0, line("queued-start"), ops[:2]),
+            ("end", "c10d::allreduce_", False, 0, line("python-issued"), ops),
+            ("end", "_c10d_functional::all_reduce", False, 0, line("functional"), ops),
+            ("end", "_c10d_functional::wait_tensor", False, 0, line("functional-wait"), ops + ["aten::sub_"])]
     finally:
         dist.destroy_process_group()
 

@@ -90,15 +90,15 @@ py::str dtype_name(c10::ScalarType dtype) {
 }
 
 // What to do with an op, decided once (by the tracker's plan) per op overload.
-// handoff: a c10d op the Python model handles, handed over at its start and its end on the issuing thread; queued: one
-// the model takes from the records instead, once (`queue_handoff`).
-struct Plan { bool below_autograd = false, record = false, handoff = false, queued = false, fresh = false,
+// handoff: a modelled namespace's op (collectives), queued for the Python model as it returns; at_issue: queued before it
+// runs where torch's C++ issues it (c10d: the events the backend records inside it then order after it)
+struct Plan { bool below_autograd = false, record = false, handoff = false, at_issue = false, fresh = false,
                    writes_output = false, copy = false, keep_args = false, sync = false;
               std::vector<std::pair<size_t, bool>> args; std::string overload;
               std::vector<std::pair<std::string, bool>> names; };  // keep_args: (name, keyword-only) per argument
 
-// An op's record, or (`what`) a storage's free, a CUDA event recorded or waited on, or a queued c10d op (before it
-// ran: issued by torch's C++; as it returned: by Python), in order with the ops.
+// An op's record, or (`what`) a storage's free, a CUDA event recorded or waited on, or a modelled namespace's op (a
+// c10d op torch's C++ issued, before it ran; any other, as it returned), in order with the ops.
 enum class What : uint8_t { kOp, kFree, kEventRecord, kEventWait, kHandoffStart, kHandoffEnd };
 struct Record {
   What what = What::kOp; const char* op = nullptr; int64_t stream = 0; bool in_node = false;
@@ -112,7 +112,7 @@ struct Record {
   bool sync = false;  // the op is a host sync's (tracker.host_syncs): the tracker judges whether it applies
   int64_t touched = 0;  // tensors of the modelled device among its arguments and fresh outputs, empty ones included
   std::shared_ptr<const Plan> plan; std::vector<c10::IValue> args;  // the arguments, where the plan keeps them
-  std::vector<c10::IValue> outputs;  // a queued c10d op's, as it returned
+  std::vector<c10::IValue> outputs;  // a queued collective's, as it returned
 };
 
 // plan null: the op is only watched for the autograd nodes it makes (node_streams.cpp)
@@ -153,7 +153,6 @@ std::atomic<bool> on{false};
 bool cuda = false;
 // Python callables, kept by pointer: a static py::object would be released after the interpreter is gone.
 py::object* plan_fn = nullptr;
-py::object* handoff_fn = nullptr;
 py::object* drain_fn = nullptr;  // applies the records, called every `kDrainEvery` records
 thread_local int depth = 0;  // ops below autograd running on this thread
 thread_local bool paused = false;  // this thread's work is modelled by hand (set_recording): others still record
@@ -331,8 +330,8 @@ std::shared_ptr<const Plan> plan_for(const at::RecordFunction& fn) {
     py::object got = (*plan_fn)(name->name, name->overload_name);
     if (py::isinstance<py::str>(got)) {
       auto how = got.cast<std::string>();
-      plan.handoff = how == "handled" || how == "queued";
-      plan.queued = how == "queued";
+      plan.handoff = true;
+      plan.at_issue = how == "queued at issue";
     } else if (!got.is_none()) {
       auto t = got.cast<py::tuple>();
       for (auto item : t[0].cast<py::list>()) {
@@ -466,28 +465,10 @@ py::object outputs_object(const std::vector<c10::IValue>& outputs) {  // None fo
 
 py::object stack_object(const Record& r) { return r.stack ? py::cast(r.stack) : py::object(py::none()); }
 
-// A queued c10d op's arguments to tracker._queued: (name, overload, args, outputs or None, phase, stream, stack).
+// A queued collective's arguments to tracker._queued: (name, overload, args, outputs or None, phase, stream, stack).
 py::tuple queued_call(const Record& r, py::object stream) {
   return py::make_tuple(r.op, r.plan->overload, values_object(r.args), outputs_object(r.outputs),
                         r.what == What::kHandoffStart ? "start" : "end", std::move(stream), stack_object(r));
-}
-
-// A c10d op to the Python model, on the issuing thread: at "start" (before it runs; `out` is None) and at "end".
-void hand_over(const at::RecordFunction& fn, const std::vector<c10::IValue>& inputs, const char* phase) {
-  if (paused || !on.load()) return;
-  py::gil_scoped_acquire gil;
-  py::tuple args = values_object(inputs);
-  py::object out = py::none();
-  if (phase[0] == 'e') {
-    auto outputs = fn.outputs();
-    out = outputs_object(std::vector<c10::IValue>(outputs.begin(), outputs.end()));
-  }
-  auto name = fn.operator_name();
-  try {
-    if (handoff_fn != nullptr) (*handoff_fn)(name->name, name->overload_name, args, out, phase);
-  } catch (py::error_already_set& error) {  // printed as Python does for errors it cannot raise
-    error.discard_as_unraisable("streamrace: modelling a collective");
-  }
 }
 
 // The virtual model's stream on this thread (its small int; 0, the default stream, where none was set this session).
@@ -537,8 +518,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   if (plan->handoff) {
     auto inputs = fn.inputs();
     pending->inputs.assign(inputs.begin(), inputs.end());
-    if (!plan->queued) hand_over(fn, pending->inputs, "start");
-    else if (!issuing()) queue_handoff(fn, plan, pending->inputs, {}, What::kHandoffStart);
+    if (plan->at_issue && !issuing()) queue_handoff(fn, plan, pending->inputs, {}, What::kHandoffStart);
   }
   if (plan->record) {
     Record& r = pending->record;
@@ -589,10 +569,11 @@ void push(Record&& r) {
   if (full) drain_now();
 }
 
-// A c10d op the Python model takes from the records (a queued plan), with its arguments (and outputs), this thread's
-// stream and stack: applied in order at the next drain, on whichever thread drains, with no Python here. A collective
-// torch's C++ issues (DDP's reducer, from the autograd engine's thread) is queued before it runs; one Python issues,
-// as it returns with its Work (collectives.py says why each). The values hold the op's tensors until drained.
+// A modelled namespace's op the Python model takes from the records, with its arguments (and outputs), this thread's
+// stream and stack: applied in order at the next drain, on whichever thread drains, with no Python here. A c10d
+// collective torch's C++ issues (DDP's reducer, from the autograd engine's thread) is queued before it runs; one Python
+// issues, and every functional collective, as it returns with its Work or outputs (collectives.py says why each). The
+// values hold the op's tensors until drained.
 void queue_handoff(const at::RecordFunction& fn, std::shared_ptr<const Plan> plan, std::vector<c10::IValue> args,
                    std::vector<c10::IValue> outputs, What what) {
   Record r;
@@ -614,9 +595,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
   if (plan == nullptr) return;  // nodes_only
   --depth;
   if (plan->handoff) {
-    if (!plan->queued) {
-      hand_over(fn, pending->inputs, "end");
-    } else if (issuing()) {
+    if (!plan->at_issue || issuing()) {
       auto outputs = fn.outputs();
       queue_handoff(fn, pending->plan, std::move(pending->inputs), {outputs.begin(), outputs.end()},
                     What::kHandoffEnd);
@@ -679,16 +658,14 @@ void unobserve() {
   observed = 0;
 }
 
-void enable(bool on_cuda, py::object plan, py::object handoff, py::object drain, bool all_threads, bool host_frees) {
+void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, bool host_frees) {
   cuda = on_cuda;
   if (!cuda && host_frees && cpu_deleter == nullptr)
     cpu_deleter = c10::GetDefaultCPUAllocator()->allocate(1).get_deleter();
   reporting_frees = !cuda && host_frees && cpu_deleter != nullptr;
   delete plan_fn;
-  delete handoff_fn;
   delete drain_fn;
   plan_fn = new py::object(plan);
-  handoff_fn = new py::object(handoff);
   drain_fn = drain.is_none() ? nullptr : new py::object(drain);
   generation.fetch_add(1);  // every thread back on the default stream
   clear_all();
@@ -704,9 +681,8 @@ void disable() {
   else unobserve();  // other threads keep theirs: they record into the next session, as a forwarding mode would
   clear_all();
   delete plan_fn;  // called from Python: the GIL is held; outside the lock, as releasing them may run Python
-  delete handoff_fn;
   delete drain_fn;
-  plan_fn = handoff_fn = drain_fn = nullptr;
+  plan_fn = drain_fn = nullptr;
 }
 
 void set_recording(bool value) { paused = !value; }
@@ -1228,7 +1204,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_core(m);  // hb_core.cpp, compiled into this module (capture.load)
   py::class_<Stack, std::shared_ptr<Stack>>(m, "Stack").def("frames", &Stack::frames);
   m.def("stack", &stack_here);
-  m.def("enable", &enable, py::arg("cuda"), py::arg("plan"), py::arg("handoff"), py::arg("drain") = py::none(),
+  m.def("enable", &enable, py::arg("cuda"), py::arg("plan"), py::arg("drain") = py::none(),
         py::arg("every_thread") = true, py::arg("host_frees") = false);
   m.def("observe", &observe);
   m.def("unobserve", &unobserve);

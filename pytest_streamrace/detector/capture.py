@@ -8,11 +8,11 @@ outputs, the current stream, whether it runs inside an autograd node, and the Py
 later). Which arguments are read or written is the tracker's own plan (``tracker._plan``), asked once per op.
 
 The tracker drains the records in order at every point where order matters (stream and event calls, frees, waits,
-reading races); frees, and on a GPU the trace's event records and waits, arrive as markers in the same buffer. c10d
-ops (the collectives model's) are queued there too, with their arguments, stream and stack, and modelled when drained:
-one torch's C++ issues as of before it ran, one Python issues (``set_issuing``) as it returned, with its Work. Other
-handled namespaces' ops (functional collectives) are handed to Python on the issuing thread before they run and as
-they return. ``x.copy_(y)`` of a view onto the same bytes launches nothing and is no access.
+reading races); frees, and on a GPU the trace's event records and waits, arrive as markers in the same buffer. The
+collectives models' ops (c10d's, functional collectives') are queued there too, with their arguments, stream and
+stack, and modelled when drained: a c10d op torch's C++ issues as of before it ran; one Python issues
+(``set_issuing``), and every functional collective, as it returned, with its Work or outputs. No op enters Python as
+it runs. ``x.copy_(y)`` of a view onto the same bytes launches nothing and is no access.
 
 On host memory (the virtual model) the current stream is the model's, set per thread (``set_stream``); the callback
 is per thread, on the threads a dispatch mode would see (``observe``); a storage first seen by a record is held by it

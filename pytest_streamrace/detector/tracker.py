@@ -195,9 +195,11 @@ class AccessTracker(TorchDispatchMode):
         self.on_race = on_race
         self.names: dict[Hashable, str] = {}  # storage key -> human name ("model.0.weight")
         self.last_writer: dict[Hashable, Hashable] = {}  # storage key -> stream of its latest write
-        # op namespace -> handler(func, args, kwargs, out) that models those ops itself (collectives: "c10d")
+        # op namespace -> handler(func, args, kwargs, out) that models those ops itself (collectives: "c10d"). Under
+        # the capture their ops come from its records (`_queued`), as they returned; those of `queued_at_issue`
+        # (c10d: torch's C++ issues them) before they ran where torch's C++ issued them.
         self.namespace_handlers: dict[str, Callable] = {}
-        self.queued_namespaces: set[str] = set()  # their ops come from the capture's records (`_queued`)
+        self.queued_at_issue: set[str] = set()
         self._applying = False  # the capture's records are being applied (under the lock)
         self.redirect: dict[Hashable, Hashable] = {}  # storage key -> stream of the next op reading it (autograd)
         self.watched: dict[Hashable, weakref.ref | None] = {}  # storages alive and known -> their weak reference
@@ -264,7 +266,7 @@ class AccessTracker(TorchDispatchMode):
         core = getattr(self.hb, "core", None)  # hb_native's C++ core: the records go straight into it
         self._feed = extension.Feed(core, self) if isinstance(core, extension.hb.Core) else None
         cuda = self.device_type == "cuda"
-        extension.enable(cuda, self._capture_plan, self._handoff, self._drain_forced,
+        extension.enable(cuda, self._capture_plan, self._drain_forced,
                          cuda if every_thread is None else every_thread, host_frees=self.track_frees and not cuda)
 
     def observe_thread(self):
@@ -317,7 +319,7 @@ class AccessTracker(TorchDispatchMode):
         if plan is _HANDLED:
             if namespace not in self.namespace_handlers:
                 return None
-            return "queued" if namespace in self.queued_namespaces else "handled"
+            return "queued at issue" if namespace in self.queued_at_issue else "queued"
         if plan is _SKIPPED:
             return None
         _, inputs, fresh, writes_output = plan
@@ -328,38 +330,20 @@ class AccessTracker(TorchDispatchMode):
         return [(i, write) for i, _, write in inputs], bool(fresh), writes_output, keep_args, sync is not None
 
     def _queued(self, name: str, overload: str, args: tuple, out, phase: str, stream: Hashable, captured) -> None:
-        """A c10d op of a queued namespace (``queued_namespaces``), from the records in their order: "start" for one
-        torch's C++ issued (before it ran), "end" for one Python issued (as it returned, `out` its outputs), with the
+        """An op of a handled namespace (``namespace_handlers``), from the records in their order: "start" for a c10d
+        op torch's C++ issued (before it ran), "end" for any other (as it returned, `out` its outputs), with the
         issuing thread's `stream` and stack. The drain applying it holds the lock; the handler must not drain."""
-        handler, func = self._handler(name, overload)
-        if handler is not None:
-            handler(func, args, {}, out, phase, stream=stream, frames=Captured(captured))
-
-    def _handler(self, name: str, overload: str):
-        """(handler, OpOverload) of a handled op the capture names, or (None, None) once its namespace has none."""
         namespace, op = name.split("::", 1)
         handler = self.namespace_handlers.get(namespace)
-        if handler is None:
-            return None, None
-        return handler, getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
+        if handler is not None:
+            func = getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
+            handler(func, args, {}, out, phase, stream=stream, frames=Captured(captured))
 
     def issuing(self, value: bool) -> None:
         """Python starts (True) or ends (False) issuing a collective on this thread: the capture queues its c10d op as
         it returns, with its Work, rather than before it runs."""
         if self._capture is not None:
             self._capture.set_issuing(value)
-
-    @_called_from_cpp
-    def _handoff(self, name: str, overload: str, args: tuple, out, phase: str) -> None:
-        """An op of a handled namespace that is not queued (functional collectives), handed over by the C++ capture
-        on the issuing thread before it runs (phase "start", out None) and as it returns ("end"). The dispatch mode
-        sees every handled op once, after it ran (phase "once")."""
-        handler, func = self._handler(name, overload)
-        if handler is None:
-            return
-        with self._lock:
-            self.drain()
-            handler(func, args, {}, out, phase)
 
     def _apply_captured(self, records: list) -> None:
         """The capture's records applied to hb.py's core (capture.cpp's Feed applies them to the C++ core, by these

@@ -45,7 +45,7 @@ def empty_callback():
 def capture_only():
     ext = capture.load()
     tracker = AccessTracker(HappensBefore(), lambda: 0, "cuda")
-    ext.enable(True, tracker._capture_plan, tracker._handoff)
+    ext.enable(True, tracker._capture_plan)
     yield
     ext.drain()
     ext.disable()

@@ -15,7 +15,7 @@ echo "exit $?"; grep -E "^(FAILED|ERROR)" "$OUT/unit.log" | head; tail -1 "$OUT/
 echo "== the DDP row, paired (NCCL, a process a rank)"
 timeout 200 python3 benchmarks/paired_overhead.py --model ddp --backend cuda --rounds "${ROUNDS:-6}"; echo "exit $?"
 echo "== where rank 0's detector time goes per step, by thread (timers)"
-STEPS=100 timeout 150 python3 scripts/device/ddp_thread_times.py cuda 2>&1 | grep -v "Warning" | head -16
+STEPS=100 timeout 150 python3 scripts/device/ddp_thread_times.py cuda 2>&1 | grep -v "Warning" | head -24
 echo "== stock stacks on NCCL (clean cases clean, racy twins caught)"
 STACKS="tests/stacks/stack_ddp.py tests/stacks/stack_fsdp2.py tests/stacks/stack_dtensor.py tests/stacks/stack_deepspeed.py" \
   LIMIT=220 OUT="$OUT/stacks" bash scripts/device/stacks.sh 2>&1 | grep -v "^PASSED" | tail -20

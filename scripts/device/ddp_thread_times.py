@@ -1,6 +1,6 @@
 """Where the cuda detector's Python time goes on each step of overhead.py's 2-rank DDP row, by thread: rank 0 wraps
 the detector's Python entry points (the c10d hand-over by phase, the drain, the collectives model, host syncs) and
-the tracker's lock with wall-clock timers, keyed by the thread that ran them. cProfile sees one thread only and
+the tracker's lock with wall-clock timers, keyed by the thread that ran them (a drain also by who called it). cProfile sees one thread only and
 counts a lock or GIL wait as the caller's own time; this tells waits from work.
 
     device run (kind nvidia-h200-x2): . scripts/device/setup.sh ddp; python3 scripts/device/ddp_thread_times.py [MODE]
@@ -16,6 +16,15 @@ import time
 MODEL = "DDP MLP (8x512, batch 32, 2 ranks)"
 STEPS = int(os.environ.get("STEPS", "100"))
 times = collections.defaultdict(lambda: [0, 0.0])  # (what, thread) -> [calls, seconds]
+
+
+def caller(depth=2):
+    """`name<-caller<-its caller` of the wrapped call, for drains: who makes a thread drain."""
+    names, frame = [], sys._getframe(depth)
+    while frame is not None and len(names) < 3:
+        names.append(frame.f_code.co_name)
+        frame = frame.f_back
+    return "<-".join(names) or "C++"
 
 
 def timed(owner, name, key=None):
@@ -56,9 +65,8 @@ def instrument():
     from pytest_streamrace.detector.models.cuda import CudaStreams
     from pytest_streamrace.detector.tracker import AccessTracker
 
-    timed(AccessTracker, "_handoff", lambda a: f"_handoff {a[5]}")
     timed(AccessTracker, "_queued", lambda a: f"_queued {a[5]}")
-    timed(AccessTracker, "drain")
+    timed(AccessTracker, "drain", lambda a: f"drain from {caller(3)}")
     timed(AccessTracker, "run")
     timed(Collectives, "on_op", lambda a: f"on_op {a[5] if len(a) > 5 else 'once'}")
     for name in ("_event_sync", "_stream_sync", "_device_sync", "_event_record", "_event_wait"):
@@ -83,7 +91,7 @@ if len(sys.argv) > 2 and sys.argv[1] == "--rank":
         calls = 3 + 5 * STEPS  # overhead.py's warm-up and rounds
         print(f"{mode}: {ms:.3f} ms a step (timers on)")
         for (what, thread), (n, s) in sorted(times.items(), key=lambda item: -item[1][1]):
-            print(f"  {what:28} {thread[:24]:24} {n / calls:6.1f}/step {s / calls * 1e3:8.4f} ms/step "
+            print(f"  {what:60} {thread[:12]:12} {n / calls:6.1f}/step {s / calls * 1e3:8.4f} ms/step "
                   f"{s / n * 1e6:8.1f} us each")
     sys.exit(0)
 

@@ -249,11 +249,11 @@ class Collectives:
 
     def install(self) -> None:
         self.tracker.namespace_handlers["c10d"] = self.on_op
-        self.tracker.queued_namespaces.add("c10d")
+        self.tracker.queued_at_issue.add("c10d")
 
     def uninstall(self) -> None:
         self.tracker.namespace_handlers.pop("c10d", None)
-        self.tracker.queued_namespaces.discard("c10d")
+        self.tracker.queued_at_issue.discard("c10d")
         self._held = threading.local()
 
 

@@ -9,8 +9,9 @@ the wait). torch keeps one registered work per output storage and drops it at th
 ``wait_tensor`` orders nothing — here too. Inputs and outputs are kept alive by the work until it is waited (the
 backend stashes them), so their frees are safe: modelled as ``record_stream`` on the communication stream.
 
-The ops reach the dispatch mode (and the C++ capture, which hands them over like c10d ops) as ATen ops of their own
-namespace; what they run inside (a clone, the c10d op on the group) is theirs and not seen.
+The ops reach the dispatch mode as ATen ops of their own namespace, and the C++ capture queues them as they return, with
+their outputs, the issuing thread's stream and stack, in order with the ops around them; what they run inside (a
+clone, the c10d op on the group) is theirs and not seen.
 """
 
 from __future__ import annotations
@@ -69,20 +70,21 @@ class FunctionalCollectives:
         self._streams: set = set()
         self._pending: dict = {}  # storage key of an output -> _Issued (torch's work registry, per storage)
 
-    def on_op(self, func, args, kwargs, out, phase: str = "once") -> None:
-        """A functional collective or wait: modelled once it returned (the capture also hands it over before)."""
-        if phase == "start":
-            return
+    def on_op(self, func, args, kwargs, out, phase: str = "once", stream: Hashable | None = None,
+              frames=None) -> None:
+        """A functional collective or wait, as it returned: on the issuing thread (the dispatch mode) or from the
+        capture's records, with that thread's `stream` and `frames`."""
+        current = self.current_stream() if stream is None else stream
         op = func._overloadpacket.__name__
         if op == "wait_tensor":
-            self._waited(args[0] if args else kwargs.get("tensor"))
+            self._waited(args[0] if args else kwargs.get("tensor"), current)
         elif op == "batch_p2p_ops":
-            self._batch_p2p(func, args, kwargs, out)
+            self._batch_p2p(func, args, kwargs, out, current, frames)
         elif op in _OPS:
-            self._issued(op, func, args, kwargs, out)
+            self._issued(op, func, args, kwargs, out, current, frames)
         # anything else in the namespace (``_wrap_tensor_autograd``) moves no bytes
 
-    def _issued(self, op: str, func, args, kwargs, out) -> None:
+    def _issued(self, op: str, func, args, kwargs, out, current, frames) -> None:
         name, kind = _OPS[op]
         values = _bound(func, args, kwargs)
         group = _group(values.get("group_name"))
@@ -100,22 +102,21 @@ class FunctionalCollectives:
         elif kind == "p2p":
             peer = values.get("dst", values.get("src"))
             reads, writes = (inputs, []) if op == "isend" else ([], inputs)
-        self._collective(name, group, peer, reads, writes, _tensors(out) or inputs)
+        self._collective(name, group, peer, reads, writes, _tensors(out) or inputs, current, frames)
 
-    def _batch_p2p(self, func, args, kwargs, out) -> None:
+    def _batch_p2p(self, func, args, kwargs, out, current, frames) -> None:
         values = _bound(func, args, kwargs)
         group = _group(values.get("group_name"))
         for kind, peer, tensor in zip(values.get("op_list", ()), values.get("peer_list", ()),
                                       _tensors(values.get("tensors"))):
             send = "send" in str(kind)
             self._collective("send" if send else "recv", group, peer, [tensor] if send else [],
-                             [] if send else [tensor], [tensor])
+                             [] if send else [tensor], [tensor], current, frames)
 
-    def _collective(self, name: str, group, peer, reads, writes, waited_on) -> None:
-        current = self.current_stream()
+    def _collective(self, name: str, group, peer, reads, writes, waited_on, current, frames) -> None:
         comm = self._comm_stream(group, peer)
         self.hb.wait_stream(comm, current)
-        self.tracker.run(name, comm, reads, writes)
+        self.tracker.run(name, comm, reads, writes, frames)
         issued = _Issued()
         self.hb.record_event(issued, comm)
         for t in [*reads, *writes]:  # stashed by the work until it is waited: safe to drop
@@ -127,7 +128,7 @@ class FunctionalCollectives:
             if key is not None:
                 self._pending[key] = issued
 
-    def _waited(self, tensor) -> None:
+    def _waited(self, tensor, current) -> None:
         """wait_tensor: the current stream is ordered after the collective that produced `tensor` (once)."""
         if tensor is None or not self.tracker.on_device(tensor):
             return
@@ -136,7 +137,7 @@ class FunctionalCollectives:
         if issued is None:
             return  # waited already, or issued where nothing saw it: torch's wait is a no-op then too
         # a coalesced op's other outputs keep their entries: waiting on one of them later waits (again) in torch too
-        self.hb.wait_event(self.current_stream(), issued)
+        self.hb.wait_event(current, issued)
 
     def _comm_stream(self, group, peer) -> Hashable:
         key = ("communication", group.group_name if group is not None else "?", peer)
@@ -177,6 +178,6 @@ def _group(group_name):
             return group_name
         if isinstance(group_name, str):
             return _resolve_process_group(group_name)
-        return ProcessGroup.unbox(group_name)  # the group itself, boxed (handed over by the C++ capture)
+        return ProcessGroup.unbox(group_name)  # the group itself, boxed (from the C++ capture's records)
     except (RuntimeError, TypeError, ValueError):
         return None
