@@ -1080,9 +1080,17 @@ class Feed {
     return payload;
   }
 
+  // A storage's key in the tracker's tables: one int object per storage while it lives, so the dicts find their
+  // entries by identity (no int made and compared per access); forgotten at the storage's free.
+  PyObject* key(int64_t storage) {
+    py::object& known = keys_[storage];
+    if (!known) known = int_key(storage);
+    return known.ptr();
+  }
+
   void watch(const Span& span) {  // tracker._apply_captured's "watch": a storage first seen, its free learnt from now
     if (!span.held) return;
-    py::object key = int_key(span.storage);
+    py::object key = py::reinterpret_borrow<py::object>(this->key(span.storage));
     PyObject* known = get(watched_.ptr(), key.ptr());
     if (known != nullptr && known != Py_None) return;
     py::object storage = py::reinterpret_steal<py::object>(THPStorage_Wrap(span.held));
@@ -1097,7 +1105,9 @@ class Feed {
 
   void apply_one(Record& r) {
     if (r.what == What::kFree) {  // tracker._freed
-      py::object key = int_key(r.handle);
+      auto interned = keys_.find(r.handle);
+      py::object key = interned == keys_.end() ? int_key(r.handle) : std::move(interned->second);
+      if (interned != keys_.end()) keys_.erase(interned);
       if (!pop(watched_.ptr(), key.ptr())) return;  // never touched by a tracked op
       if (PyDict_GET_SIZE(names_.ptr()) > 0) pop(names_.ptr(), key.ptr());
       pop(last_writer_.ptr(), key.ptr());
@@ -1120,13 +1130,13 @@ class Feed {
     auto& keys = scratch_.keys;
     auto& touches = scratch_.touches;
     auto& allocs = scratch_.allocs;
-    for (const Span& span : r.accesses) keys.push_back(int_key(span.storage));
+    for (const Span& span : r.accesses) keys.push_back(key(span.storage));
     if (PyDict_GET_SIZE(redirect_.ptr()) > 0)  // a gradient's add the engine runs on its consumer's stream
-      for (const auto& key : keys) {
-        PyObject* target = get(redirect_.ptr(), key.ptr());
+      for (PyObject* key : keys) {
+        PyObject* target = get(redirect_.ptr(), key);
         if (target != nullptr) {
           keep_key = py::reinterpret_borrow<py::object>(target);
-          pop(redirect_.ptr(), key.ptr());
+          pop(redirect_.ptr(), key);
           id = core_.locked_stream_id(keep_key);
           break;
         }
@@ -1134,7 +1144,7 @@ class Feed {
     PyObject* stream_object = keep_key.ptr();
     for (size_t i = 0; i < r.accesses.size(); ++i) {
       Span& span = r.accesses[i];
-      PyObject* key = keys[i].ptr();
+      PyObject* key = keys[i];
       if (get(watched_.ptr(), key) == nullptr) set(watched_.ptr(), key, Py_None);
       if (span.write) {
         set(last_writer_.ptr(), key, stream_object);
@@ -1149,14 +1159,14 @@ class Feed {
       touches.push_back({span.storage, span.start, span.end, span.write, tensor(span, key, true)});
     }
     for (Span& span : r.fresh) {
-      py::object key = int_key(span.storage);
-      Payload desc = tensor(span, key.ptr(), false);
-      if (get(watched_.ptr(), key.ptr()) == nullptr) {
-        set(watched_.ptr(), key.ptr(), Py_None);
+      PyObject* key = this->key(span.storage);
+      Payload desc = tensor(span, key, false);
+      if (get(watched_.ptr(), key) == nullptr) {
+        set(watched_.ptr(), key, Py_None);
         allocs.push_back({span.storage, span.nbytes, desc});
       }
       if (span.write) {
-        set(last_writer_.ptr(), key.ptr(), stream_object);
+        set(last_writer_.ptr(), key, stream_object);
         touches.push_back({span.storage, span.start, span.end, true, std::move(desc)});
       }
     }
@@ -1179,11 +1189,12 @@ class Feed {
   bool track_frees_ = false, engine_records_streams_ = false;
   py::object streams_ = py::none();
   std::unordered_map<int64_t, std::pair<int32_t, py::object>> streams_by_record_;
+  std::unordered_map<int64_t, py::object> keys_;  // storage -> its key (`key`)
   ForwardSites forward_;
   // The vectors a record is applied with, kept between records (no allocation per record once grown), emptied after
   // each. One set: the tracker never applies a record from inside another's (its drain returns while it applies).
   struct Scratch {
-    std::vector<py::object> keys;
+    std::vector<PyObject*> keys;  // borrowed from keys_
     std::vector<PyCore::Touch> touches;
     std::vector<PyCore::Alloc> allocs;
   };
