@@ -27,6 +27,9 @@ frees and ignored events in C functions put in the registries' place, which torc
 The DDP row runs a process a rank, in lockstep (DDP's all-reduce holds each round's ranks together); rank 0 prints,
 and only the rows that tell the detector from its floors run there.
 
+Then the detector against its capture floor, round by round: a slower host slows the plain step and the floor together,
+so this moves less between hosts than either ratio to plain (on two H200 hosts the DDP floor alone was 1.12-1.24x).
+
 "RecordFunction" rows are torch's own floor under any capture built on it: an empty global callback (built here, with
 torch's C++ extension loader), without arguments and with them boxed (as the capture asks). The capture floor's
 distance from the boxed row is the capture's own per-op work.
@@ -246,6 +249,12 @@ def main() -> None:
         cpu_x = statistics.median(t[0] / p[0] for t, p in zip(times[name], plain))
         wall_x = statistics.median(t[1] / p[1] for t, p in zip(times[name], plain))
         show(f"{name:20} cpu {cpu:7.3f} ms/step ({cpu_x:5.2f}x)   wall {wall:7.3f} ms/step ({wall_x:5.2f}x)")
+    if "capture-floor" in times and args.backend in times:  # what the detector adds to the capture: the host's own
+        # speed moves the plain step and the floor together, so this ratio moves less between hosts than either
+        pairs = list(zip(times[args.backend], times["capture-floor"]))
+        cpu_x = statistics.median(t[0] / f[0] for t, f in pairs)
+        wall_x = statistics.median(t[1] / f[1] for t, f in pairs)
+        show(f"{args.backend} over the capture floor, median over rounds: cpu {cpu_x:.2f}x, wall {wall_x:.2f}x")
     if cuda:  # what torch's trace, on from the first session, leaves on the plain step after it
         show(f"plain: first round (before any session) wall {plain[0][1]:.3f} ms/step; the later rounds' median "
              f"{statistics.median(t[1] for t in plain[1:]):.3f}")
