@@ -90,16 +90,16 @@ py::str dtype_name(c10::ScalarType dtype) {
 }
 
 // What to do with an op, decided once (by the tracker's plan) per op overload.
-// handoff: a modelled namespace's op (collectives), queued for the Python model as it returns; at_issue: queued before it
+// queued: a modelled namespace's op (collectives), queued for the Python model as it returns; at_issue: queued before it
 // runs where torch's C++ issues it (c10d: the events the backend records inside it then order after it)
-struct Plan { bool below_autograd = false, record = false, handoff = false, at_issue = false, fresh = false,
+struct Plan { bool below_autograd = false, record = false, queued = false, at_issue = false, fresh = false,
                    writes_output = false, copy = false, keep_args = false, sync = false;
               std::vector<std::pair<size_t, bool>> args; std::string overload;
               std::vector<std::pair<std::string, bool>> names; };  // keep_args: (name, keyword-only) per argument
 
 // An op's record, or (`what`) a storage's free, a CUDA event recorded or waited on, or a modelled namespace's op (a
 // c10d op torch's C++ issued, before it ran; any other, as it returned), in order with the ops.
-enum class What : uint8_t { kOp, kFree, kEventRecord, kEventWait, kHandoffStart, kHandoffEnd };
+enum class What : uint8_t { kOp, kFree, kEventRecord, kEventWait, kQueuedStart, kQueuedEnd };
 struct Record {
   What what = What::kOp; const char* op = nullptr; int64_t stream = 0; bool in_node = false;
   std::vector<Span> accesses, fresh; std::shared_ptr<Stack> stack;
@@ -330,7 +330,7 @@ std::shared_ptr<const Plan> plan_for(const at::RecordFunction& fn) {
     py::object got = (*plan_fn)(name->name, name->overload_name);
     if (py::isinstance<py::str>(got)) {
       auto how = got.cast<std::string>();
-      plan.handoff = true;
+      plan.queued = true;
       plan.at_issue = how == "queued at issue";
     } else if (!got.is_none()) {
       auto t = got.cast<py::tuple>();
@@ -468,7 +468,7 @@ py::object stack_object(const Record& r) { return r.stack ? py::cast(r.stack) : 
 // A queued collective's arguments to tracker._queued: (name, overload, args, outputs or None, phase, stream, stack).
 py::tuple queued_call(const Record& r, py::object stream) {
   return py::make_tuple(r.op, r.plan->overload, values_object(r.args), outputs_object(r.outputs),
-                        r.what == What::kHandoffStart ? "start" : "end", std::move(stream), stack_object(r));
+                        r.what == What::kQueuedStart ? "start" : "end", std::move(stream), stack_object(r));
 }
 
 // The virtual model's stream on this thread (its small int; 0, the default stream, where none was set this session).
@@ -500,7 +500,7 @@ bool in_node(Record& r) {
   return true;
 }
 
-void queue_handoff(const at::RecordFunction& fn, std::shared_ptr<const Plan> plan, std::vector<c10::IValue> args,
+void queue_modelled(const at::RecordFunction& fn, std::shared_ptr<const Plan> plan, std::vector<c10::IValue> args,
                    std::vector<c10::IValue> outputs, What what);  // below
 
 bool issuing() {  // Python issues the collective this thread runs
@@ -515,10 +515,10 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
   ++depth;
   auto pending = std::make_unique<Pending>();
   pending->plan = plan;
-  if (plan->handoff) {
+  if (plan->queued) {
     auto inputs = fn.inputs();
     pending->inputs.assign(inputs.begin(), inputs.end());
-    if (plan->at_issue && !issuing()) queue_handoff(fn, plan, pending->inputs, {}, What::kHandoffStart);
+    if (plan->at_issue && !issuing()) queue_modelled(fn, plan, pending->inputs, {}, What::kQueuedStart);
   }
   if (plan->record) {
     Record& r = pending->record;
@@ -574,7 +574,7 @@ void push(Record&& r) {
 // collective torch's C++ issues (DDP's reducer, from the autograd engine's thread) is queued before it runs; one Python
 // issues, and every functional collective, as it returns with its Work or outputs (collectives.py says why each). The
 // values hold the op's tensors until drained.
-void queue_handoff(const at::RecordFunction& fn, std::shared_ptr<const Plan> plan, std::vector<c10::IValue> args,
+void queue_modelled(const at::RecordFunction& fn, std::shared_ptr<const Plan> plan, std::vector<c10::IValue> args,
                    std::vector<c10::IValue> outputs, What what) {
   Record r;
   r.what = what;
@@ -594,11 +594,11 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
   if (!cuda) node_streams::bind_outputs(fn.outputs(), stream_now());
   if (plan == nullptr) return;  // nodes_only
   --depth;
-  if (plan->handoff) {
+  if (plan->queued) {
     if (!plan->at_issue || issuing()) {
       auto outputs = fn.outputs();
-      queue_handoff(fn, pending->plan, std::move(pending->inputs), {outputs.begin(), outputs.end()},
-                    What::kHandoffEnd);
+      queue_modelled(fn, pending->plan, std::move(pending->inputs), {outputs.begin(), outputs.end()},
+                    What::kQueuedEnd);
     }
     return;
   }
@@ -823,7 +823,7 @@ void watch_held(py::list& out, const std::vector<Span>& spans) {
       out.append(py::make_tuple("watch", t.storage, py::reinterpret_steal<py::object>(THPStorage_Wrap(t.held))));
 }
 
-// ("free", ptr, stack or None), ("event_record" or "event_wait", event, stream), ("handoff", `queued_call`), ("op",
+// ("free", ptr, stack or None), ("event_record" or "event_wait", event, stream), ("queued", `queued_call`), ("op",
 // name, stream, in_node, accesses, fresh, stack, seq, node name or None, synced stream or None, (args, kwargs) or
 // None), or ("watch", ptr, storage) right after the op that first saw a storage (host memory); a tensor is (storage,
 // start, end, write, shape, dtype[, nbytes]).
@@ -842,7 +842,7 @@ py::list drain() {
       continue;
     }
     if (r.what != What::kOp) {
-      out.append(py::make_tuple("handoff", queued_call(r, py::int_(r.stream))));
+      out.append(py::make_tuple("queued", queued_call(r, py::int_(r.stream))));
       continue;
     }
     py::list accesses, fresh;
@@ -1088,6 +1088,11 @@ class Feed {
     return known.ptr();
   }
 
+  py::object forget_key(int64_t storage) {  // the storage's key, at its free
+    auto node = keys_.extract(storage);
+    return node.empty() ? int_key(storage) : std::move(node.mapped());
+  }
+
   void watch(const Span& span) {  // tracker._apply_captured's "watch": a storage first seen, its free learnt from now
     if (!span.held) return;
     py::object key = py::reinterpret_borrow<py::object>(this->key(span.storage));
@@ -1105,9 +1110,7 @@ class Feed {
 
   void apply_one(Record& r) {
     if (r.what == What::kFree) {  // tracker._freed
-      auto interned = keys_.find(r.handle);
-      py::object key = interned == keys_.end() ? int_key(r.handle) : std::move(interned->second);
-      if (interned != keys_.end()) keys_.erase(interned);
+      py::object key = forget_key(r.handle);
       if (!pop(watched_.ptr(), key.ptr())) return;  // never touched by a tracked op
       if (PyDict_GET_SIZE(names_.ptr()) > 0) pop(names_.ptr(), key.ptr());
       pop(last_writer_.ptr(), key.ptr());

@@ -366,7 +366,7 @@ class AccessTracker(TorchDispatchMode):
                 if kind == "event_wait":
                     self.hb.wait_event(record[2], record[1])
                     continue
-                if kind == "handoff":
+                if kind == "queued":
                     name, overload, args, out, phase, stream, captured = record[1]
                     self._queued(name, overload, args, out, phase, streams[stream] if streams is not None else stream,
                                  captured)
@@ -470,7 +470,7 @@ class AccessTracker(TorchDispatchMode):
         before it can be handed out again."""
         if self._capture is not None:
             with self._lock:
-                if self._applying:  # a queued c10d op's model, inside this drain: later records wait their turn
+                if self._applying:  # a queued collective's model, inside this drain: later records wait their turn
                     return
                 self._applying = True
                 try:
