@@ -31,11 +31,8 @@ namespace {
 // A Python stack as its frames' code objects and instruction offsets (in bytes), innermost first, down to the test
 // harness's first frame; named only when read. Named here, not by torch's symbolizer: that one imports Inductor (two
 // seconds) the first time it runs. A stack holds its code objects (so no other can take one of their addresses while
-// `known_stacks` keys on them), released with the GIL: at once where it is held, else by the next stack taken.
+// `known_stacks` keys on them), released with the GIL (hb_core.cpp's `drop`).
 using Frames = std::vector<std::pair<const void*, int>>;
-std::mutex release_mutex;
-auto* to_release = new std::vector<const void*>();  // never freed: it would outlive the interpreter
-std::atomic<bool> releasing{false};
 
 struct Stack {
   Frames code;
@@ -45,14 +42,7 @@ struct Stack {
   Stack(const Stack&) = delete;
   Stack& operator=(const Stack&) = delete;
   ~Stack() {
-    if (!Py_IsInitialized()) return;  // the interpreter is gone, and its code objects with it
-    if (PyGILState_Check()) {
-      for (auto& frame : code) Py_DECREF(reinterpret_cast<PyObject*>(const_cast<void*>(frame.first)));
-      return;
-    }
-    std::lock_guard<std::mutex> guard(release_mutex);
-    for (auto& frame : code) to_release->push_back(frame.first);
-    releasing = true;
+    for (auto& frame : code) streamrace_hb::drop(reinterpret_cast<PyObject*>(const_cast<void*>(frame.first)));
   }
   py::list frames() const {  // innermost first: (file, line, function)
     py::list out;
@@ -64,17 +54,6 @@ struct Stack {
     return out;
   }
 };
-
-void release_stacks() {  // the GIL held
-  if (!releasing) return;
-  std::vector<const void*> now;
-  {
-    std::lock_guard<std::mutex> guard(release_mutex);
-    now.swap(*to_release);
-    releasing = false;
-  }
-  for (const void* code : now) Py_DECREF(reinterpret_cast<PyObject*>(const_cast<void*>(code)));
-}
 
 // held (host memory only): the storage, first seen here, kept alive until drained (see `hold`)
 using Shape = c10::SmallVector<int64_t, 5>;  // inline: no allocation per access
@@ -295,7 +274,7 @@ std::shared_ptr<Stack> stack_here() {
     auto found = known_stacks->find(hash);
     if (found != known_stacks->end() && found->second.frames == frames) return found->second.stack;
   }
-  release_stacks();
+  streamrace_hb::release_dropped();
   auto s = std::make_shared<Stack>(frames);
   std::lock_guard<std::mutex> guard(frames_mutex);
   if (known_stacks->size() >= kKnownStacks) known_stacks->clear();
