@@ -854,14 +854,14 @@ struct Site : NativePayload {
   std::shared_ptr<Stack> stack;
   Payload forward;  // inside an autograd node: the site of the forward op that created it (may be empty)
   std::string node;  // inside an autograd node: its name
-  py::object named;
+  streamrace_hb::Owned named;
   py::object to_python() override {
     if (!named) {
       py::object frames = stack ? py::cast(stack) : py::object(py::none());
       py::object node_name = node.empty() ? py::object(py::none()) : py::object(py::str(node));
-      named = (*site_factory)(py::str(op), frames, forward.to_python(), node_name);
+      named = streamrace_hb::Owned((*site_factory)(py::str(op), frames, forward.to_python(), node_name));
     }
-    return named;
+    return named.get();
   }
 };
 
@@ -869,11 +869,11 @@ struct Site : NativePayload {
 struct Tensor : NativePayload {
   Shape shape;
   c10::ScalarType dtype;
-  py::object name;
+  std::shared_ptr<const std::string> name;  // the storage's name (`Tables::names`), if it had one
   py::object to_python() override {
     py::tuple dims(shape.size());
     for (size_t i = 0; i < shape.size(); ++i) dims[i] = shape[i];
-    return py::make_tuple(dims, dtype_name(dtype), name ? name : py::object(py::none()));
+    return py::make_tuple(dims, dtype_name(dtype), name ? py::object(py::str(*name)) : py::object(py::none()));
   }
 };
 
@@ -908,40 +908,153 @@ class ForwardSites {
 
 py::object int_key(int64_t key) { return py::reinterpret_steal<py::object>(PyLong_FromLongLong(key)); }
 
-// dict.pop(key, None) is not None
-bool pop(PyObject* dict, PyObject* key) {
-  PyObject* found = PyDict_GetItemWithError(dict, key);
-  if (found == nullptr) {
-    if (PyErr_Occurred()) throw py::error_already_set();
+int64_t storage_of(py::handle key) {  // a storage's key: its data pointer
+  long long value = PyLong_AsLongLong(key.ptr());
+  if (value == -1 && PyErr_Occurred()) throw py::error_already_set();
+  return value;
+}
+
+// The tracker's tables about storages, held in C++ while a Feed applies the records (no Python dict per access): the
+// storages watched (each with the weak reference that reports its free, where one was made), the stream of each one's
+// latest write, autograd's redirects (a storage -> the stream of the next op reading it), and the names people gave.
+// Streams are the core's ids. The tracker's Python paths read and write them through `Table`, a dict's face.
+struct Tables {
+  std::unordered_map<int64_t, streamrace_hb::Owned> watched;
+  std::unordered_map<int64_t, int32_t> last_writer, redirect;
+  std::unordered_map<int64_t, std::shared_ptr<const std::string>> names;
+};
+
+// One of the tables as the tracker's dict was: keys are storages (data pointers), values a weak reference or None
+// (watched), a stream key (last_writer, redirect: the core interns them), a name (names).
+class Table {
+ public:
+  enum Kind { kWatched, kLastWriter, kRedirect, kNames };
+  Table(std::shared_ptr<Tables> tables, py::object core, Kind kind)
+      : tables_(std::move(tables)), core_object_(std::move(core)), core_(core_object_.cast<PyCore&>()), kind_(kind) {}
+
+  bool contains(py::handle key) const {
+    int64_t storage = storage_of(key);
+    switch (kind_) {
+      case kWatched: return tables_->watched.count(storage) > 0;
+      case kLastWriter: return tables_->last_writer.count(storage) > 0;
+      case kRedirect: return tables_->redirect.count(storage) > 0;
+      case kNames: return tables_->names.count(storage) > 0;
+    }
     return false;
   }
-  if (PyDict_DelItem(dict, key) < 0) throw py::error_already_set();
-  return true;
-}
 
-PyObject* get(PyObject* dict, PyObject* key) {  // borrowed; nullptr when missing
-  PyObject* found = PyDict_GetItemWithError(dict, key);
-  if (found == nullptr && PyErr_Occurred()) throw py::error_already_set();
-  return found;
-}
+  // the value, or `missing` (nullptr: none there)
+  py::object find(int64_t storage) const {
+    switch (kind_) {
+      case kWatched: {
+        auto found = tables_->watched.find(storage);
+        return found == tables_->watched.end() ? py::object() : found->second.get();
+      }
+      case kLastWriter: return stream(tables_->last_writer, storage);
+      case kRedirect: return stream(tables_->redirect, storage);
+      case kNames: {
+        auto found = tables_->names.find(storage);
+        return found == tables_->names.end() ? py::object() : py::str(*found->second);
+      }
+    }
+    return py::object();
+  }
 
-void set(PyObject* dict, PyObject* key, PyObject* value) {
-  if (PyDict_SetItem(dict, key, value) < 0) throw py::error_already_set();
-}
+  py::object get(py::handle key, py::object otherwise) const {
+    py::object found = find(storage_of(key));
+    return found ? found : otherwise;
+  }
+
+  py::object getitem(py::handle key) const {
+    py::object found = find(storage_of(key));
+    if (!found) throw py::key_error(py::repr(key).cast<std::string>());
+    return found;
+  }
+
+  void setitem(py::handle key, py::object value) {
+    int64_t storage = storage_of(key);
+    switch (kind_) {
+      case kWatched:
+        tables_->watched[storage] = value.is_none() ? streamrace_hb::Owned() : streamrace_hb::Owned(value);
+        return;
+      case kLastWriter: tables_->last_writer[storage] = core_.locked_stream_id(value); return;
+      case kRedirect: tables_->redirect[storage] = core_.locked_stream_id(value); return;
+      case kNames: tables_->names[storage] = std::make_shared<const std::string>(value.cast<std::string>()); return;
+    }
+  }
+
+  py::object pop(py::handle key, py::object otherwise) {
+    int64_t storage = storage_of(key);
+    py::object found = find(storage);
+    if (!found) {
+      if (!otherwise) throw py::key_error(py::repr(key).cast<std::string>());
+      return otherwise;
+    }
+    erase(storage);
+    return found;
+  }
+
+  void erase(int64_t storage) {
+    switch (kind_) {
+      case kWatched: tables_->watched.erase(storage); return;
+      case kLastWriter: tables_->last_writer.erase(storage); return;
+      case kRedirect: tables_->redirect.erase(storage); return;
+      case kNames: tables_->names.erase(storage); return;
+    }
+  }
+
+  void clear() {
+    switch (kind_) {
+      case kWatched: tables_->watched.clear(); return;
+      case kLastWriter: tables_->last_writer.clear(); return;
+      case kRedirect: tables_->redirect.clear(); return;
+      case kNames: tables_->names.clear(); return;
+    }
+  }
+
+  size_t size() const {
+    switch (kind_) {
+      case kWatched: return tables_->watched.size();
+      case kLastWriter: return tables_->last_writer.size();
+      case kRedirect: return tables_->redirect.size();
+      case kNames: return tables_->names.size();
+    }
+    return 0;
+  }
+
+  py::list items() const {
+    py::list out;
+    auto add = [&](int64_t storage) { out.append(py::make_tuple(int_key(storage), find(storage))); };
+    switch (kind_) {
+      case kWatched: for (auto& entry : tables_->watched) add(entry.first); break;
+      case kLastWriter: for (auto& entry : tables_->last_writer) add(entry.first); break;
+      case kRedirect: for (auto& entry : tables_->redirect) add(entry.first); break;
+      case kNames: for (auto& entry : tables_->names) add(entry.first); break;
+    }
+    return out;
+  }
+
+ private:
+  py::object stream(const std::unordered_map<int64_t, int32_t>& table, int64_t storage) const {
+    auto found = table.find(storage);
+    return found == table.end() ? py::object() : core_.stream_key(found->second);
+  }
+
+  std::shared_ptr<Tables> tables_;
+  py::object core_object_;
+  PyCore& core_;
+  Kind kind_;
+};
 
 // The tracker's captured ops applied to its C++ core: the same rules as tracker._apply_captured, which stays the path
-// for hb.py's core. The tracker's tables (watched storages and their weak references, names, last writers, autograd's
-// redirects) stay its Python dicts, read and written here through the C API; Python is called for a host sync's rule,
-// for races and notes.
+// for hb.py's core, with the tracker's tables in C++ (`Tables`). Python is called for a host sync's rule, a queued
+// collective's model, races and notes.
 class Feed {
  public:
-  Feed(py::object core, py::object tracker) : core_object_(std::move(core)), core_(core_object_.cast<PyCore&>()) {
-    watched_ = tracker.attr("watched");
+  Feed(py::object core, py::object tracker)
+      : core_object_(std::move(core)), core_(core_object_.cast<PyCore&>()), tables_(std::make_shared<Tables>()) {
     ref_keys_ = tracker.attr("_ref_keys");
-    on_dead_ = dead_callback(watched_, ref_keys_);
-    names_ = tracker.attr("names");
-    last_writer_ = tracker.attr("last_writer");
-    redirect_ = tracker.attr("redirect");
+    on_dead_ = dead_callback(tables_, ref_keys_);
     track_frees_ = tracker.attr("track_frees").cast<bool>();
     captured_sync_ = tracker.attr("_captured_sync");
     report_ = tracker.attr("_report");
@@ -952,19 +1065,28 @@ class Feed {
       site_factory = new py::object(py::module_::import("pytest_streamrace.detector.backward_sites").attr("site_of"));
   }
 
+  // The tables' faces for the tracker: (watched, last_writer, redirect, names).
+  py::tuple tables() const {
+    auto face = [&](Table::Kind kind) { return py::cast(Table(tables_, core_object_, kind)); };
+    return py::make_tuple(face(Table::kWatched), face(Table::kLastWriter), face(Table::kRedirect),
+                          face(Table::kNames));
+  }
+
   // tracker._dead in C++, for the weak references made here: a watched storage died, its free is queued in order with
   // the ops (with a stack only where frees can race). It outlives the feed (a storage may die after the session):
   // what it needs it holds, and the tables it reads are cleared when the session ends (tracker.detach).
-  static py::object dead_callback(py::object watched, py::object ref_keys) {
-    return py::cpp_function([watched, ref_keys](py::handle ref) {
+  static py::object dead_callback(std::shared_ptr<Tables> tables, py::object ref_keys) {
+    return py::cpp_function([tables, ref_keys](py::handle ref) {
       try {
-        PyObject* found = get(ref_keys.ptr(), ref.ptr());
-        if (found == nullptr) return;
-        py::object key = py::reinterpret_borrow<py::object>(found);
+        PyObject* found = PyDict_GetItemWithError(ref_keys.ptr(), ref.ptr());
+        if (found == nullptr) {
+          if (PyErr_Occurred()) throw py::error_already_set();
+          return;
+        }
+        int64_t ptr = storage_of(found);
         if (PyDict_DelItem(ref_keys.ptr(), ref.ptr()) < 0) throw py::error_already_set();
-        if (get(watched.ptr(), key.ptr()) != ref.ptr() || !on.load()) return;
-        int64_t ptr = PyLong_AsLongLong(key.ptr());
-        if (ptr == -1 && PyErr_Occurred()) throw py::error_already_set();
+        auto entry = tables->watched.find(ptr);
+        if (entry == tables->watched.end() || entry->second.ptr() != ref.ptr() || !on.load()) return;
         queue_free(ptr);
       } catch (py::error_already_set& error) {  // printed as Python does for errors it cannot raise
         error.discard_as_unraisable("streamrace: a storage's free");
@@ -976,6 +1098,7 @@ class Feed {
   // by their small int (None on cuda: a stream is its handle). Returns the first op's name when `name_first` (the
   // tracker names an unnamed implicit sync after it), else None.
   py::object apply(py::object streams, bool engine_records_streams, bool name_first) {
+    streamrace_hb::release_dropped();
     streams_ = std::move(streams);
     engine_records_streams_ = engine_records_streams;
     py::object first = py::none();
@@ -1024,15 +1147,14 @@ class Feed {
     note_(py::str("{} is not checked: {}: {}").format(what, type, message));
   }
 
-  // The core's id (and the tracker's key) of a stream the capture recorded.
-  std::pair<int32_t, PyObject*> stream(int64_t recorded) {
+  // The core's id of a stream the capture recorded.
+  int32_t stream(int64_t recorded) {
     auto found = streams_by_record_.find(recorded);
-    if (found != streams_by_record_.end()) return {found->second.first, found->second.second.ptr()};
+    if (found != streams_by_record_.end()) return found->second;
     py::object key = streams_.is_none() ? int_key(recorded) : py::object(streams_[py::int_(recorded)]);
     int32_t id = core_.locked_stream_id(key);
-    auto& entry = streams_by_record_[recorded];
-    entry = {id, key};
-    return {id, key.ptr()};
+    streams_by_record_[recorded] = id;
+    return id;
   }
 
   Payload site(Record& r) {  // takes the record's node name
@@ -1047,108 +1169,76 @@ class Feed {
     return payload;
   }
 
-  Payload tensor(Span& span, PyObject* key, bool named) {
+  Payload tensor(Span& span, bool named) {
     auto* made = new Tensor();
     Payload payload = Payload::native(made);
     made->shape = std::move(span.shape);
     made->dtype = span.dtype;
-    if (named && PyDict_GET_SIZE(names_.ptr()) > 0) {
-      PyObject* name = get(names_.ptr(), key);
-      if (name != nullptr) made->name = py::reinterpret_borrow<py::object>(name);
+    if (named && !tables_->names.empty()) {
+      auto found = tables_->names.find(span.storage);
+      if (found != tables_->names.end()) made->name = found->second;
     }
     return payload;
   }
 
-  // A storage's key in the tracker's tables: one int object per storage while it lives, so the dicts find their
-  // entries by identity (no int made and compared per access); forgotten at the storage's free.
-  PyObject* key(int64_t storage) {
-    py::object& known = keys_[storage];
-    if (!known) known = int_key(storage);
-    return known.ptr();
-  }
-
-  py::object forget_key(int64_t storage) {  // the storage's key, at its free
-    auto node = keys_.extract(storage);
-    return node.empty() ? int_key(storage) : std::move(node.mapped());
-  }
-
   void watch(const Span& span) {  // tracker._apply_captured's "watch": a storage first seen, its free learnt from now
     if (!span.held) return;
-    py::object key = py::reinterpret_borrow<py::object>(this->key(span.storage));
-    PyObject* known = get(watched_.ptr(), key.ptr());
-    if (known != nullptr && known != Py_None) return;
+    auto& entry = tables_->watched[span.storage];
+    if (entry || !track_frees_) return;
     py::object storage = py::reinterpret_steal<py::object>(THPStorage_Wrap(span.held));
-    py::object ref = py::none();
-    if (track_frees_) {
-      ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(storage.ptr(), on_dead_.ptr()));
-      if (!ref) throw py::error_already_set();
-      set(ref_keys_.ptr(), ref.ptr(), key.ptr());
-    }
-    set(watched_.ptr(), key.ptr(), ref.ptr());
+    py::object ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(storage.ptr(), on_dead_.ptr()));
+    if (!ref) throw py::error_already_set();
+    if (PyDict_SetItem(ref_keys_.ptr(), ref.ptr(), int_key(span.storage).ptr()) < 0) throw py::error_already_set();
+    entry = streamrace_hb::Owned(std::move(ref));
   }
 
   void apply_one(Record& r) {
+    Tables& t = *tables_;
     if (r.what == What::kFree) {  // tracker._freed
-      py::object key = forget_key(r.handle);
-      if (!pop(watched_.ptr(), key.ptr())) return;  // never touched by a tracked op
-      if (PyDict_GET_SIZE(names_.ptr()) > 0) pop(names_.ptr(), key.ptr());
-      pop(last_writer_.ptr(), key.ptr());
+      if (t.watched.erase(r.handle) == 0) return;  // never touched by a tracked op
+      if (!t.names.empty()) t.names.erase(r.handle);
+      t.last_writer.erase(r.handle);
       core_.free(r.handle, site(r));
       return;
     }
     if (r.what == What::kEventRecord || r.what == What::kEventWait) {  // the cuda model's _event_record / _wait
-      int32_t id = stream(r.stream).first;
+      int32_t id = stream(r.stream);
       if (r.what == What::kEventRecord) core_.record_event(r.handle, id);
       else core_.wait_event(id, r.handle);
       return;
     }
     if (r.what != What::kOp) {  // tracker._queued: the model's, in order
-      queued_(*queued_call(r, py::reinterpret_borrow<py::object>(stream(r.stream).second)));
+      queued_(*queued_call(r, core_.stream_key(stream(r.stream))));
       return;
     }
-    auto [id, stream_key] = stream(r.stream);
-    py::object keep_key = py::reinterpret_borrow<py::object>(stream_key);
-    Emptied emptied{scratch_};
-    auto& keys = scratch_.keys;
-    auto& touches = scratch_.touches;
-    auto& allocs = scratch_.allocs;
-    for (const Span& span : r.accesses) keys.push_back(key(span.storage));
-    if (PyDict_GET_SIZE(redirect_.ptr()) > 0)  // a gradient's add the engine runs on its consumer's stream
-      for (PyObject* key : keys) {
-        PyObject* target = get(redirect_.ptr(), key);
-        if (target != nullptr) {
-          keep_key = py::reinterpret_borrow<py::object>(target);
-          pop(redirect_.ptr(), key);
-          id = core_.locked_stream_id(keep_key);
+    int32_t id = stream(r.stream);
+    if (!t.redirect.empty())  // a gradient's add the engine runs on its consumer's stream
+      for (const Span& span : r.accesses) {
+        auto target = t.redirect.find(span.storage);
+        if (target != t.redirect.end()) {
+          id = target->second;
+          t.redirect.erase(target);
           break;
         }
       }
-    PyObject* stream_object = keep_key.ptr();
-    for (size_t i = 0; i < r.accesses.size(); ++i) {
-      Span& span = r.accesses[i];
-      PyObject* key = keys[i];
-      if (get(watched_.ptr(), key) == nullptr) set(watched_.ptr(), key, Py_None);
+    Emptied emptied{scratch_};
+    auto& touches = scratch_.touches;
+    auto& allocs = scratch_.allocs;
+    for (Span& span : r.accesses) {
+      t.watched.try_emplace(span.storage);
       if (span.write) {
-        set(last_writer_.ptr(), key, stream_object);
+        t.last_writer[span.storage] = id;
       } else if (engine_records_streams_ && r.in_node) {  // read inside a node: one of its incoming gradients
-        PyObject* writer = get(last_writer_.ptr(), key);
-        if (writer != nullptr) {
-          int same = PyObject_RichCompareBool(writer, stream_object, Py_EQ);
-          if (same < 0) throw py::error_already_set();
-          if (!same) core_.record_stream(span.storage, id);
-        }
+        auto writer = t.last_writer.find(span.storage);
+        if (writer != t.last_writer.end() && writer->second != id) core_.record_stream(span.storage, id);
       }
-      touches.push_back({span.storage, span.start, span.end, span.write, tensor(span, key, true)});
+      touches.push_back({span.storage, span.start, span.end, span.write, tensor(span, true)});
     }
     for (Span& span : r.fresh) {
-      PyObject* key = this->key(span.storage);
-      Payload desc = tensor(span, key, false);
-      if (get(watched_.ptr(), key) == nullptr) {
-        set(watched_.ptr(), key, Py_None);
-        allocs.push_back({span.storage, span.nbytes, desc});
-      }
+      Payload desc = tensor(span, false);
+      if (t.watched.try_emplace(span.storage).second) allocs.push_back({span.storage, span.nbytes, desc});
       if (span.write) {
-        set(last_writer_.ptr(), key, stream_object);
+        t.last_writer[span.storage] = id;
         touches.push_back({span.storage, span.start, span.end, true, std::move(desc)});
       }
     }
@@ -1160,30 +1250,28 @@ class Feed {
     // a host sync's rule (and a sync reported from inside the op) is the tracker's: tracker._captured_sync
     if (r.synced || r.sync) {
       py::object stack = stack_object(r);
-      captured_sync_(py::str(r.op), keep_key, synced_of(r), stack, arguments_of(r),
+      captured_sync_(py::str(r.op), core_.stream_key(id), synced_of(r), stack, arguments_of(r),
                      !r.accesses.empty() || !streams_.is_none());
     }
   }
 
   py::object core_object_;
   PyCore& core_;
-  py::object watched_, ref_keys_, on_dead_, names_, last_writer_, redirect_, captured_sync_, report_, note_, queued_;
+  std::shared_ptr<Tables> tables_;
+  py::object ref_keys_, on_dead_, captured_sync_, report_, note_, queued_;
   bool track_frees_ = false, engine_records_streams_ = false;
   py::object streams_ = py::none();
-  std::unordered_map<int64_t, std::pair<int32_t, py::object>> streams_by_record_;
-  std::unordered_map<int64_t, py::object> keys_;  // storage -> its key (`key`)
+  std::unordered_map<int64_t, int32_t> streams_by_record_;
   ForwardSites forward_;
   // The vectors a record is applied with, kept between records (no allocation per record once grown), emptied after
   // each. One set: the tracker never applies a record from inside another's (its drain returns while it applies).
   struct Scratch {
-    std::vector<PyObject*> keys;  // borrowed from keys_
     std::vector<PyCore::Touch> touches;
     std::vector<PyCore::Alloc> allocs;
   };
   struct Emptied {
     Scratch& s;
     ~Emptied() {
-      s.keys.clear();
       s.touches.clear();
       s.allocs.clear();
     }
@@ -1221,5 +1309,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<feed::Feed>(m, "Feed")
       .def(py::init<py::object, py::object>(), py::arg("core"), py::arg("tracker"))
       .def("apply", &feed::Feed::apply, py::arg("streams"), py::arg("engine_records_streams"), py::arg("name_first"))
-      .def_property_readonly("forward_sites", &feed::Feed::forward_sites);
+      .def_property_readonly("forward_sites", &feed::Feed::forward_sites)
+      .def_property_readonly("tables", &feed::Feed::tables);
+  py::class_<feed::Table>(m, "Table")
+      .def("__contains__", &feed::Table::contains)
+      .def("__getitem__", &feed::Table::getitem)
+      .def("__setitem__", &feed::Table::setitem)
+      .def("get", &feed::Table::get, py::arg("key"), py::arg("default") = py::none())
+      .def("pop", &feed::Table::pop)
+      .def("pop", [](feed::Table& t, py::handle key) { return t.pop(key, py::object()); })
+      .def("clear", &feed::Table::clear)
+      .def("items", &feed::Table::items)
+      .def("__len__", &feed::Table::size)
+      .def("__bool__", [](const feed::Table& t) { return t.size() > 0; });
 }

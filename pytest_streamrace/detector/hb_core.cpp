@@ -63,6 +63,28 @@ void release_dropped() {  // the GIL held
   for (PyObject* object : now) Py_DECREF(object);
 }
 
+// One Python reference that a thread without the GIL may drop (`drop`); set and read with the GIL.
+class Owned {
+ public:
+  Owned() noexcept = default;
+  explicit Owned(py::object o) noexcept : object_(o.release().ptr()) {}
+  Owned(Owned&& o) noexcept : object_(o.object_) { o.object_ = nullptr; }
+  Owned& operator=(Owned&& o) noexcept {
+    std::swap(object_, o.object_);
+    return *this;
+  }
+  Owned(const Owned&) = delete;
+  ~Owned() {
+    if (object_ != nullptr) drop(object_);
+  }
+  explicit operator bool() const { return object_ != nullptr; }
+  PyObject* ptr() const { return object_; }
+  py::object get() const { return object_ ? py::reinterpret_borrow<py::object>(object_) : py::object(py::none()); }
+
+ private:
+  PyObject* object_ = nullptr;
+};
+
 // What the core carries for its caller, reference-counted in C++ (so a thread without the GIL may copy and drop it):
 // turned into Python only when a report or a test reads it (an op's site named from its captured stack, a tensor's
 // description).
@@ -698,6 +720,8 @@ class PyCore {
     Guard g(mutex_);
     return stream_id(key);
   }
+
+  py::object stream_key(int32_t id) const { return core_.stream_key(id).to_python(); }  // interned: never changes
 
   // Events by raw handle (the cuda model's cudaEvent_t): kept here, where the Feed records and waits on them without
   // Python, and where hb_native.py sends every int-keyed event (hb.py keeps int keys the same way: until recorded

@@ -265,6 +265,8 @@ class AccessTracker(TorchDispatchMode):
         self._capture = extension
         core = getattr(self.hb, "core", None)  # hb_native's C++ core: the records go straight into it
         self._feed = extension.Feed(core, self) if isinstance(core, extension.hb.Core) else None
+        if self._feed is not None:  # its tables in C++, with a dict's face for the paths here that read them
+            self._swap_tables(self._feed.tables)
         cuda = self.device_type == "cuda"
         extension.enable(cuda, self._capture_plan, self._drain_forced,
                          cuda if every_thread is None else every_thread, host_frees=self.track_frees and not cuda)
@@ -299,7 +301,20 @@ class AccessTracker(TorchDispatchMode):
         if self._capture is not None:
             self.drain()
             self._capture.disable()
-            self._capture = self._feed = None  # the feed holds the tracker's tables and methods: no cycle is left
+            if self._feed is not None:
+                self._swap_tables((dict(table.items()) for table in self._tables()))
+            self._capture = self._feed = None  # the feed holds the tracker's methods: no cycle is left
+
+    def _tables(self) -> tuple:
+        return self.watched, self.last_writer, self.redirect, self.names
+
+    def _swap_tables(self, tables) -> None:
+        """The storage tables replaced by `tables` (same order as `_tables`), with what they held."""
+        old = self._tables()
+        self.watched, self.last_writer, self.redirect, self.names = tables
+        for table, before in zip(self._tables(), old):
+            for key, value in before.items():
+                table[key] = value
 
     def note_free_captured(self, key: Hashable) -> None:
         """A free seen by the allocator while ops are captured: queued in the capture's buffer, so it lands
