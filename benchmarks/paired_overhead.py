@@ -16,9 +16,8 @@ interpreter there with the events nobody listens to kept out of Python (``models
 the first session run as plain (where that interpreter does not build, they pay torch's: about 1.2x on an H200, and
 "cuda" is then against a plain step slowed by it). "python-apply" rows force the Python path (the feed unset) on the
 same core;
-"python-trace" leaves every GPU trace callback in Python (no `TraceShortcut`); "inline" has the program's threads apply
-the captured records, where "cuda" leaves them to the feed's worker thread (wall time is the row's measure then: CPU
-time counts the worker's too); "in-place trace" takes the trace's
+"python-trace" leaves every GPU trace callback in Python (no `TraceShortcut`), "events-in-python" only the event
+records and waits (a drain each: a dozen a DDP step); "in-place trace" takes the trace's
 frees and ignored events in C functions put in the registries' place, which torch's Python interpreter still calls
 (where the trace's own C++ interpreter does not build).
 
@@ -164,21 +163,23 @@ def main() -> None:
             yield d
 
     @contextlib.contextmanager
-    def inline():  # the detector with the records applied by the program's threads, not the feed's worker
-        import os
+    def events_in_python():  # the cuda detector with the trace's event records and waits in Python, a drain each
+        from unittest import mock
 
-        from pytest_streamrace import env
+        import torch.cuda._gpu_trace as trace
 
-        before = os.environ.get(env.WORKER)
-        os.environ[env.WORKER] = "0"
-        try:
-            with Detector(backend=args.backend) as d:
-                yield d
-        finally:
-            if before is None:
-                os.environ.pop(env.WORKER)
+        from pytest_streamrace.detector.models.cuda import TraceShortcut
+
+        install = TraceShortcut.install
+
+        def in_python(shortcut):
+            if shortcut.registry in (trace.EventRecordCallbacks, trace.EventWaitCallbacks):
+                shortcut._add_fallback()
             else:
-                os.environ[env.WORKER] = before
+                install(shortcut)
+
+        with mock.patch.object(TraceShortcut, "install", in_python), Detector(backend="cuda") as d:
+            yield d
 
     @contextlib.contextmanager
     def in_place_trace():  # the cuda detector with C functions in the registries, not the trace's C++ interpreter
@@ -225,10 +226,10 @@ def main() -> None:
         configs = {"plain": contextlib.nullcontext, "RecordFunction boxed": record_function(True),
                    "capture-floor": capture_floor, args.backend: detector}
         if cuda:
-            configs["cuda inline"] = inline
+            configs["cuda events-in-python"] = events_in_python
     elif cuda:  # the round's last session leaves the trace as the detector does, for the next round's plain
         configs.update({"cuda python-trace": python_trace, "cuda in-place trace": in_place_trace,
-                        "cuda python-apply": python_apply, "cuda inline": inline, "cuda": detector})
+                        "cuda python-apply": python_apply, "cuda": detector})
     else:
         configs.update({"empty-mode": Empty, "virtual": detector, "virtual python-apply": python_apply})
     where = torch.cuda.get_device_name(0) if cuda else "CPU"

@@ -18,9 +18,6 @@ SUBPROCESS = "STREAMRACE_SUBPROCESS"  # JSON: a child of a test under --streamra
 REPRO = "STREAMRACE_REPRO"  # JSON: the repro CLI's settings for repros/test_repros.py
 PROGRESS = "STREAMRACE_PROGRESS"  # file a repro's ranks append their progress lines to
 NATIVE = "STREAMRACE_NATIVE"  # "0": no C++ (op capture, core): the pure-Python path, as where no compiler is
-# "1": captured ops are applied by a thread of the detector's own on host memory too (the virtual model: how the tests
-# run the cuda model's worker on CPU); "0": by the program's threads on cuda too (to compare)
-WORKER = "STREAMRACE_WORKER"
 
 _NVIDIA_PROC = "/proc/driver/nvidia/gpus"
 

@@ -12,7 +12,6 @@ import textwrap
 import pytest
 import torch
 
-from pytest_streamrace import env
 from pytest_streamrace.detector import capture
 from pytest_streamrace.detector import hb as hb_py
 from pytest_streamrace.detector.hb import HappensBefore
@@ -28,12 +27,10 @@ def extension():
     return ext
 
 
-@pytest.fixture(autouse=True, params=["python", "native", "worker"])
+@pytest.fixture(autouse=True, params=["python", "native"])
 def core(request, monkeypatch):
-    """`capturing` feeds hb.py's core, then the C++ one (hb_native) where the extension builds: from the program's
-    threads, then from the feed's own worker (as on cuda)."""
-    monkeypatch.setenv(env.WORKER, "1" if request.param == "worker" else "0")
-    if request.param != "python":
+    """`capturing` feeds hb.py's core, then the C++ one (hb_native) where the extension builds."""
+    if request.param == "native":
         from pytest_streamrace.detector.hb_native import NativeHappensBefore
 
         if capture.load() is None:
@@ -349,79 +346,6 @@ def test_a_host_storage_reports_its_own_free_in_order_with_the_ops(extension):
         tracker.drain()
     assert [op.site.op for op in hb.timeline] == ["aten::ones", "free", "aten::zeros", "aten::add_"]
     assert kept.sum().item() == 2
-
-
-def test_the_worker_applies_records_while_the_program_runs_and_a_drain_waits_for_it(extension, core):
-    """With the worker, what the program's threads capture is applied beside them, in order, with races found; the
-    program drains only what is left, after the worker, and the worker's thread ends with the capture."""
-    if core != "worker":
-        pytest.skip("the worker's own behaviour")
-    import threading
-    import time
-
-    def workers() -> int:
-        names = []
-        for task in os.listdir("/proc/self/task"):
-            with contextlib.suppress(OSError), open(f"/proc/self/task/{task}/comm") as comm:
-                names.append(comm.read().strip())
-        return names.count("streamrace-feed")
-
-    with capturing(extension) as (hb, tracker):
-        assert workers() == 1
-        hb.add_stream(7, "side")
-        t = torch.ones(4)
-        threads = [threading.Thread(target=lambda: [torch.ones(8).mul_(2) for _ in range(200)]) for _ in range(3)]
-        for thread in threads:
-            thread.start()
-        for _ in range(200):
-            t.add_(1)
-        for thread in threads:
-            thread.join()
-        deadline = time.monotonic() + 10
-        while len(hb.timeline) < 800 and time.monotonic() < deadline:  # no drain here: the worker applies them
-            time.sleep(0.01)
-        assert len(hb.timeline) >= 800
-        tracker.drain()
-        tracker.launch("kernel_on_side", 7, reads=[t])  # RACY
-        t.add_(1)
-        tracker.drain()
-        adds = [op.seq for op in hb.timeline if op.site.op == "aten::add_"]
-        assert adds == sorted(adds) and len(adds) == 201  # one thread's ops stay in its order
-    assert workers() == 0
-    assert {(r.kind, r.later.op.site.op) for r in hb.races} == {
-        ("read-after-write", "kernel_on_side"), ("write-after-read", "aten::add_")}
-
-
-def test_a_child_forked_while_the_worker_runs_applies_what_it_captures_itself(extension, core):
-    """A fork (a DataLoader's workers) copies no worker: the child's own threads apply its records, and neither the
-    records' lock nor the tracker's is left held by a thread the child does not have. The fork waits for the worker to
-    be between records: the child has every op of the parent's and its own, none lost mid-apply."""
-    import time
-
-    with capturing(extension) as (hb, tracker):
-        t = torch.ones(4)
-        for _ in range(100):
-            t.add_(1)  # the worker busy, if there is one
-        pid = os.fork()
-        if pid == 0:  # pragma: no cover (the child reports through its exit status)
-            try:
-                for _ in range(600):  # past a forced drain, in the child
-                    t.add_(1)
-                tracker.drain()
-                os._exit(0 if sum(op.site.op == "aten::add_" for op in hb.timeline) == 700 else 3)
-            except BaseException:
-                os._exit(4)
-        deadline = time.monotonic() + 60
-        while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        if done[0] == 0:
-            os.kill(pid, 9)
-            os.waitpid(pid, 0)
-            pytest.fail("the forked child hung")
-        assert os.waitstatus_to_exitcode(done[1]) == 0
-        t.mul_(2)
-        tracker.drain()
-    assert sum(op.site.op == "aten::add_" for op in hb.timeline) == 100
 
 
 def test_an_op_that_raises_leaves_capture_working(extension):

@@ -3,10 +3,6 @@
 import json
 from pathlib import Path
 
-import pytest
-
-from pytest_streamrace import env
-
 CORPUS = Path(__file__).parent / "corpus" / "corpus_cases.py"
 
 RACY = {
@@ -26,10 +22,7 @@ RACY = {
 }
 
 
-@pytest.mark.parametrize("applied_by", ["program", "worker"])
-def test_corpus_verdicts_and_kinds(pytester, monkeypatch, applied_by):
-    """Also with captured ops applied by the detector's own thread, as on cuda (the same verdicts)."""
-    monkeypatch.setenv(env.WORKER, "1" if applied_by == "worker" else "0")
+def test_corpus_verdicts_and_kinds(pytester):
     result = pytester.runpytest_subprocess(str(CORPUS), "--streamrace", "-p", "no:cacheprovider",
                                            "--streamrace-json", "races.json", "-rf")
     result.assert_outcomes(passed=2 * len(RACY))

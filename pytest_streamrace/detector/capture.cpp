@@ -9,10 +9,7 @@
 #include <atomic>
 #include <deque>
 #include <memory>
-#include <condition_variable>
 #include <mutex>
-#include <pthread.h>
-#include <thread>
 #include <optional>
 #include <unordered_map>
 #include <unordered_set>
@@ -156,12 +153,6 @@ std::mutex known_mutex;
 std::unordered_set<int64_t> known;
 constexpr size_t kDrainEvery = 256;
 thread_local bool draining = false;
-// The Feed's worker (where it runs one: the cuda model), woken by `push` once `kWake` records wait, applies them off
-// the program's threads. Guarded by `mutex`, as the records are. Never destroyed: a process may exit in a session,
-// its worker waiting (glibc's exit would wait for the waiter).
-auto* worker_cv = new std::condition_variable();
-bool worker_on = false, worker_woken = false, worker_stop = false;
-constexpr size_t kWake = 32;
 
 // Stacks seen before, by their frames' (code, instruction) pairs: a training loop takes the same few hundred stacks
 // again and again, and a hit costs a walk of the frames, without the traceback's allocations and references. Each
@@ -548,14 +539,12 @@ void drain_now() {
 }
 
 void push(Record&& r) {
-  bool full, wake = false;
+  bool full;
   {
     std::lock_guard<std::mutex> guard(mutex);
     records.push_back(std::move(r));
     full = records.size() >= kDrainEvery;
-    if (worker_on && !worker_woken && records.size() >= kWake) wake = worker_woken = true;
   }
-  if (wake) worker_cv->notify_one();
   if (full) drain_now();
 }
 
@@ -929,51 +918,10 @@ int64_t storage_of(py::handle key) {  // a storage's key: its data pointer
 // storages watched (each with the weak reference that reports its free, where one was made), the stream of each one's
 // latest write, autograd's redirects (a storage -> the stream of the next op reading it), and the names people gave.
 // Streams are the core's ids. The tracker's Python paths read and write them through `Table`, a dict's face.
-// `lock` is the tracker's lock while a Feed runs (tracker._lock): held by whoever applies records, a worker included,
-// and by every Python path that reads or writes the tables.
 struct Tables {
-  std::recursive_mutex lock;
   std::unordered_map<int64_t, streamrace_hb::Owned> watched;
   std::unordered_map<int64_t, int32_t> last_writer, redirect;
   std::unordered_map<int64_t, std::shared_ptr<const std::string>> names;
-};
-
-// Takes `Tables::lock`. With the GIL, without blocking or else with the GIL released while waiting: the holder (the
-// worker) may need the GIL to go on.
-void lock_released_gil(std::recursive_mutex& m) {
-  if (m.try_lock()) return;
-  if (PyGILState_Check()) {
-    py::gil_scoped_release release;
-    m.lock();
-  } else {
-    m.lock();
-  }
-}
-
-class Locked {
- public:
-  explicit Locked(std::recursive_mutex& m) : m_(m) { lock_released_gil(m_); }
-  ~Locked() { m_.unlock(); }
-  Locked(const Locked&) = delete;
-  Locked& operator=(const Locked&) = delete;
-
- private:
-  std::recursive_mutex& m_;
-};
-
-// `Tables::lock` as Python takes it (`with tracker._lock:`), reentrant as the threading.RLock it stands for.
-class Lock {
- public:
-  explicit Lock(std::shared_ptr<Tables> tables) : tables_(std::move(tables)) {}
-  void acquire() {
-    if (tables_->lock.try_lock()) return;
-    py::gil_scoped_release release;
-    tables_->lock.lock();
-  }
-  void release() { tables_->lock.unlock(); }
-
- private:
-  std::shared_ptr<Tables> tables_;
 };
 
 // One of the tables as the tracker's dict was: keys are storages (data pointers), values a weak reference or None
@@ -985,7 +933,6 @@ class Table {
       : tables_(std::move(tables)), core_object_(std::move(core)), core_(core_object_.cast<PyCore&>()), kind_(kind) {}
 
   bool contains(py::handle key) const {
-    Locked held(tables_->lock);
     int64_t storage = storage_of(key);
     switch (kind_) {
       case kWatched: return tables_->watched.count(storage) > 0;
@@ -1014,20 +961,17 @@ class Table {
   }
 
   py::object get(py::handle key, py::object otherwise) const {
-    Locked held(tables_->lock);
     py::object found = find(storage_of(key));
     return found ? found : otherwise;
   }
 
   py::object getitem(py::handle key) const {
-    Locked held(tables_->lock);
     py::object found = find(storage_of(key));
     if (!found) throw py::key_error(py::repr(key).cast<std::string>());
     return found;
   }
 
   void setitem(py::handle key, py::object value) {
-    Locked held(tables_->lock);
     int64_t storage = storage_of(key);
     switch (kind_) {
       case kWatched:
@@ -1040,7 +984,6 @@ class Table {
   }
 
   py::object pop(py::handle key, py::object otherwise) {
-    Locked held(tables_->lock);
     int64_t storage = storage_of(key);
     py::object found = find(storage);
     if (!found) {
@@ -1061,7 +1004,6 @@ class Table {
   }
 
   void clear() {
-    Locked held(tables_->lock);
     switch (kind_) {
       case kWatched: tables_->watched.clear(); return;
       case kLastWriter: tables_->last_writer.clear(); return;
@@ -1071,7 +1013,6 @@ class Table {
   }
 
   size_t size() const {
-    Locked held(tables_->lock);
     switch (kind_) {
       case kWatched: return tables_->watched.size();
       case kLastWriter: return tables_->last_writer.size();
@@ -1082,7 +1023,6 @@ class Table {
   }
 
   py::list items() const {
-    Locked held(tables_->lock);
     py::list out;
     auto add = [&](int64_t storage) { out.append(py::make_tuple(int_key(storage), find(storage))); };
     switch (kind_) {
@@ -1106,9 +1046,6 @@ class Table {
   Kind kind_;
 };
 
-class Feed;
-Feed* working = nullptr;  // the Feed whose worker runs (guarded by `mutex`)
-
 // The tracker's captured ops applied to its C++ core: the same rules as tracker._apply_captured, which stays the path
 // for hb.py's core, with the tracker's tables in C++ (`Tables`). Python is called for a host sync's rule, a queued
 // collective's model, races and notes.
@@ -1116,7 +1053,6 @@ class Feed {
  public:
   Feed(py::object core, py::object tracker)
       : core_object_(std::move(core)), core_(core_object_.cast<PyCore&>()), tables_(std::make_shared<Tables>()) {
-    name_sync_ = tracker.attr("_name_sync");
     ref_keys_ = tracker.attr("_ref_keys");
     on_dead_ = dead_callback(tables_, ref_keys_);
     track_frees_ = tracker.attr("track_frees").cast<bool>();
@@ -1128,9 +1064,6 @@ class Feed {
     if (site_factory == nullptr)
       site_factory = new py::object(py::module_::import("pytest_streamrace.detector.backward_sites").attr("site_of"));
   }
-
-  // The tracker's lock while this feed runs: `Tables::lock`.
-  Lock lock() const { return Lock(tables_); }
 
   // The tables' faces for the tracker: (watched, last_writer, redirect, names).
   py::tuple tables() const {
@@ -1152,7 +1085,6 @@ class Feed {
         }
         int64_t ptr = storage_of(found);
         if (PyDict_DelItem(ref_keys.ptr(), ref.ptr()) < 0) throw py::error_already_set();
-        Locked held(tables->lock);
         auto entry = tables->watched.find(ptr);
         if (entry == tables->watched.end() || entry->second.ptr() != ref.ptr() || !on.load()) return;
         queue_free(ptr);
@@ -1162,142 +1094,50 @@ class Feed {
     });
   }
 
-  // Drains the capture into the core (until no frees follow on host memory), on the calling thread, the GIL held.
-  // streams: the virtual model's streams by their small int (None on cuda: a stream is its handle). Nothing when the
-  // thread is applying already (a queued collective's model drains).
-  void apply(py::object streams, bool engine_records_streams) {
-    if (applying_here) return;
-    Locked held(tables_->lock);
+  // Drains the capture into the core (until no frees follow on host memory). streams: the virtual model's streams
+  // by their small int (None on cuda: a stream is its handle). Returns the first op's name when `name_first` (the
+  // tracker names an unnamed implicit sync after it), else None.
+  py::object apply(py::object streams, bool engine_records_streams, bool name_first) {
     streamrace_hb::release_dropped();
     streams_ = std::move(streams);
     engine_records_streams_ = engine_records_streams;
-    applying_here = true;
-    apply_all(true);
-    applying_here = false;
-  }
-
-  // An implicit sync was made just now, unnamed: the next op applied names it (tracker._name_sync).
-  void name_next() { name_next_.store(true); }
-
-  // A thread of the feed's own applies the records as they come (`kWake` at a time), off the program's threads: it
-  // holds the tracker's lock while it does, and takes the GIL only for what needs Python (a queued collective's model,
-  // a host sync's rule, a race, a note, a stream or storage seen first). The program's threads still drain whatever is
-  // left wherever the tracker drains (before a stream or event call is modelled, at a race read), after the worker.
-  void start_worker(py::object streams, bool engine_records_streams) {  // the arguments: as `apply`'s
-    if (worker_.joinable()) return;
-    streams_ = std::move(streams);
-    engine_records_streams_ = engine_records_streams;
-    {
-      std::lock_guard<std::mutex> guard(mutex);
-      worker_on = true;
-      worker_stop = worker_woken = false;
-      working = this;
+    py::object first = py::none();
+    for (;;) {
+      std::vector<Record> taken = take_records();
+      if (taken.empty()) break;
+      for (auto& r : taken) {
+        if (name_first && r.what == What::kOp) {
+          first = py::str(r.op);
+          name_first = false;
+        }
+        guarded(r, [&] { apply_one(r); });
+        guarded(r, [&] {  // even when the op went unchecked: its storages' frees are still learnt
+          for (const Span& span : r.accesses) watch(span);
+          for (const Span& span : r.fresh) watch(span);
+        });
+      }
+      give_back(taken);  // the storages they held (host memory): frees that follow are queued now
+      if (!track_frees_) break;
     }
-    worker_ = std::thread([this] { work(); });
-    pthread_setname_np(worker_.native_handle(), "streamrace-feed");  // as `top -H`, gdb and py-spy show it
-  }
-
-  // A fork from Python (os.fork: a DataLoader's workers) while the worker runs: the forking thread holds the tracker's
-  // lock across it (`before_fork`, the GIL released while it waits), so the worker is between records and the child
-  // gets the core and the tables whole. The child has no worker: its own threads apply what it captures.
-  void hold_for_fork() { lock_released_gil(tables_->lock); }
-  void release_after_fork(bool child) {
-    if (!child) return tables_->lock.unlock();
-    // The child's thread has another id than the one that took the lock (glibc's recursive mutexes check it): the
-    // lock starts again free, and the parent's worker, which the child does not have, is forgotten (not joined).
-    new (&tables_->lock) std::recursive_mutex();
-    new (&worker_) std::thread();
-  }
-
-  void stop_worker() {  // the GIL held
-    if (!worker_.joinable()) return;
-    {
-      std::lock_guard<std::mutex> guard(mutex);
-      worker_on = false;
-      worker_stop = true;
-      working = nullptr;
-    }
-    worker_cv->notify_one();
-    py::gil_scoped_release release;  // the worker may be waiting for it
-    worker_.join();
+    streams_ = py::none();
+    return first;
   }
 
   size_t forward_sites() const { return forward_.size(); }
 
   ~Feed() {
-    stop_worker();
     PyCore* mine = &core_;
     free_core.compare_exchange_strong(mine, nullptr);
   }
 
  private:
-  void work() {
-    paused = true;  // what it runs (a collective's model) is not the program's
-    draining = true;  // and it never drains from inside an op
-    for (;;) {
-      {
-        std::unique_lock<std::mutex> guard(mutex);
-        worker_cv->wait(guard, [] { return worker_stop || worker_woken; });
-        if (worker_stop) return;
-      }
-      {
-        Locked held(tables_->lock);
-        applying_here = true;
-        apply_all(false);
-        applying_here = false;
-      }
-      std::lock_guard<std::mutex> guard(mutex);
-      worker_woken = records.size() >= kWake;  // more came meanwhile: go on
-    }
-  }
-
-  // The records so far, in order (and, on host memory, the frees their storages' release queued). `gil`: whether
-  // this thread holds it; if not, it is taken for the records that need Python.
-  void apply_all(bool gil) {
-    for (;;) {
-      std::vector<Record> taken = take_records();
-      if (taken.empty()) break;
-      for (auto& r : taken) {
-        if (gil || !needs_python(r)) {
-          apply_guarded(r);
-        } else {
-          py::gil_scoped_acquire hold;
-          apply_guarded(r);
-        }
-      }
-      give_back(taken);  // the storages they held (host memory): frees that follow are queued now
-      if (!track_frees_) break;
-    }
-  }
-
-  bool needs_python(const Record& r) const {
-    if (r.what == What::kQueuedStart || r.what == What::kQueuedEnd) return true;
-    if (r.what != What::kOp) return false;
-    if (r.sync || r.synced || name_next_.load(std::memory_order_relaxed)) return true;
-    for (const Span& span : r.accesses)
-      if (span.held) return true;
-    for (const Span& span : r.fresh)
-      if (span.held) return true;
-    return false;
-  }
-
-  void apply_guarded(Record& r) {
-    guarded(r, [&] { apply_one(r); });
-    guarded(r, [&] {  // even when the op went unchecked: its storages' frees are still learnt
-      for (const Span& span : r.accesses) watch(span);
-      for (const Span& span : r.fresh) watch(span);
-    });
-  }
-
   template <class F>
   void guarded(const Record& r, F&& step) {  // never inside the user's test: this op goes unchecked, said once
     try {
       step();
     } catch (py::error_already_set& error) {
-      py::gil_scoped_acquire hold;
       note(r, py::str(error.type().attr("__name__")), py::str(error.value()));
     } catch (const std::exception& error) {
-      py::gil_scoped_acquire hold;
       note(r, py::str("RuntimeError"), py::str(error.what()));
     }
   }
@@ -1311,7 +1151,6 @@ class Feed {
   int32_t stream(int64_t recorded) {
     auto found = streams_by_record_.find(recorded);
     if (found != streams_by_record_.end()) return found->second;
-    py::gil_scoped_acquire hold;  // a stream seen first
     py::object key = streams_.is_none() ? int_key(recorded) : py::object(streams_[py::int_(recorded)]);
     int32_t id = core_.locked_stream_id(key);
     streams_by_record_[recorded] = id;
@@ -1372,10 +1211,6 @@ class Feed {
       queued_(*queued_call(r, core_.stream_key(stream(r.stream))));
       return;
     }
-    if (name_next_.load(std::memory_order_relaxed) && name_next_.exchange(false)) {
-      py::gil_scoped_acquire hold;
-      name_sync_(py::str(r.op));
-    }
     int32_t id = stream(r.stream);
     if (!t.redirect.empty())  // a gradient's add the engine runs on its consumer's stream
       for (const Span& span : r.accesses) {
@@ -1409,12 +1244,9 @@ class Feed {
     }
     Payload op_site = site(r);
     if (!r.in_node && r.seq >= 0) forward_.forward(r.seq, op_site);
-    py::object races;
+    py::list races;
     core_.record(id, op_site, allocs, touches, races);
-    if (races) {
-      py::gil_scoped_acquire hold;
-      report_(std::move(races));
-    }
+    if (py::len(races) > 0) report_(races);
     // a host sync's rule (and a sync reported from inside the op) is the tracker's: tracker._captured_sync
     if (r.synced || r.sync) {
       py::object stack = stack_object(r);
@@ -1426,10 +1258,7 @@ class Feed {
   py::object core_object_;
   PyCore& core_;
   std::shared_ptr<Tables> tables_;
-  py::object name_sync_, ref_keys_, on_dead_, captured_sync_, report_, note_, queued_;
-  std::thread worker_;
-  std::atomic<bool> name_next_{false};
-  static thread_local bool applying_here;  // this thread applies records: a drain from inside returns
+  py::object ref_keys_, on_dead_, captured_sync_, report_, note_, queued_;
   bool track_frees_ = false, engine_records_streams_ = false;
   py::object streams_ = py::none();
   std::unordered_map<int64_t, int32_t> streams_by_record_;
@@ -1450,32 +1279,9 @@ class Feed {
   Scratch scratch_;
 };
 
-thread_local bool Feed::applying_here = false;
-
-// A fork while the worker runs. From Python (os.register_at_fork, in tracker.py): the tracker's lock held across it
-// (`Feed::hold_for_fork`). Any fork: `mutex` taken around it, so the child never finds it held by a thread it does
-// not have; the child's pushes wake no worker.
-Feed* held_for_fork = nullptr;
-void python_before_fork() {  // the GIL held
-  held_for_fork = working;
-  if (held_for_fork != nullptr) held_for_fork->hold_for_fork();
-}
-void python_after_fork(bool child) {
-  if (held_for_fork != nullptr) held_for_fork->release_after_fork(child);
-  held_for_fork = nullptr;
-}
-void before_fork() { mutex.lock(); }
-void after_fork_in_parent() { mutex.unlock(); }
-void after_fork_in_child() {
-  working = nullptr;
-  worker_on = worker_woken = worker_stop = false;
-  mutex.unlock();
-}
-
 }  // namespace feed
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  pthread_atfork(feed::before_fork, feed::after_fork_in_parent, feed::after_fork_in_child);
   bind_core(m);  // hb_core.cpp, compiled into this module (capture.load)
   py::class_<Stack, std::shared_ptr<Stack>>(m, "Stack").def("frames", &Stack::frames);
   m.def("stack", &stack_here);
@@ -1502,20 +1308,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("event_from_trace") = py::capsule(reinterpret_cast<void*>(&event_from_trace), "streamrace.event_from_trace");
   py::class_<feed::Feed>(m, "Feed")
       .def(py::init<py::object, py::object>(), py::arg("core"), py::arg("tracker"))
-      .def("apply", &feed::Feed::apply, py::arg("streams"), py::arg("engine_records_streams"))
-      .def("name_next", &feed::Feed::name_next)
-      .def("start_worker", &feed::Feed::start_worker, py::arg("streams"), py::arg("engine_records_streams"))
-      .def("stop_worker", &feed::Feed::stop_worker)
-      .def_property_readonly("lock", &feed::Feed::lock)
+      .def("apply", &feed::Feed::apply, py::arg("streams"), py::arg("engine_records_streams"), py::arg("name_first"))
       .def_property_readonly("forward_sites", &feed::Feed::forward_sites)
       .def_property_readonly("tables", &feed::Feed::tables);
-  m.def("before_fork", &feed::python_before_fork);
-  m.def("after_fork", &feed::python_after_fork, py::arg("child"));
-  py::class_<feed::Lock>(m, "Lock")
-      .def("acquire", &feed::Lock::acquire)
-      .def("release", &feed::Lock::release)
-      .def("__enter__", &feed::Lock::acquire)
-      .def("__exit__", [](feed::Lock& l, py::args) { l.release(); });
   py::class_<feed::Table>(m, "Table")
       .def("__contains__", &feed::Table::contains)
       .def("__getitem__", &feed::Table::getitem)

@@ -534,11 +534,8 @@ class PyCore {
   class Guard {
    public:
     explicit Guard(std::mutex& m) : lock_(m, std::try_to_lock) {
-      if (lock_.owns_lock()) return;
-      if (PyGILState_Check()) {  // the holder may need the GIL to go on (the capture's worker judging a race)
+      if (!lock_.owns_lock()) {
         py::gil_scoped_release release;
-        lock_.lock();
-      } else {
         lock_.lock();
       }
     }
@@ -586,9 +583,7 @@ class PyCore {
   }
 
   void created(int32_t id) {  // a stream counted from now on has hb.py's default name
-    if (!names_[id].is_none()) return;
-    py::gil_scoped_acquire gil;  // where the capture's worker records a stream's first op
-    names_[id] = py::str(core_.stream_key(id).to_python());
+    if (names_[id].is_none()) names_[id] = py::str(core_.stream_key(id).to_python());
   }
 
   // the API (hb.HappensBefore's, less what hb_native.py keeps in Python: events by key, races)
@@ -665,17 +660,17 @@ class PyCore {
 
   py::list access(const OpPtr& op, py::handle storage, int64_t start, int64_t end, bool write, py::handle tensor) {
     Guard g(mutex_);
-    py::object out;
+    py::list out;
     Judge sink(this, out);
     core_.access(op, storage_id(storage), start, end, write, Payload::of(tensor), sink);
-    return listed(out);
+    return out;
   }
 
   // hb.record: the per-op path. accesses: (storage, start, end, write, tensor); allocs: (storage, nbytes, tensor).
   py::tuple record(py::handle stream, py::handle site, py::handle accesses, py::handle allocs) {
     Guard g(mutex_);
     OpPtr op = launch_unlocked(stream, site);
-    py::object out;
+    py::list out;
     Judge sink(this, out);
     const int32_t id = op->stream;
     for_each_item(allocs, 3, [&](PyObject* const* item) {
@@ -690,15 +685,15 @@ class PyCore {
       if (write < 0) throw py::error_already_set();
       core_.access(op, storage_id(item[0]), start, end, write != 0, Payload::of(item[4]), sink);
     });
-    return py::make_tuple(py::cast(op), listed(out));
+    return py::make_tuple(py::cast(op), std::move(out));
   }
 
   py::list alloc(py::handle storage, int64_t nbytes, py::handle stream, py::handle site, py::handle tensor) {
     Guard g(mutex_);
-    py::object out;
+    py::list out;
     Judge sink(this, out);
     core_.alloc(storage_id(storage), nbytes, stream_id(stream), Payload::of(site), Payload::of(tensor), sink);
-    return listed(out);
+    return out;
   }
 
   // The same for a C++ caller (capture.cpp's Feed): a stream's id, storages by data pointer, payloads of its own.
@@ -712,7 +707,7 @@ class PyCore {
     Payload tensor;
   };
   void record(int32_t id, const Payload& site, const std::vector<Alloc>& allocs, const std::vector<Touch>& touches,
-              py::object& races) {
+              py::list& races) {
     Guard g(mutex_);
     OpPtr op = core_.launch(id, site);
     created(id);
@@ -796,12 +791,10 @@ class PyCore {
   }
 
  private:
-  // Candidates to Python, one batch per access: judge(batch) -> the races not reported before (hb._collect). `out`
-  // becomes a list at the first race. Takes the GIL where the capture's worker records without it.
+  // Candidates to Python, one batch per access: judge(batch) -> the races not reported before (hb._collect).
   struct Judge : Sink {
-    Judge(PyCore* core, py::object& out) : core(core), out(out) {}
+    Judge(PyCore* core, py::list& out) : core(core), out(out) {}
     void judge(std::vector<Candidate>& batch) override {
-      py::gil_scoped_acquire gil;
       py::list items(batch.size());
       for (size_t i = 0; i < batch.size(); ++i) {
         Candidate& c = batch[i];
@@ -811,16 +804,11 @@ class PyCore {
                                   c.later.tensor.to_python(), c.alloc_site.to_python(), c.hidden_by.to_python());
       }
       py::object found = core->judge_(items);
-      for (auto race : found) {
-        if (!out) out = py::list();
-        out.cast<py::list>().append(race);
-      }
+      for (auto race : found) out.append(race);
     }
     PyCore* core;
-    py::object& out;
+    py::list& out;
   };
-
-  static py::list listed(py::object& races) { return races ? races.cast<py::list>() : py::list(); }
 
   OpPtr launch_unlocked(py::handle stream, py::handle site) {
     int32_t id = stream_id(stream);

@@ -15,7 +15,6 @@ import collections
 import contextlib
 import functools
 import operator
-import os
 import re
 import threading
 import weakref
@@ -28,7 +27,6 @@ from torch._C import _current_autograd_node
 from torch._C._autograd import _get_sequence_nr
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from .. import env
 from ..patching import skip_in_dynamo
 from . import host_sync
 from .backward_sites import ForwardSites
@@ -85,19 +83,6 @@ def plain_storage(t: torch.Tensor):
     except (RuntimeError, NotImplementedError, TypeError):
         return None
     return (key, storage) if key else None
-
-
-_FORK_HOOKS: set = set()
-
-
-def _hold_the_worker_across_forks(extension) -> None:
-    """A fork from Python waits for the feed's worker to finish the record it applies, and the child starts without
-    it (capture.cpp's `python_before_fork`). Registered once per extension: os.register_at_fork has no undo."""
-    if extension not in _FORK_HOOKS:
-        _FORK_HOOKS.add(extension)
-        os.register_at_fork(before=extension.before_fork,
-                            after_in_parent=lambda: extension.after_fork(False),
-                            after_in_child=lambda: extension.after_fork(True))
 
 
 def _traced_tensors(types) -> bool:
@@ -280,16 +265,11 @@ class AccessTracker(TorchDispatchMode):
         self._capture = extension
         core = getattr(self.hb, "core", None)  # hb_native's C++ core: the records go straight into it
         self._feed = extension.Feed(core, self) if isinstance(core, extension.hb.Core) else None
-        if self._feed is not None:  # its tables and lock in C++, with a dict's face for the paths here that read them
+        if self._feed is not None:  # its tables in C++, with a dict's face for the paths here that read them
             self._swap_tables(self._feed.tables)
-            self._lock = self._feed.lock
         cuda = self.device_type == "cuda"
         extension.enable(cuda, self._capture_plan, self._drain_forced,
                          cuda if every_thread is None else every_thread, host_frees=self.track_frees and not cuda)
-        if self._feed is not None and os.environ.get(env.WORKER, "1" if cuda else "0") == "1":
-            _hold_the_worker_across_forks(extension)
-            # the program's threads no longer apply what they capture (Feed.start_worker)
-            self._feed.start_worker(self.capture_streams, self.engine_records_streams)
 
     def observe_thread(self):
         """Capture this thread's ops from now on, where the capture does not see every thread: the undo (None when
@@ -319,13 +299,10 @@ class AccessTracker(TorchDispatchMode):
 
     def stop_capture(self) -> None:
         if self._capture is not None:
-            if self._feed is not None:
-                self._feed.stop_worker()
             self.drain()
             self._capture.disable()
             if self._feed is not None:
                 self._swap_tables((dict(table.items()) for table in self._tables()))
-                self._lock = threading.RLock()
             self._capture = self._feed = None  # the feed holds the tracker's methods: no cycle is left
 
     def _tables(self) -> tuple:
@@ -520,7 +497,9 @@ class AccessTracker(TorchDispatchMode):
 
     def _apply_capture(self) -> None:
         if self._feed is not None:
-            self._feed.apply(self.capture_streams, self.engine_records_streams)
+            first = self._feed.apply(self.capture_streams, self.engine_records_streams, self._unnamed_sync is not None)
+            if first is not None and self._unnamed_sync is not None:
+                self._name_sync(first)
             return
         records = self._capture.drain()
         while records:
@@ -761,16 +740,12 @@ class AccessTracker(TorchDispatchMode):
         if not self.latent:
             return None
         site = self._unnamed_sync = Site(host_sync.IMPLICIT, stack())
-        if self._feed is not None:
-            self._feed.name_next()
         return site
 
     def _name_sync(self, op: str) -> None:
         """The op that ends after an unnamed implicit sync made it (a read-back ends after its wait): the sync is
         named after that op's host-sync entry, else after the op."""
         site, self._unnamed_sync = self._unnamed_sync, None
-        if site is None:
-            return
         sync = self.host_syncs.get(op)
         site.op = sync.name if sync is not None else op
 

@@ -1,8 +1,7 @@
 """Where the cuda detector's Python time goes on each step of overhead.py's 2-rank DDP row, by thread: rank 0 wraps
 the detector's Python entry points (the c10d hand-over by phase, the drain, the collectives model, host syncs) and
 the tracker's lock with wall-clock timers, keyed by the thread that ran them (a drain also by who called it). cProfile sees one thread only and
-counts a lock or GIL wait as the caller's own time; this tells waits from work. The feed's worker thread (a Dummy
-thread here, as the backward's device thread is) shows only where it calls Python: a queued collective's model, a sync.
+counts a lock or GIL wait as the caller's own time; this tells waits from work.
 
     device run (kind nvidia-h200-x2): . scripts/device/setup.sh ddp; python3 scripts/device/ddp_thread_times.py [MODE]
 """
@@ -72,12 +71,12 @@ def instrument():
     timed(Collectives, "on_op", lambda a: f"on_op {a[5] if len(a) > 5 else 'once'}")
     for name in ("_event_sync", "_stream_sync", "_device_sync", "_event_record", "_event_wait"):
         timed(CudaStreams, name)
-    capture_with = AccessTracker.capture_with
+    init = AccessTracker.__init__
 
-    def timed_lock(self, *args, **kwargs):  # the lock the tracker holds from then on (the feed's, where it runs)
-        capture_with(self, *args, **kwargs)
+    def tracker_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
         self._lock = TimedLock(self._lock)
-    AccessTracker.capture_with = timed_lock
+    AccessTracker.__init__ = tracker_init
 
 
 if len(sys.argv) > 2 and sys.argv[1] == "--rank":
