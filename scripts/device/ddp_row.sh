@@ -3,6 +3,7 @@
 # session: the GPU trace's event records and waits, and the c10d ops, queued in order with the captured ops, no Python
 # at issue): the cuda unit tests; the row paired, with the events in Python beside it in the same rounds; where rank
 # 0's detector time goes by thread; the stock stacks on NCCL and the zero_overlap repro, whose verdicts must not move.
+# OVERHEAD=1 adds overhead.py's DDP row (a process per configuration, as the issue measures it).
 # With the wheels under .whl/ (docs/gpu-validation.md says how):
 #   device run (kind nvidia-h200-x2, carry .whl): bash scripts/device/ddp_row.sh
 set -u
@@ -24,4 +25,8 @@ echo "== deepspeed 0.19.8: zero_overlap on cuda, both variants, 2 runs each"
 PYTHONPATH=/tmp/site timeout 150 python3 -m pytest_streamrace.repro zero_overlap --backend cuda --repeat 2 \
   > "$OUT/zero_overlap.log" 2>&1; echo "exit $?"
 grep -E ": (reproduced|clean|inconclusive|error) [0-9]+/|every variant" "$OUT/zero_overlap.log" | sort | uniq -c
+if [ -n "${OVERHEAD:-}" ]; then
+  echo "== overhead.py, the DDP row as the issue measures it (own process per configuration)"
+  timeout 200 python3 benchmarks/overhead.py --model DDP --steps 30 --repeat 2 2>&1 | tee "$OUT/overhead.log" | tail -6
+fi
 echo "total: $((SECONDS - start)) s"
