@@ -348,6 +348,45 @@ def test_a_host_storage_reports_its_own_free_in_order_with_the_ops(extension):
     assert kept.sum().item() == 2
 
 
+def test_the_feeds_tables_answer_as_the_trackers_dicts_did(extension, core):
+    """Where the feed runs, the tracker's storage tables are C++ maps behind a dict's face: what the Python paths read
+    and write through it (a stream key comes back as the same object), what the feed's records put there, and what
+    was there before the capture and is there after it."""
+    if core == "python":
+        pytest.skip("the C++ feed's tables")
+    side, default = object(), object()  # stream keys: the virtual model's are objects compared by identity
+    hb = HappensBefore(trace=True)
+    tracker = AccessTracker(hb, lambda: 0, "cpu", track_frees=False)
+    tracker.names[12345] = "before the capture"
+    tracker.capture_with(extension, every_thread=True)
+    try:
+        watched, last_writer, redirect, names = tracker.watched, tracker.last_writer, tracker.redirect, tracker.names
+        assert not isinstance(watched, dict) and names[12345] == "before the capture"
+        last_writer[8] = side
+        assert last_writer.get(8) is side and 8 in last_writer and last_writer.get(9) is None
+        last_writer[8] = default
+        assert last_writer[8] is default and len(last_writer) == 1
+        redirect[8] = side
+        assert redirect and redirect.pop(8) is side and not redirect and redirect.pop(8, None) is None
+        with pytest.raises(KeyError):
+            redirect.pop(8)
+        with pytest.raises(KeyError):
+            names[99]
+        watched[8] = None
+        assert 8 in watched and watched.get(8) is None and watched.pop(8, False) is None
+        assert watched.pop(8, False) is False
+        t = torch.ones(4)
+        t.add_(1)
+        tracker.drain()
+        key = t.untyped_storage().data_ptr()
+        assert key in watched and last_writer[key] == 0  # the capture's records: the stream the feed wrote on
+        names[key] = "t"
+    finally:
+        tracker.stop_capture()
+    assert isinstance(tracker.watched, dict) and tracker.names == {12345: "before the capture", key: "t"}
+    assert tracker.last_writer == {8: default, key: 0} and key in tracker.watched
+
+
 def test_an_op_that_raises_leaves_capture_working(extension):
     with capturing(extension) as (hb, _):
         with pytest.raises(RuntimeError):

@@ -301,8 +301,9 @@ class AccessTracker(TorchDispatchMode):
         if self._capture is not None:
             self.drain()
             self._capture.disable()
-            if self._feed is not None:
-                self._swap_tables((dict(table.items()) for table in self._tables()))
+            if self._feed is not None:  # the tables back in Python dicts, with what they hold
+                self.watched, self.last_writer, self.redirect, self.names = (
+                    dict(table.items()) for table in self._tables())
             self._capture = self._feed = None  # the feed holds the tracker's methods: no cycle is left
 
     def _tables(self) -> tuple:
@@ -312,7 +313,7 @@ class AccessTracker(TorchDispatchMode):
         """The storage tables replaced by `tables` (same order as `_tables`), with what they held."""
         old = self._tables()
         self.watched, self.last_writer, self.redirect, self.names = tables
-        for table, before in zip(self._tables(), old):
+        for table, before in zip(tables, old):
             for key, value in before.items():
                 table[key] = value
 
