@@ -49,16 +49,29 @@ def test_only_a_finished_build_is_imported_as_it_is(tmp_path):
     assert not capture._built_here("other", str(tmp_path))
 
 
-def test_a_killed_builds_lock_is_cleared_and_a_live_ones_kept(tmp_path):
-    """cpp_extension waits without end on the lock of a build that was killed: every later session would hang."""
+def test_a_killed_builds_lock_is_cleared_and_a_live_ones_waited_for(tmp_path, monkeypatch):
+    """cpp_extension waits without end on the lock of a build that was killed: every later session would hang. A build
+    under way is waited for until its lock goes; a lock older than any build is removed, however young it was when the
+    wait began."""
+    import threading
+
+    monkeypatch.setattr(capture, "_STALE_LOCK_S", 2.0)
     lock = tmp_path / "lock"
     lock.write_text("")
+    threading.Timer(0.3, lock.unlink).start()  # the build under way finishes
+    start = time.monotonic()
     capture._clear_stale_lock(str(tmp_path))
-    assert lock.exists()  # a build under way
-    old = time.time() - capture._STALE_LOCK_S - 60
+    assert time.monotonic() - start < 1.5 and not lock.exists()
+    lock.write_text("")  # a build killed just now: nobody removes its lock
+    start = time.monotonic()
+    capture._clear_stale_lock(str(tmp_path))
+    assert 1.5 < time.monotonic() - start < 5 and not lock.exists()
+    old = time.time() - 60
+    lock.write_text("")
     os.utime(lock, (old, old))
+    start = time.monotonic()
     capture._clear_stale_lock(str(tmp_path))
-    assert not lock.exists()
+    assert time.monotonic() - start < 0.5 and not lock.exists()
 
 
 def test_each_torch_installation_builds_in_a_folder_of_its_own(tmp_path, monkeypatch):

@@ -32,6 +32,7 @@ keeps the allocator's frees, event records and waits, and the events nobody need
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.resources
 import os
@@ -157,13 +158,19 @@ _STALE_LOCK_S = 600  # a build takes one to three minutes on a loaded 2-core mac
 
 def _clear_stale_lock(directory: str) -> None:
     """cpp_extension waits, without end, for the `lock` of a build that was killed (SIGTERM, SIGKILL, a CI timeout):
-    every later session would hang at its start. A lock older than any build is removed."""
+    every later session would hang at its start. So the wait is here: for a build under way until its lock goes, and
+    a lock that outlives any build is removed (one left by a build killed a minute ago included)."""
     lock = os.path.join(directory, "lock")
-    try:
-        if time.time() - os.path.getmtime(lock) > _STALE_LOCK_S:
-            os.remove(lock)
-    except OSError:
-        pass
+    while True:
+        try:
+            age = time.time() - os.path.getmtime(lock)
+        except OSError:
+            return  # no lock: no build under way
+        if age > _STALE_LOCK_S:
+            with contextlib.suppress(OSError):
+                os.remove(lock)
+            return
+        time.sleep(min(0.5, _STALE_LOCK_S - age + 0.01))
 
 
 def _where(prefix: str, source: str, torch) -> tuple[str, str]:
