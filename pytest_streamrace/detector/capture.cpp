@@ -31,8 +31,11 @@ namespace {
 // A Python stack as its frames' code objects and instruction offsets (in bytes), innermost first, down to the test
 // harness's first frame; named only when read. Named here, not by torch's symbolizer: that one imports Inductor (two
 // seconds) the first time it runs. A stack holds its code objects (so no other can take one of their addresses while
-// `known_stacks` keys on them), released with the GIL (hb_core.cpp's `drop`).
+// `known_stacks` keys on them), released with the GIL: at once where it is held, else by the next stack taken.
 using Frames = std::vector<std::pair<const void*, int>>;
+std::mutex release_mutex;
+auto* to_release = new std::vector<const void*>();  // never freed: it would outlive the interpreter
+std::atomic<bool> releasing{false};
 
 struct Stack {
   Frames code;
@@ -42,7 +45,14 @@ struct Stack {
   Stack(const Stack&) = delete;
   Stack& operator=(const Stack&) = delete;
   ~Stack() {
-    for (auto& frame : code) streamrace_hb::drop(reinterpret_cast<PyObject*>(const_cast<void*>(frame.first)));
+    if (!Py_IsInitialized()) return;  // the interpreter is gone, and its code objects with it
+    if (PyGILState_Check()) {
+      for (auto& frame : code) Py_DECREF(reinterpret_cast<PyObject*>(const_cast<void*>(frame.first)));
+      return;
+    }
+    std::lock_guard<std::mutex> guard(release_mutex);
+    for (auto& frame : code) to_release->push_back(frame.first);
+    releasing = true;
   }
   py::list frames() const {  // innermost first: (file, line, function)
     py::list out;
@@ -54,6 +64,17 @@ struct Stack {
     return out;
   }
 };
+
+void release_stacks() {  // the GIL held
+  if (!releasing) return;
+  std::vector<const void*> now;
+  {
+    std::lock_guard<std::mutex> guard(release_mutex);
+    now.swap(*to_release);
+    releasing = false;
+  }
+  for (const void* code : now) Py_DECREF(reinterpret_cast<PyObject*>(const_cast<void*>(code)));
+}
 
 // held (host memory only): the storage, first seen here, kept alive until drained (see `hold`)
 using Shape = c10::SmallVector<int64_t, 5>;  // inline: no allocation per access
@@ -274,7 +295,7 @@ std::shared_ptr<Stack> stack_here() {
     auto found = known_stacks->find(hash);
     if (found != known_stacks->end() && found->second.frames == frames) return found->second.stack;
   }
-  streamrace_hb::release_dropped();
+  release_stacks();
   auto s = std::make_shared<Stack>(frames);
   std::lock_guard<std::mutex> guard(frames_mutex);
   if (known_stacks->size() >= kKnownStacks) known_stacks->clear();
@@ -854,14 +875,14 @@ struct Site : NativePayload {
   std::shared_ptr<Stack> stack;
   Payload forward;  // inside an autograd node: the site of the forward op that created it (may be empty)
   std::string node;  // inside an autograd node: its name
-  streamrace_hb::Owned named;
+  py::object named;
   py::object to_python() override {
     if (!named) {
       py::object frames = stack ? py::cast(stack) : py::object(py::none());
       py::object node_name = node.empty() ? py::object(py::none()) : py::object(py::str(node));
-      named = streamrace_hb::Owned((*site_factory)(py::str(op), frames, forward.to_python(), node_name));
+      named = (*site_factory)(py::str(op), frames, forward.to_python(), node_name);
     }
-    return named.get();
+    return named;
   }
 };
 
@@ -919,46 +940,37 @@ int64_t storage_of(py::handle key) {  // a storage's key: its data pointer
 // latest write, autograd's redirects (a storage -> the stream of the next op reading it), and the names people gave.
 // Streams are the core's ids. The tracker's Python paths read and write them through `Table`, a dict's face.
 struct Tables {
-  std::unordered_map<int64_t, streamrace_hb::Owned> watched;
+  std::unordered_map<int64_t, py::object> watched;  // null: no weak reference
   std::unordered_map<int64_t, int32_t> last_writer, redirect;
   std::unordered_map<int64_t, std::shared_ptr<const std::string>> names;
 };
 
-// One of the tables as the tracker's dict was: keys are storages (data pointers), values a weak reference or None
-// (watched), a stream key (last_writer, redirect: the core interns them), a name (names).
+// How one table's values look from Python: a weak reference or None (watched), an interned stream key (last_writer,
+// redirect: ids in C++), a name (names).
+struct WatchedValues {
+  static py::object out(const py::object& ref, PyCore&) { return ref ? ref : py::none(); }
+  static py::object in(py::object value, PyCore&) { return value.is_none() ? py::object() : value; }
+};
+struct StreamValues {
+  static py::object out(int32_t id, PyCore& core) { return core.stream_key(id); }
+  static int32_t in(py::object key, PyCore& core) { return core.locked_stream_id(key); }
+};
+struct NameValues {
+  static py::object out(const std::shared_ptr<const std::string>& name, PyCore&) { return py::str(*name); }
+  static std::shared_ptr<const std::string> in(py::object name, PyCore&) {
+    return std::make_shared<const std::string>(name.cast<std::string>());
+  }
+};
+
+// One of the tables as the tracker's dict was: keys are storages (data pointers).
+template <class Value, class Values>
 class Table {
  public:
-  enum Kind { kWatched, kLastWriter, kRedirect, kNames };
-  Table(std::shared_ptr<Tables> tables, py::object core, Kind kind)
-      : tables_(std::move(tables)), core_object_(std::move(core)), core_(core_object_.cast<PyCore&>()), kind_(kind) {}
+  using Map = std::unordered_map<int64_t, Value>;
+  Table(std::shared_ptr<Tables> tables, Map Tables::*map, py::object core)
+      : tables_(std::move(tables)), map_(map), core_object_(std::move(core)), core_(core_object_.cast<PyCore&>()) {}
 
-  bool contains(py::handle key) const {
-    int64_t storage = storage_of(key);
-    switch (kind_) {
-      case kWatched: return tables_->watched.count(storage) > 0;
-      case kLastWriter: return tables_->last_writer.count(storage) > 0;
-      case kRedirect: return tables_->redirect.count(storage) > 0;
-      case kNames: return tables_->names.count(storage) > 0;
-    }
-    return false;
-  }
-
-  // the value, or `missing` (nullptr: none there)
-  py::object find(int64_t storage) const {
-    switch (kind_) {
-      case kWatched: {
-        auto found = tables_->watched.find(storage);
-        return found == tables_->watched.end() ? py::object() : found->second.get();
-      }
-      case kLastWriter: return stream(tables_->last_writer, storage);
-      case kRedirect: return stream(tables_->redirect, storage);
-      case kNames: {
-        auto found = tables_->names.find(storage);
-        return found == tables_->names.end() ? py::object() : py::str(*found->second);
-      }
-    }
-    return py::object();
-  }
+  bool contains(py::handle key) const { return map().count(storage_of(key)) > 0; }
 
   py::object get(py::handle key, py::object otherwise) const {
     py::object found = find(storage_of(key));
@@ -971,80 +983,58 @@ class Table {
     return found;
   }
 
-  void setitem(py::handle key, py::object value) {
-    int64_t storage = storage_of(key);
-    switch (kind_) {
-      case kWatched:
-        tables_->watched[storage] = value.is_none() ? streamrace_hb::Owned() : streamrace_hb::Owned(value);
-        return;
-      case kLastWriter: tables_->last_writer[storage] = core_.locked_stream_id(value); return;
-      case kRedirect: tables_->redirect[storage] = core_.locked_stream_id(value); return;
-      case kNames: tables_->names[storage] = std::make_shared<const std::string>(value.cast<std::string>()); return;
-    }
-  }
+  void setitem(py::handle key, py::object value) { map()[storage_of(key)] = Values::in(std::move(value), core_); }
 
-  py::object pop(py::handle key, py::object otherwise) {
+  py::object pop(py::handle key, py::object otherwise) {  // otherwise null: KeyError when missing
     int64_t storage = storage_of(key);
     py::object found = find(storage);
     if (!found) {
       if (!otherwise) throw py::key_error(py::repr(key).cast<std::string>());
       return otherwise;
     }
-    erase(storage);
+    map().erase(storage);
     return found;
   }
 
-  void erase(int64_t storage) {
-    switch (kind_) {
-      case kWatched: tables_->watched.erase(storage); return;
-      case kLastWriter: tables_->last_writer.erase(storage); return;
-      case kRedirect: tables_->redirect.erase(storage); return;
-      case kNames: tables_->names.erase(storage); return;
-    }
-  }
-
-  void clear() {
-    switch (kind_) {
-      case kWatched: tables_->watched.clear(); return;
-      case kLastWriter: tables_->last_writer.clear(); return;
-      case kRedirect: tables_->redirect.clear(); return;
-      case kNames: tables_->names.clear(); return;
-    }
-  }
-
-  size_t size() const {
-    switch (kind_) {
-      case kWatched: return tables_->watched.size();
-      case kLastWriter: return tables_->last_writer.size();
-      case kRedirect: return tables_->redirect.size();
-      case kNames: return tables_->names.size();
-    }
-    return 0;
-  }
+  void clear() { map().clear(); }
+  size_t size() const { return map().size(); }
 
   py::list items() const {
     py::list out;
-    auto add = [&](int64_t storage) { out.append(py::make_tuple(int_key(storage), find(storage))); };
-    switch (kind_) {
-      case kWatched: for (auto& entry : tables_->watched) add(entry.first); break;
-      case kLastWriter: for (auto& entry : tables_->last_writer) add(entry.first); break;
-      case kRedirect: for (auto& entry : tables_->redirect) add(entry.first); break;
-      case kNames: for (auto& entry : tables_->names) add(entry.first); break;
-    }
+    for (auto& [storage, value] : map()) out.append(py::make_tuple(int_key(storage), Values::out(value, core_)));
     return out;
   }
 
+  static void bind(py::module_& m, const char* name) {
+    py::class_<Table>(m, name)
+        .def("__contains__", &Table::contains)
+        .def("__getitem__", &Table::getitem)
+        .def("__setitem__", &Table::setitem)
+        .def("get", &Table::get, py::arg("key"), py::arg("default") = py::none())
+        .def("pop", &Table::pop)
+        .def("pop", [](Table& t, py::handle key) { return t.pop(key, py::object()); })
+        .def("clear", &Table::clear)
+        .def("items", &Table::items)
+        .def("__len__", &Table::size)
+        .def("__bool__", [](const Table& t) { return t.size() > 0; });
+  }
+
  private:
-  py::object stream(const std::unordered_map<int64_t, int32_t>& table, int64_t storage) const {
-    auto found = table.find(storage);
-    return found == table.end() ? py::object() : core_.stream_key(found->second);
+  Map& map() const { return (*tables_).*map_; }
+
+  py::object find(int64_t storage) const {  // null when missing
+    auto found = map().find(storage);
+    return found == map().end() ? py::object() : Values::out(found->second, core_);
   }
 
   std::shared_ptr<Tables> tables_;
+  Map Tables::*map_;
   py::object core_object_;
   PyCore& core_;
-  Kind kind_;
 };
+using WatchedTable = Table<py::object, WatchedValues>;
+using StreamTable = Table<int32_t, StreamValues>;
+using NameTable = Table<std::shared_ptr<const std::string>, NameValues>;
 
 // The tracker's captured ops applied to its C++ core: the same rules as tracker._apply_captured, which stays the path
 // for hb.py's core, with the tracker's tables in C++ (`Tables`). Python is called for a host sync's rule, a queued
@@ -1067,9 +1057,10 @@ class Feed {
 
   // The tables' faces for the tracker: (watched, last_writer, redirect, names).
   py::tuple tables() const {
-    auto face = [&](Table::Kind kind) { return py::cast(Table(tables_, core_object_, kind)); };
-    return py::make_tuple(face(Table::kWatched), face(Table::kLastWriter), face(Table::kRedirect),
-                          face(Table::kNames));
+    return py::make_tuple(py::cast(WatchedTable(tables_, &Tables::watched, core_object_)),
+                          py::cast(StreamTable(tables_, &Tables::last_writer, core_object_)),
+                          py::cast(StreamTable(tables_, &Tables::redirect, core_object_)),
+                          py::cast(NameTable(tables_, &Tables::names, core_object_)));
   }
 
   // tracker._dead in C++, for the weak references made here: a watched storage died, its free is queued in order with
@@ -1098,7 +1089,6 @@ class Feed {
   // by their small int (None on cuda: a stream is its handle). Returns the first op's name when `name_first` (the
   // tracker names an unnamed implicit sync after it), else None.
   py::object apply(py::object streams, bool engine_records_streams, bool name_first) {
-    streamrace_hb::release_dropped();
     streams_ = std::move(streams);
     engine_records_streams_ = engine_records_streams;
     py::object first = py::none();
@@ -1189,7 +1179,7 @@ class Feed {
     py::object ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(storage.ptr(), on_dead_.ptr()));
     if (!ref) throw py::error_already_set();
     if (PyDict_SetItem(ref_keys_.ptr(), ref.ptr(), int_key(span.storage).ptr()) < 0) throw py::error_already_set();
-    entry = streamrace_hb::Owned(std::move(ref));
+    entry = std::move(ref);
   }
 
   void apply_one(Record& r) {
@@ -1311,15 +1301,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("apply", &feed::Feed::apply, py::arg("streams"), py::arg("engine_records_streams"), py::arg("name_first"))
       .def_property_readonly("forward_sites", &feed::Feed::forward_sites)
       .def_property_readonly("tables", &feed::Feed::tables);
-  py::class_<feed::Table>(m, "Table")
-      .def("__contains__", &feed::Table::contains)
-      .def("__getitem__", &feed::Table::getitem)
-      .def("__setitem__", &feed::Table::setitem)
-      .def("get", &feed::Table::get, py::arg("key"), py::arg("default") = py::none())
-      .def("pop", &feed::Table::pop)
-      .def("pop", [](feed::Table& t, py::handle key) { return t.pop(key, py::object()); })
-      .def("clear", &feed::Table::clear)
-      .def("items", &feed::Table::items)
-      .def("__len__", &feed::Table::size)
-      .def("__bool__", [](const feed::Table& t) { return t.size() > 0; });
+  feed::WatchedTable::bind(m, "WatchedTable");
+  feed::StreamTable::bind(m, "StreamTable");
+  feed::NameTable::bind(m, "NameTable");
 }

@@ -10,8 +10,7 @@
 // object from Python, a NativePayload from a C++ caller (capture.cpp's Feed). Races are found here and handed to a
 // Sink as candidates, one batch per access or allocation; the caller names and deduplicates them (that reads frames:
 // Python's job).
-// Every Python-facing call comes with the GIL held; the capture's worker records ops without it (`Core` itself never
-// touches Python).
+// Every call comes with the GIL held.
 
 #include <pybind11/pybind11.h>
 
@@ -35,103 +34,61 @@ namespace py = pybind11;
 
 namespace STREAMRACE_HIDDEN streamrace_hb {
 
-// Python references dropped where the GIL may not be held (the capture's worker applies records without it): released
-// by the next thread that calls `release_dropped` with the GIL. Never freed (it would outlive the interpreter).
-std::mutex dropped_mutex;
-auto* dropped = new std::vector<PyObject*>();
-std::atomic<bool> any_dropped{false};
-
-void drop(PyObject* object) {
-  if (!Py_IsInitialized()) return;  // the interpreter is gone, and the object with it
-  if (PyGILState_Check()) {
-    Py_DECREF(object);
-    return;
-  }
-  std::lock_guard<std::mutex> guard(dropped_mutex);
-  dropped->push_back(object);
-  any_dropped.store(true, std::memory_order_release);
-}
-
-void release_dropped() {  // the GIL held
-  if (!any_dropped.load(std::memory_order_acquire)) return;
-  std::vector<PyObject*> now;
-  {
-    std::lock_guard<std::mutex> guard(dropped_mutex);
-    now.swap(*dropped);
-    any_dropped.store(false, std::memory_order_relaxed);
-  }
-  for (PyObject* object : now) Py_DECREF(object);
-}
-
-// One Python reference that a thread without the GIL may drop (`drop`); set and read with the GIL.
-class Owned {
- public:
-  Owned() noexcept = default;
-  explicit Owned(py::object o) noexcept : object_(o.release().ptr()) {}
-  Owned(Owned&& o) noexcept : object_(o.object_) { o.object_ = nullptr; }
-  Owned& operator=(Owned&& o) noexcept {
-    std::swap(object_, o.object_);
-    return *this;
-  }
-  Owned(const Owned&) = delete;
-  ~Owned() {
-    if (object_ != nullptr) drop(object_);
-  }
-  explicit operator bool() const { return object_ != nullptr; }
-  PyObject* ptr() const { return object_; }
-  py::object get() const { return object_ ? py::reinterpret_borrow<py::object>(object_) : py::object(py::none()); }
-
- private:
-  PyObject* object_ = nullptr;
-};
-
-// What the core carries for its caller, reference-counted in C++ (so a thread without the GIL may copy and drop it):
-// turned into Python only when a report or a test reads it (an op's site named from its captured stack, a tensor's
-// description).
+// What a C++ caller hands the core as a payload: reference-counted, turned into Python only when a report or a test
+// reads it (an op's site named from its captured stack, a tensor's description).
 struct NativePayload {
   std::atomic<int64_t> refs{0};
   virtual ~NativePayload() = default;
   virtual py::object to_python() = 0;
 };
 
-// A Python caller's payload: the object, released with the GIL (`drop`).
-struct ObjectPayload final : NativePayload {
-  PyObject* object;
-  explicit ObjectPayload(py::handle h) : object(h.ptr()) { Py_INCREF(object); }
-  ~ObjectPayload() override { drop(object); }
-  py::object to_python() override { return py::reinterpret_borrow<py::object>(object); }
-};
-
-// What the core keeps for its caller and never reads: no payload (Python None) or a NativePayload.
+// What the core keeps for its caller and never reads: no payload (Python None), an owned Python object, or a C++
+// caller's NativePayload (low bit set: both pointers are aligned).
 class Payload {
  public:
   Payload() noexcept = default;
-  static Payload of(py::handle h) {  // the GIL held
-    if (!h || h.is_none()) return Payload();
-    return native(new ObjectPayload(h));
+  static Payload of(py::handle h) {
+    Payload p;
+    if (h && !h.is_none()) {
+      Py_INCREF(h.ptr());
+      p.word_ = reinterpret_cast<uintptr_t>(h.ptr());
+    }
+    return p;
   }
   static Payload native(NativePayload* object) {  // takes a reference: a fresh object is owned from here on
     Payload p;
     object->refs.fetch_add(1, std::memory_order_relaxed);
-    p.object_ = object;
+    p.word_ = reinterpret_cast<uintptr_t>(object) | 1u;
     return p;
   }
-  Payload(const Payload& o) noexcept : object_(o.object_) {
-    if (object_ != nullptr) object_->refs.fetch_add(1, std::memory_order_relaxed);
-  }
-  Payload(Payload&& o) noexcept : object_(o.object_) { o.object_ = nullptr; }
+  Payload(const Payload& o) noexcept : word_(o.word_) { acquire(); }
+  Payload(Payload&& o) noexcept : word_(o.word_) { o.word_ = 0; }
   Payload& operator=(Payload o) noexcept {
-    std::swap(object_, o.object_);
+    std::swap(word_, o.word_);
     return *this;
   }
   ~Payload() {
-    if (object_ != nullptr && object_->refs.fetch_sub(1, std::memory_order_acq_rel) == 1) delete object_;
+    if (is_object()) Py_DECREF(object());
+    else if (is_native() && native_object()->refs.fetch_sub(1, std::memory_order_acq_rel) == 1)
+      delete native_object();
   }
-  bool empty() const { return object_ == nullptr; }
-  py::object to_python() const { return object_ == nullptr ? py::none() : object_->to_python(); }  // the GIL held
+  bool empty() const { return word_ == 0; }
+  py::object to_python() const {
+    if (word_ == 0) return py::none();
+    if (is_object()) return py::reinterpret_borrow<py::object>(object());
+    return native_object()->to_python();
+  }
 
  private:
-  NativePayload* object_ = nullptr;
+  void acquire() const {
+    if (is_object()) Py_INCREF(object());
+    else if (is_native()) native_object()->refs.fetch_add(1, std::memory_order_relaxed);
+  }
+  bool is_object() const { return word_ != 0 && (word_ & 1u) == 0; }
+  bool is_native() const { return (word_ & 1u) != 0; }
+  NativePayload* native_object() const { return reinterpret_cast<NativePayload*>(word_ & ~uintptr_t{1}); }
+  PyObject* object() const { return reinterpret_cast<PyObject*>(word_); }
+  uintptr_t word_ = 0;
 };
 
 // A vector clock: per stream id, the epoch known complete (missing components are 0). Never mutated once shared.
@@ -178,7 +135,7 @@ struct Op {
   Payload site;
   ClockPtr clock, strict;
   std::shared_ptr<StreamKeys> keys;
-  Payload clock_dict, strict_dict;  // the clocks as hb.py's dicts, built when read (`happens_before`, tests)
+  py::object clock_dict, strict_dict;  // the clocks as hb.py's dicts, built when read (`happens_before`, tests)
 };
 using OpPtr = std::shared_ptr<Op>;
 
@@ -854,11 +811,6 @@ py::object clock_dict(const Op& op, const Clock& clock) {
   return std::move(out);
 }
 
-py::object dict_of(const Op& op, const ClockPtr& clock, Payload& cached) {  // one dict per clock, as hb.py's
-  if (cached.empty()) cached = Payload::of(clock_dict(op, *clock));
-  return cached.to_python();
-}
-
 }  // namespace streamrace_hb
 
 // The core's Python face, as the submodule `hb` of the extension module (capture.cpp's PYBIND11_MODULE calls this).
@@ -871,12 +823,20 @@ void bind_core(py::module_& m) {
       .def_property_readonly("epoch", [](const Op& op) { return op.epoch; })
       .def_property_readonly("seq", [](const Op& op) { return op.seq; })
       .def_property_readonly("site", [](const Op& op) { return op.site.to_python(); })
-      .def_property_readonly("clock", [](Op& op) { return dict_of(op, op.clock, op.clock_dict); })
+      .def_property_readonly("clock",
+                             [](Op& op) {
+                               if (!op.clock_dict) op.clock_dict = clock_dict(op, *op.clock);
+                               return op.clock_dict;
+                             })
       .def_property_readonly("strict",
                              [](Op& op) -> py::object {
                                if (!op.strict) return py::none();
-                               if (op.strict == op.clock) return dict_of(op, op.clock, op.clock_dict);
-                               return dict_of(op, op.strict, op.strict_dict);
+                               if (op.strict == op.clock) {
+                                 if (!op.clock_dict) op.clock_dict = clock_dict(op, *op.clock);
+                                 return op.clock_dict;
+                               }
+                               if (!op.strict_dict) op.strict_dict = clock_dict(op, *op.strict);
+                               return op.strict_dict;
                              })
       .def("__repr__", [](const Op& op) {
         return py::str("Op(stream={!r}, epoch={}, seq={}, site={!r})")
