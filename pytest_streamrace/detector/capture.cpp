@@ -80,6 +80,7 @@ void release_stacks() {  // the GIL held
 using Shape = c10::SmallVector<int64_t, 5>;  // inline: no allocation per access
 struct Span { int64_t storage, start, end; bool write; Shape shape; c10::ScalarType dtype; int64_t nbytes;
               c10::Storage held; };
+using Spans = c10::SmallVector<Span, 3>;  // an op's reads and writes, or its fresh outputs: inline for most ops
 
 // "float", "long", ...: as a tensor's description names its dtype (hb.TensorInfo). Called with the GIL held.
 py::str dtype_name(c10::ScalarType dtype) {
@@ -102,7 +103,7 @@ struct Plan { bool below_autograd = false, record = false, queued = false, at_is
 enum class What : uint8_t { kOp, kFree, kEventRecord, kEventWait, kQueuedStart, kQueuedEnd };
 struct Record {
   What what = What::kOp; const char* op = nullptr; int64_t stream = 0; bool in_node = false;
-  std::vector<Span> accesses, fresh; std::shared_ptr<Stack> stack;
+  Spans accesses, fresh; std::shared_ptr<Stack> stack;
   int64_t handle = 0;  // a free's storage, an event's handle
   // the autograd sequence number: in forward, of the node the op may create; in backward, of the node running it
   int64_t seq = -1; std::string node;
@@ -118,6 +119,8 @@ struct Record {
 // plan null: the op is only watched for the autograd nodes it makes (node_streams.cpp)
 struct Pending : at::ObserverContext {
   Record record; std::shared_ptr<const Plan> plan; std::vector<c10::IValue> inputs;
+  static void* operator new(size_t size);  // from the thread's spares (`Here`): one is made and dropped per op
+  static void operator delete(void* pointer, size_t size);
 };
 
 std::mutex mutex;  // records and plans
@@ -148,24 +151,61 @@ at::CallbackHandle handle = 0;
 // threads started in a session). Not threads that inherit the callback with torch's thread-local state: a backend's
 // workers inside an op (gloo copying a result out), which the mode did not see; at::launch's, which it did.
 bool every_thread = true;
-thread_local at::CallbackHandle observed = 0;  // this thread's own callback, when it has one
 std::atomic<bool> on{false};
 bool cuda = false;
 // Python callables, kept by pointer: a static py::object would be released after the interpreter is gone.
 py::object* plan_fn = nullptr;
 py::object* drain_fn = nullptr;  // applies the records, called every `kDrainEvery` records
-thread_local int depth = 0;  // ops below autograd running on this thread
-thread_local bool paused = false;  // this thread's work is modelled by hand (set_recording): others still record
-thread_local Record* in_flight = nullptr;  // the record of the op this thread is running, until on_end pushes it
-// > 0 while Python issues a collective on this thread (`set_issuing`), in this session (`generation`)
-thread_local int issuing_here = 0;
-thread_local uint64_t issuing_generation = 0;
 
-// Host memory (the virtual model). The current stream is the model's: a small int per stream that Python sets per
-// thread (`set_stream`); 0, the default stream, on a thread that never set one in this session (`generation`).
-std::atomic<uint64_t> generation{0};
-thread_local int64_t stream_here = 0;
-thread_local uint64_t stream_generation = 0;
+std::atomic<uint64_t> generation{0};  // a session's: what a thread set in an earlier one no longer holds
+
+// What the capture keeps per thread, in one place: a dlopen'ed library reaches each thread-local variable through a
+// call (__tls_get_addr), so a callback reads this once. Trivially destructible: readable through the thread's exit.
+struct Here {
+  at::CallbackHandle observed = 0;  // this thread's own callback, when it has one
+  int depth = 0;  // ops below autograd running on this thread
+  bool paused = false;  // this thread's work is modelled by hand (set_recording): others still record
+  bool draining = false;
+  Record* in_flight = nullptr;  // the record of the op this thread is running, until on_end pushes it
+  // > 0 while Python issues a collective on this thread (`set_issuing`), in this session (`generation`)
+  int issuing = 0;
+  uint64_t issuing_generation = 0;
+  // Host memory (the virtual model). The current stream is the model's: a small int per stream that Python sets per
+  // thread (`set_stream`); 0, the default stream, on a thread that never set one in this session (`generation`).
+  int64_t stream = 0;
+  uint64_t stream_generation = 0;
+  // Pending records' blocks, for the next ops on this thread (one at a time but for nesting: a few suffice); given
+  // back to malloc when the thread ends (`Reaper`), or at once after that
+  void* spare[4] = {};
+  int spares = 0;
+  bool reaper_armed = false, gone = false;
+};
+thread_local Here here;
+
+struct Reaper {  // made on a thread once it keeps a spare: gives them back as the thread ends
+  ~Reaper() {
+    Here& h = here;
+    h.gone = true;
+    while (h.spares > 0) ::operator delete(h.spare[--h.spares]);
+  }
+};
+
+void* Pending::operator new(size_t size) {
+  Here& h = here;
+  if (size == sizeof(Pending) && h.spares > 0) return h.spare[--h.spares];
+  return ::operator new(size);
+}
+
+void Pending::operator delete(void* pointer, size_t size) {
+  Here& h = here;
+  if (size != sizeof(Pending) || h.gone || h.spares == 4) return ::operator delete(pointer);
+  if (!h.reaper_armed) {
+    h.reaper_armed = true;
+    thread_local Reaper reaper;
+    (void)reaper;
+  }
+  h.spare[h.spares++] = pointer;
+}
 // Frees: the tracker learns them through a weak reference to the storage, made when it first gets the storage. A
 // storage first seen by a record is held by it until drained (so its address is not reused before the tracker
 // watches it); `known` are the addresses handed over and not freed since (`mark_free`). Records hold their storages,
@@ -173,7 +213,6 @@ thread_local uint64_t stream_generation = 0;
 std::mutex known_mutex;
 std::unordered_set<int64_t> known;
 constexpr size_t kDrainEvery = 256;
-thread_local bool draining = false;
 
 // Stacks seen before, by their frames' (code, instruction) pairs: a training loop takes the same few hundred stacks
 // again and again, and a hit costs a walk of the frames, without the traceback's allocations and references. Each
@@ -310,7 +349,7 @@ bool reaches_kernel(const c10::OperatorHandle& op) {  // what reaches the dispat
   return false;
 }
 
-std::shared_ptr<const Plan> plan_for(const at::RecordFunction& fn) {
+std::shared_ptr<const Plan> planned(const at::RecordFunction& fn) {
   {
     std::lock_guard<std::mutex> guard(mutex);
     auto found = plans.find(fn.name());
@@ -351,6 +390,21 @@ std::shared_ptr<const Plan> plan_for(const at::RecordFunction& fn) {
   return plans.emplace(fn.name(), std::move(made)).first->second;
 }
 
+// This thread's plans by op name, from the map as of `plans_made` (`clear_all` moves it on): a hit takes no lock.
+struct CachedPlan { const char* name = nullptr; uint64_t made = 0; std::shared_ptr<const Plan> plan; };
+constexpr size_t kCachedPlans = 256;
+std::atomic<uint64_t> plans_made{1};
+
+std::shared_ptr<const Plan> plan_for(const at::RecordFunction& fn) {
+  thread_local CachedPlan cached[kCachedPlans];
+  uint64_t made = plans_made.load(std::memory_order_acquire);
+  CachedPlan& slot = cached[(reinterpret_cast<uintptr_t>(fn.name()) >> 3) % kCachedPlans];
+  if (slot.name == fn.name() && slot.made == made) return slot.plan;
+  auto plan = planned(fn);
+  if (plan != nullptr) slot = CachedPlan{fn.name(), made, plan};
+  return plan;
+}
+
 bool on_device(const at::Tensor& t) { return cuda ? t.device().is_cuda() : t.device().is_cpu(); }
 
 }  // namespace
@@ -386,7 +440,7 @@ void hold(Span& span, const at::Tensor& t) {
   span.held = t.storage();
 }
 
-void add(Record& r, std::vector<Span>& out, const at::Tensor& t, bool write, bool fresh) try {
+void add(Record& r, Spans& out, const at::Tensor& t, bool write, bool fresh) try {
   if (!t.defined()) return;
   const auto* impl = t.unsafeGetTensorImpl();
   // a Python scalar boxed for the kernel; a tensor subclass nested in a list argument (whose op is not recorded)
@@ -399,15 +453,15 @@ void add(Record& r, std::vector<Span>& out, const at::Tensor& t, bool write, boo
   else for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
   auto key = reinterpret_cast<int64_t>(t.storage().data());
   if (key == 0) return;
-  Span span{key, start, start + (last + 1) * size, write, Shape(t.sizes().begin(), t.sizes().end()), t.scalar_type(),
-            fresh ? (int64_t)t.storage().nbytes() : -1, {}};
+  Span& span = out.emplace_back(Span{key, start, start + (last + 1) * size, write, Shape(), t.scalar_type(),
+                                      fresh ? (int64_t)t.storage().nbytes() : -1, {}});
+  span.shape.assign(t.sizes().begin(), t.sizes().end());  // in place: a Shape moved is its dims copied
   if (!cuda && !frees_reported(t)) hold(span, t);
-  out.push_back(std::move(span));
 } catch (const std::exception&) {
   return;  // no plain storage to read (functionalization wrappers and the like)
 }
 
-void add_value(Record& r, std::vector<Span>& out, const c10::IValue& v, bool write, bool fresh) {
+void add_value(Record& r, Spans& out, const c10::IValue& v, bool write, bool fresh) {
   if (v.isTensor()) add(r, out, v.toTensor(), write, fresh);
   else if (v.isTensorList()) for (const at::Tensor& t : v.toTensorList()) add(r, out, t, write, fresh);
   else if (v.isList()) for (const auto& e : v.toListRef()) if (e.isTensor()) add(r, out, e.toTensor(), write, fresh);
@@ -473,7 +527,8 @@ py::tuple queued_call(const Record& r, py::object stream) {
 
 // The virtual model's stream on this thread (its small int; 0, the default stream, where none was set this session).
 int64_t stream_now() {
-  return stream_generation == generation.load(std::memory_order_relaxed) ? stream_here : 0;
+  const Here& h = here;
+  return h.stream_generation == generation.load(std::memory_order_relaxed) ? h.stream : 0;
 }
 
 // Ops that record nothing may still make autograd nodes, which the virtual model binds at their end (below autograd,
@@ -504,15 +559,17 @@ void queue_modelled(const at::RecordFunction& fn, std::shared_ptr<const Plan> pl
                    std::vector<c10::IValue> outputs, What what);  // below
 
 bool issuing() {  // Python issues the collective this thread runs
-  return issuing_here > 0 && issuing_generation == generation.load(std::memory_order_relaxed);
+  const Here& h = here;
+  return h.issuing > 0 && h.issuing_generation == generation.load(std::memory_order_relaxed);
 }
 
 std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
-  if (depth > 0 || paused || !on.load()) return nullptr;
+  Here& h = here;
+  if (h.depth > 0 || h.paused || !on.load()) return nullptr;
   auto plan = plan_for(fn);
   if (plan == nullptr || !plan->below_autograd) return nullptr;
   if (on_subclass(fn) || (plan->copy && copies_onto_itself(fn))) return nodes_only();
-  ++depth;
+  ++h.depth;
   auto pending = std::make_unique<Pending>();
   pending->plan = plan;
   if (plan->queued) {
@@ -536,27 +593,28 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
     }
     r.stack = stack_here();
     if (cuda && plan->copy && into_pageable_host(fn)) r.synced = r.stream;
-    in_flight = &r;
+    h.in_flight = &r;
   }
   return pending;
 }
 
 // Host memory: the tracker applies the records now, on this thread (their storages are held until then).
 void drain_now() {
-  if (draining) return;
+  Here& h = here;
+  if (h.draining) return;
   py::gil_scoped_acquire gil;
   if (drain_fn == nullptr || !on.load()) return;
   py::object fn = *drain_fn;  // a reference of our own: `disable` may release the stored one meanwhile
-  draining = true;
-  bool was_paused = paused;
-  paused = true;  // whatever the tracker runs is not the program's
+  h.draining = true;
+  bool was_paused = h.paused;
+  h.paused = true;  // whatever the tracker runs is not the program's
   try {
     fn();
   } catch (py::error_already_set& error) {
     error.discard_as_unraisable("streamrace: applying captured ops");
   }
-  paused = was_paused;
-  draining = false;
+  h.paused = was_paused;
+  h.draining = false;
 }
 
 void push(Record&& r) {
@@ -593,7 +651,8 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
   const Plan* plan = pending->plan.get();
   if (!cuda) node_streams::bind_outputs(fn.outputs(), stream_now());
   if (plan == nullptr) return;  // nodes_only
-  --depth;
+  Here& h = here;
+  --h.depth;
   if (plan->queued) {
     if (!plan->at_issue || issuing()) {
       auto outputs = fn.outputs();
@@ -603,7 +662,7 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
     return;
   }
   if (!plan->record) return;
-  in_flight = nullptr;
+  h.in_flight = nullptr;
   Record& r = pending->record;
   if (plan->fresh) {
     r.fresh.reserve(fn.outputs().size());
@@ -627,6 +686,7 @@ void clear_all() {
   {
     std::lock_guard<std::mutex> guard(mutex);
     plans.clear();
+    plans_made.fetch_add(1, std::memory_order_release);
     dropped.swap(records);
   }
   std::lock_guard<std::mutex> guard(known_mutex);
@@ -637,7 +697,7 @@ void clear_all() {
 // (gloo's workers): that is the op's own work, which a dispatch mode (inactive inside the ops it handles) does not see.
 // Not while a global callback runs either.
 std::unique_ptr<at::ObserverContext> on_start_observed(const at::RecordFunction& fn) {
-  if (every_thread || observed == 0) return nullptr;
+  if (every_thread || here.observed == 0) return nullptr;
   return on_start(fn);
 }
 
@@ -648,14 +708,14 @@ at::RecordFunctionCallback callback(bool global) {
 
 // This thread's ops are captured from now on (once enabled for some threads only); false if they were already.
 bool observe() {
-  if (every_thread || observed != 0) return false;
-  observed = at::addThreadLocalCallback(callback(false));
+  if (every_thread || here.observed != 0) return false;
+  here.observed = at::addThreadLocalCallback(callback(false));
   return true;
 }
 
 void unobserve() {
-  if (observed != 0) at::removeCallback(observed);
-  observed = 0;
+  if (here.observed != 0) at::removeCallback(here.observed);
+  here.observed = 0;
 }
 
 void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, bool host_frees) {
@@ -685,20 +745,21 @@ void disable() {
   plan_fn = drain_fn = nullptr;
 }
 
-void set_recording(bool value) { paused = !value; }
+void set_recording(bool value) { here.paused = !value; }
 
 // Python issues a collective on this thread (true) or is done issuing it (false): its c10d op is queued as it returns.
 void set_issuing(bool value) {
   uint64_t now = generation.load(std::memory_order_relaxed);
-  if (issuing_generation != now) issuing_here = 0;
-  issuing_generation = now;
-  issuing_here = std::max(0, issuing_here + (value ? 1 : -1));
+  Here& h = here;
+  if (h.issuing_generation != now) h.issuing = 0;
+  h.issuing_generation = now;
+  h.issuing = std::max(0, h.issuing + (value ? 1 : -1));
 }
 
 // The virtual model's current stream on this thread (its small int for the stream; 0: the default stream).
 void set_stream(int64_t stream) {
-  stream_here = stream;
-  stream_generation = generation.load(std::memory_order_relaxed);
+  here.stream = stream;
+  here.stream_generation = generation.load(std::memory_order_relaxed);
 }
 
 // A kernel the capture does not see as an op (compiled code's: Triton's, Inductor's C++ kernels), recorded in order
@@ -706,7 +767,7 @@ void set_stream(int64_t stream) {
 // interned names rely on it). False when nothing is captured here (the tracker then runs it the slow way).
 bool record_launch(const std::string& name, std::optional<int64_t> stream, const std::vector<at::Tensor>& reads,
                    const std::vector<at::Tensor>& writes) {
-  if (!on.load() || paused) return false;
+  if (!on.load() || here.paused) return false;
   static auto* names = new std::unordered_set<std::string>();  // a record's op name outlives it; never freed
   Record r;
   r.op = names->insert(name).first->c_str();
@@ -723,8 +784,8 @@ bool record_launch(const std::string& name, std::optional<int64_t> stream, const
 // The host waits for `stream` inside the op this thread is running (torch reports the sync from within the op, before
 // the op is recorded): kept on the op's record, so the wait lands right after the op. False when no op is in flight.
 bool sync_inside_op(int64_t stream) {
-  if (in_flight == nullptr) return false;
-  in_flight->synced = stream;
+  if (here.in_flight == nullptr) return false;
+  here.in_flight->synced = stream;
   return true;
 }
 
@@ -817,7 +878,7 @@ py::object arguments_of(const Record& r) {
   return py::make_tuple(py::tuple(positional), keywords);
 }
 
-void watch_held(py::list& out, const std::vector<Span>& spans) {
+void watch_held(py::list& out, const Spans& spans) {
   for (const auto& t : spans)
     if (t.held)
       out.append(py::make_tuple("watch", t.storage, py::reinterpret_steal<py::object>(THPStorage_Wrap(t.held))));
@@ -870,7 +931,7 @@ using streamrace_hb::PyCore;
 py::object* site_factory = nullptr;  // backward_sites.site_of: (op, stack or None, forward site or None, node or None)
 
 // An op's site: named (a Python Site) only when a report or a trace reads it.
-struct Site : NativePayload {
+struct Site : NativePayload, streamrace_hb::Pooled<Site> {
   const char* op;  // a schema's name or an interned launch name: lives as long as the process
   std::shared_ptr<Stack> stack;
   Payload forward;  // inside an autograd node: the site of the forward op that created it (may be empty)
@@ -887,7 +948,7 @@ struct Site : NativePayload {
 };
 
 // An access's tensor: (shape, dtype, name or None), as tracker._accesses describes it.
-struct Tensor : NativePayload {
+struct Tensor : NativePayload, streamrace_hb::Pooled<Tensor> {
   Shape shape;
   c10::ScalarType dtype;
   std::shared_ptr<const std::string> name;  // the storage's name (`Tables::names`), if it had one

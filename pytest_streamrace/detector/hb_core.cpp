@@ -34,6 +34,68 @@ namespace py = pybind11;
 
 namespace STREAMRACE_HIDDEN streamrace_hb {
 
+// Blocks of one size made and dropped once per op or access (an op, its site, an access's tensor), kept on a free
+// list: malloc and free were a quarter of the detector's own instructions a step. These are made and dropped only with
+// the GIL held (they hold Python objects, or sit behind a Payload, which may), and the GIL guards the list: no lock, no
+// thread-local. Bounded; never freed (it would outlive the interpreter).
+template <size_t Size>
+class FreeList {
+ public:
+  static void* take() {
+    if (head_ == nullptr) return ::operator new(Size);
+    Block* block = head_;
+    head_ = block->next;
+    --count_;
+    return block;
+  }
+  static void give(void* pointer) {
+    if (count_ >= kKept) return ::operator delete(pointer);
+    auto* block = static_cast<Block*>(pointer);
+    block->next = head_;
+    head_ = block;
+    ++count_;
+  }
+
+ private:
+  struct Block { Block* next; };
+  static_assert(Size >= sizeof(Block), "a block holds the list's link");
+  static constexpr size_t kKept = 4096;
+  static inline Block* head_ = nullptr;
+  static inline size_t count_ = 0;
+};
+
+// A class whose objects come from the free list of their size (derived classes of another size go to malloc).
+template <class T>
+struct Pooled {
+  static void* operator new(size_t size) {
+    return size == sizeof(T) ? FreeList<sizeof(T)>::take() : ::operator new(size);
+  }
+  static void operator delete(void* pointer, size_t size) {
+    if (size == sizeof(T)) FreeList<sizeof(T)>::give(pointer);
+    else ::operator delete(pointer);
+  }
+};
+
+// The same for std::allocate_shared: the object and its count in one pooled block.
+template <class T>
+struct PoolAllocator {
+  using value_type = T;
+  PoolAllocator() = default;
+  template <class U>
+  PoolAllocator(const PoolAllocator<U>&) {}
+  T* allocate(size_t n) {
+    return static_cast<T*>(n == 1 ? FreeList<sizeof(T)>::take() : ::operator new(n * sizeof(T)));
+  }
+  void deallocate(T* pointer, size_t n) {
+    if (n == 1) FreeList<sizeof(T)>::give(pointer);
+    else ::operator delete(pointer);
+  }
+  template <class U>
+  bool operator==(const PoolAllocator<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const PoolAllocator<U>&) const { return false; }
+};
+
 // What a C++ caller hands the core as a payload: reference-counted, turned into Python only when a report or a test
 // reads it (an op's site named from its captured stack, a tensor's description).
 struct NativePayload {
@@ -261,7 +323,7 @@ class Core {
     }
     s.epoch += 1;
     seq_ += 1;
-    auto op = std::make_shared<Op>();
+    auto op = std::allocate_shared<Op>(PoolAllocator<Op>());
     op->stream = id;
     op->epoch = s.epoch;
     op->seq = seq_;
@@ -373,7 +435,7 @@ class Core {
     std::vector<Rec> hazards;
     for (const Rec* rec : others)
       if (safe->get(rec->op->stream) < rec->op->epoch) hazards.push_back(*rec);
-    auto op = std::make_shared<Op>();
+    auto op = std::allocate_shared<Op>(PoolAllocator<Op>());
     op->stream = id;
     op->epoch = state.epoch;
     op->seq = seq_;
