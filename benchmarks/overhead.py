@@ -6,7 +6,7 @@ PyTorch's CUDA stream sanitizer on the same step).
 Each configuration runs in its own process (the sanitizer cannot be switched off once on). Prints a table of ms per
 step and the slowdown against plain. "empty-mode" is a TorchDispatchMode that only calls through: the cost of
 entering Python for every op, the floor for any tool built on one (PyTorch's sanitizer is; the virtual backend is).
-"capture-floor" is the cuda backend's C++ op capture alone (``detector/capture.py``): records drained, none judged.
+"capture-floor" is the cuda backend's C++ op capture alone (``detector/capture.py``): records dropped each step unread.
 The compiled model's forward runs under torch.compile (Inductor) and compiles under the detector; tools built on a
 plain dispatch mode make dynamo skip compiling, so they get no number there (nan).
 
@@ -106,7 +106,7 @@ def step_time(model_name: str, mode: str, steps: int, rank: int = 0, store: str 
 
         with Empty():
             return timed()
-    if mode == "capture-floor":  # the cuda backend's C++ op capture alone: records drained raw, nothing judged
+    if mode == "capture-floor":  # the cuda backend's C++ op capture alone: records dropped unread each step
         from pytest_streamrace.detector import capture
         from pytest_streamrace.detector.hb import HappensBefore
         from pytest_streamrace.detector.tracker import AccessTracker
@@ -117,7 +117,7 @@ def step_time(model_name: str, mode: str, steps: int, rank: int = 0, store: str 
         tracker = AccessTracker(HappensBefore(), lambda: 0, device)
         extension.enable(cuda, tracker._capture_plan)
         try:
-            return timed(after_step=extension.drain)
+            return timed(after_step=extension.discard)
         finally:
             extension.disable()
     if mode == "sanitizer":

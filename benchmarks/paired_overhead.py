@@ -191,18 +191,18 @@ def main() -> None:
             yield d
 
     @contextlib.contextmanager
-    def capture_floor():  # the C++ capture alone: records drained raw after each round, nothing judged
+    def capture_floor():  # the C++ capture alone: records dropped unread as often as the detector applies them
         from pytest_streamrace.detector import capture
         from pytest_streamrace.detector.hb import HappensBefore
         from pytest_streamrace.detector.tracker import AccessTracker
 
         extension = capture.load()
         tracker = AccessTracker(HappensBefore(), lambda: 0, device)
-        extension.enable(cuda, tracker._capture_plan)
+        extension.enable(cuda, tracker._capture_plan, extension.discard)
         try:
             yield None
         finally:
-            extension.drain()
+            extension.discard()
             extension.disable()
 
     from torch.utils.cpp_extension import load_inline
