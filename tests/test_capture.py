@@ -289,6 +289,72 @@ def test_the_collectives_model_judges_captured_ops(extension, tmp_path):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("case, expected", [
+    ("all_reduce, then read", ("read-after-write", "all_reduce", "aten::sum")),
+    ("all_reduce, then write", ("write-after-write", "all_reduce", "aten::mul_")),
+    ("all_reduce, then read ordered", None),
+    ("broadcast from here, then read", None),  # the root only reads its tensor
+    ("broadcast from here, then write", ("write-after-read", "broadcast", "aten::mul_")),
+    ("write, then all_gather", ("write-after-write", "aten::mul_", "all_gather")),  # its outputs: a list of lists
+])
+def test_a_collective_torchs_cpp_issues_is_judged_by_the_models_rules(extension, core, tmp_path, case, expected):
+    """A c10d op nobody issues from Python (DDP's reducer, `_broadcast_coalesced`) runs on its group's communication
+    stream, after the issuing stream, which is ordered after it at once. The python core's drain hands it to
+    models.collectives in Python; the native one applies the model's fixed rule in C++ (`capture_rule`): the same
+    verdicts, names and lines. Another stream touching its tensors without a wait races with it."""
+    import torch.distributed as dist
+
+    from pytest_streamrace.detector.models.collectives import Collectives
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/store", rank=0, world_size=1)
+    try:
+        with capturing(extension) as (hb, tracker):
+            model = Collectives(hb, tracker, lambda: 0)
+            model.install()  # not its patches: nothing marks the collectives as Python's
+            in_python = []
+            tracker.namespace_handlers["c10d"] = lambda *args, **kwargs: (in_python.append(args[0]),
+                                                                          model.on_op(*args, **kwargs))
+            try:
+                tensor, gathered = torch.ones(4), torch.zeros(4)
+                tracker.drain()
+                hb.wait_stream(1, 0)  # their making ordered before stream 1; what follows is not
+                if case.startswith("write"):
+                    extension.set_stream(1)
+                    gathered.mul_(2)  # other-stream-write-first
+                    extension.set_stream(0)
+                    dist.all_gather([gathered], tensor)
+                elif case.startswith("all_reduce"):
+                    dist.all_reduce(tensor)
+                else:
+                    dist.broadcast(tensor, src=0)
+                tracker.drain()
+                if case.endswith("ordered"):
+                    hb.wait_stream(1, 0)
+                if not case.startswith("write"):
+                    extension.set_stream(1)
+                    if case.endswith("write"):
+                        tensor.mul_(2)  # other-stream-write
+                    else:
+                        tensor.sum()  # other-stream-read
+                    extension.set_stream(0)
+                tracker.drain()
+            finally:
+                model.uninstall()
+        assert len(in_python) == (0 if core == "native" else 1)  # the native core's feed applied the rule
+        found = {(race.kind, race.earlier.op.site.op, race.later.op.site.op): race for race in hb.races}
+        if expected is None:
+            assert found == {}
+            return
+        race = found[expected]
+        collective, user = (race.earlier, race.later) if race.earlier.op.site.op[:4] != "aten" else (race.later,
+                                                                                                    race.earlier)
+        assert hb.stream_name(collective.op.stream) == "communication stream of the default process group"
+        tag = "read" if "sum" in user.op.site.op else "write-first" if case.startswith("write") else "write"
+        assert user.op.site.frames[0][1] == line(f"other-stream-{tag}")
+    finally:
+        dist.destroy_process_group()
+
+
 def test_a_failed_build_is_one_line_and_leaves_none(tmp_path):
     """Without a working compiler the cuda backend falls back to the dispatch mode; `failure()` says why."""
     script = textwrap.dedent("""

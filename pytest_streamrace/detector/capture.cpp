@@ -90,12 +90,24 @@ py::str dtype_name(c10::ScalarType dtype) {
   return name;
 }
 
+// A queued op the feed applies by a fixed rule (tracker.fixed_rules; models.collectives' on_op for a collective
+// torch's C++ issued): launched on the stream one argument names (the model's `rule_stream`, asked once per object),
+// ordered after the issuing stream and the issuing stream after it, reading and writing the tensors of the arguments
+// listed (by the root's rank, for the root-dependent ones).
+struct Rule {
+  enum Access : uint8_t { kRead, kWrite, kRootReads, kRootWrites };
+  const char* name = nullptr;  // interned: the sites made with it outlive the plan
+  size_t stream_arg = 0;
+  int64_t root_arg = -1;
+  std::vector<std::pair<size_t, Access>> tensors;
+};
+
 // What to do with an op, decided once (by the tracker's plan) per op overload.
 // queued: a modelled namespace's op (collectives), queued for the Python model as it returns; at_issue: queued before it
 // runs where torch's C++ issues it (c10d: the events the backend records inside it then order after it)
 struct Plan { bool below_autograd = false, record = false, queued = false, at_issue = false, fresh = false,
                    writes_output = false, copy = false, keep_args = false, sync = false;
-              std::vector<std::pair<size_t, bool>> args; std::string overload;
+              std::vector<std::pair<size_t, bool>> args; std::string overload; std::optional<Rule> rule;
               std::vector<std::pair<std::string, bool>> names; };  // keep_args: (name, keyword-only) per argument
 
 // An op's record, or (`what`) a storage's free, a CUDA event recorded or waited on, or a modelled namespace's op (a
@@ -349,6 +361,26 @@ bool reaches_kernel(const c10::OperatorHandle& op) {  // what reaches the dispat
   return false;
 }
 
+const char* interned(const std::string& text) {  // the GIL held; never freed
+  static auto* texts = new std::unordered_set<std::string>();
+  return texts->insert(text).first->c_str();
+}
+
+Rule rule_of(py::handle spec) {  // (name, stream argument, root argument or -1, [(argument, access)])
+  auto t = spec.cast<py::tuple>();
+  Rule rule;
+  rule.name = interned(t[0].cast<std::string>());
+  rule.stream_arg = t[1].cast<size_t>();
+  rule.root_arg = t[2].cast<int64_t>();
+  for (auto item : t[3].cast<py::list>()) {
+    auto pair = item.cast<py::tuple>();
+    auto access = pair[1].cast<std::string>();
+    rule.tensors.push_back({pair[0].cast<size_t>(), access == "r" ? Rule::kRead : access == "w" ? Rule::kWrite
+                                                    : access == "root reads" ? Rule::kRootReads : Rule::kRootWrites});
+  }
+  return rule;
+}
+
 std::shared_ptr<const Plan> planned(const at::RecordFunction& fn) {
   {
     std::lock_guard<std::mutex> guard(mutex);
@@ -367,10 +399,16 @@ std::shared_ptr<const Plan> planned(const at::RecordFunction& fn) {
     py::gil_scoped_acquire gil;
     if (plan_fn == nullptr) return nullptr;
     py::object got = (*plan_fn)(name->name, name->overload_name);
+    py::object rule = py::none();
+    if (py::isinstance<py::tuple>(got) && py::len(got) == 2 && py::isinstance<py::str>(got.cast<py::tuple>()[0])) {
+      rule = got.cast<py::tuple>()[1];  // ("queued at issue", a fixed rule)
+      got = got.cast<py::tuple>()[0];
+    }
     if (py::isinstance<py::str>(got)) {
       auto how = got.cast<std::string>();
       plan.queued = true;
       plan.at_issue = how == "queued at issue";
+      if (!rule.is_none()) plan.rule = rule_of(rule);
     } else if (!got.is_none()) {
       auto t = got.cast<py::tuple>();
       for (auto item : t[0].cast<py::list>()) {
@@ -1111,6 +1149,7 @@ class Feed {
     report_ = tracker.attr("_report");
     note_ = tracker.attr("note");
     queued_ = tracker.attr("_queued");
+    rule_stream_ = tracker.attr("_rule_stream");
     free_core.store(&core_);
     if (site_factory == nullptr)
       site_factory = new py::object(py::module_::import("pytest_streamrace.detector.backward_sites").attr("site_of"));
@@ -1243,6 +1282,65 @@ class Feed {
     entry = std::move(ref);
   }
 
+  // The stream a fixed rule's argument names, and this rank in it (-1: none), asked of the model once per object
+  // (a process group); null where the model declines it. The object's memory is kept (a weak reference), so its
+  // address names no other while the entry lives.
+  struct Named { c10::weak_intrusive_ptr<c10::ivalue::Object> object; int32_t stream; int64_t rank; };
+  const Named* named(const Record& r, const c10::IValue& value) {
+    const auto& object = value.toObject();
+    auto found = named_.find(object.get());
+    if (found != named_.end() && !found->second.object.expired()) return &found->second;
+    py::object got = rule_stream_(py::str(r.op), torch::jit::toPyObject(value));
+    if (got.is_none()) return nullptr;
+    auto pair = got.cast<py::tuple>();
+    Named entry{c10::weak_intrusive_ptr<c10::ivalue::Object>(object), core_.locked_stream_id(pair[0]),
+                pair[1].is_none() ? -1 : pair[1].cast<int64_t>()};
+    return &(named_.insert_or_assign(object.get(), std::move(entry)).first->second);
+  }
+
+  // Tensors in an argument, lists of lists included (all_gather's outputs).
+  void add_nested(Record& r, Spans& out, const c10::IValue& v, bool write) {
+    if (v.isList() && !v.isTensorList()) {
+      for (const auto& e : v.toListRef()) add_nested(r, out, e, write);
+      return;
+    }
+    add_value(r, out, v, write, false);
+  }
+
+  // models.collectives' on_op for a collective torch's C++ issued (queued before it ran), by its fixed rule: no
+  // Python. False: the model takes it in Python (its group is not one the model names).
+  bool apply_rule(Record& r, const Rule& rule) {
+    if (rule.stream_arg >= r.args.size() || !r.args[rule.stream_arg].isObject()) return false;
+    const Named* on = named(r, r.args[rule.stream_arg]);
+    if (on == nullptr) return false;
+    const int32_t comm = on->stream, issuing = stream(r.stream);
+    core_.wait_stream_id(comm, issuing);
+    const bool root = rule.root_arg >= 0 && on->rank >= 0 && static_cast<size_t>(rule.root_arg) < r.args.size() &&
+                      r.args[rule.root_arg].isInt() && r.args[rule.root_arg].toInt() == on->rank;
+    Spans spans;
+    for (const auto& [index, access] : rule.tensors) {
+      if (index >= r.args.size()) continue;
+      bool write = access == Rule::kWrite || (access == Rule::kRootReads && !root) ||
+                   (access == Rule::kRootWrites && root);
+      add_nested(r, spans, r.args[index], write);
+    }
+    Tables& t = *tables_;
+    Emptied emptied{scratch_};
+    auto& touches = scratch_.touches;
+    for (Span& span : spans) {
+      t.watched.try_emplace(span.storage);
+      if (span.write) t.last_writer[span.storage] = comm;
+      touches.push_back({span.storage, span.start, span.end, span.write, tensor(span, true)});
+    }
+    r.op = rule.name;
+    py::list races;
+    core_.record(comm, site(r), scratch_.allocs, touches, races);
+    if (py::len(races) > 0) report_(races);
+    core_.wait_stream_id(issuing, comm);
+    for (const Span& span : spans) watch(span);  // host memory: their frees are learnt from now
+    return true;
+  }
+
   void apply_one(Record& r) {
     Tables& t = *tables_;
     if (r.what == What::kFree) {  // tracker._freed
@@ -1258,6 +1356,7 @@ class Feed {
       else core_.wait_event(id, r.handle);
       return;
     }
+    if (r.what == What::kQueuedStart && r.plan->rule && apply_rule(r, *r.plan->rule)) return;
     if (r.what != What::kOp) {  // tracker._queued: the model's, in order
       queued_(*queued_call(r, core_.stream_key(stream(r.stream))));
       return;
@@ -1309,7 +1408,8 @@ class Feed {
   py::object core_object_;
   PyCore& core_;
   std::shared_ptr<Tables> tables_;
-  py::object ref_keys_, on_dead_, captured_sync_, report_, note_, queued_;
+  py::object ref_keys_, on_dead_, captured_sync_, report_, note_, queued_, rule_stream_;
+  std::unordered_map<const void*, Named> named_;
   bool track_frees_ = false, engine_records_streams_ = false;
   py::object streams_ = py::none();
   std::unordered_map<int64_t, int32_t> streams_by_record_;

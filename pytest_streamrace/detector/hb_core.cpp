@@ -735,6 +735,13 @@ class PyCore {
     for (const Touch& t : touches) core_.access(op, t.storage, t.start, t.end, t.write, t.tensor, sink);
   }
 
+  void wait_stream_id(int32_t waiter, int32_t target) {  // by the ids of `locked_stream_id`
+    Guard g(mutex_);
+    core_.wait_stream(waiter, target);
+    created(waiter);
+    created(target);
+  }
+
   int32_t locked_stream_id(py::handle key) {
     Guard g(mutex_);
     return stream_id(key);

@@ -200,6 +200,9 @@ class AccessTracker(TorchDispatchMode):
         # (c10d: torch's C++ issues them) before they ran where torch's C++ issued them.
         self.namespace_handlers: dict[str, Callable] = {}
         self.queued_at_issue: set[str] = set()
+        # Models whose ops queued at issue the capture's feed applies in C++ by a fixed rule (``capture_rule(func)``,
+        # the stream named by ``rule_stream(value)``): no Python per op. models.collectives says which.
+        self.fixed_rules: dict[str, object] = {}
         self._applying = False  # the capture's records are being applied (under the lock)
         self.redirect: dict[Hashable, Hashable] = {}  # storage key -> stream of the next op reading it (autograd)
         self.watched: dict[Hashable, weakref.ref | None] = {}  # storages alive and known -> their weak reference
@@ -335,7 +338,11 @@ class AccessTracker(TorchDispatchMode):
         if plan is _HANDLED:
             if namespace not in self.namespace_handlers:
                 return None
-            return "queued at issue" if namespace in self.queued_at_issue else "queued"
+            if namespace not in self.queued_at_issue:
+                return "queued"
+            model = self.fixed_rules.get(namespace)
+            rule = model.capture_rule(func) if model is not None else None
+            return "queued at issue" if rule is None else ("queued at issue", rule)
         if plan is _SKIPPED:
             return None
         _, inputs, fresh, writes_output = plan
@@ -354,6 +361,13 @@ class AccessTracker(TorchDispatchMode):
         if handler is not None:
             func = getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
             handler(func, args, {}, out, phase, stream=stream, frames=Captured(captured))
+
+    @_called_from_cpp
+    def _rule_stream(self, name: str, value):
+        """The stream a fixed rule's op runs on, named by one of its arguments (``fixed_rules``), and this rank in
+        it: (stream key, rank or None); None: the op goes to its model in Python."""
+        model = self.fixed_rules.get(name.split("::", 1)[0])
+        return None if model is None else model.rule_stream(value)
 
     def issuing(self, value: bool) -> None:
         """Python starts (True) or ends (False) issuing a collective on this thread: the capture queues its c10d op as

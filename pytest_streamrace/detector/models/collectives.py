@@ -151,9 +151,7 @@ class Collectives:
         from torch._C._distributed_c10d import ProcessGroup, Work
 
         python = phase == "end" or (phase == "once" and getattr(self._python, "depth", 0) > 0)
-        plan = self._plans.get(func)
-        if plan is None:
-            plan = self._plans[func] = _Plan(func)
+        plan = self._plan(func)
         group = None
         if plan.group is not None:
             try:
@@ -181,9 +179,43 @@ class Collectives:
             if plan.op in _BARRIERS:
                 self._barriers.add(work)
 
+    def _plan(self, func) -> _Plan:
+        plan = self._plans.get(func)
+        if plan is None:
+            plan = self._plans[func] = _Plan(func)
+        return plan
+
+    # the capture's feed, for a collective torch's C++ issued: this model's rules without Python per op
+
+    def capture_rule(self, func):
+        """`on_op` for a collective torch's C++ issued ("start": no Work for Python to wait on, the issuing stream
+        ordered after it at once), as a fixed rule the capture's feed applies in C++: (name, the group's argument,
+        the root's or -1, [(argument, "r" | "w" | "root reads" | "root writes")]), the stream from `rule_stream`.
+        None (the model in Python) for point-to-point ops, whose stream is per peer, and ops without a group."""
+        plan = self._plan(func)
+        if plan.group is None or plan.op in _P2P:
+            return None
+        by_root = {"broadcast_": "root reads", "reduce_": "root writes"}  # as `_Plan.accesses` decides
+        return (plan.name, plan.group, -1 if plan.root is None else plan.root,
+                [(i, by_root.get(plan.op, access)) for i, access in plan.tensors])
+
+    def rule_stream(self, value):
+        """(the communication stream's key, this rank in the group) for a group argument of a fixed rule; None
+        (`on_op` takes it) where it is no group."""
+        from torch._C._distributed_c10d import ProcessGroup
+
+        try:
+            group = ProcessGroup.unbox(value)
+        except (RuntimeError, TypeError):
+            return None
+        return self._group_stream(group, None), group.rank()
+
     def _comm_stream(self, plan: _Plan, group, args) -> Hashable:
-        group_id = group.group_name if group is not None else "?"
         peer = _arg(args, plan.peer) if plan.op in _P2P and plan.peer is not None else None
+        return self._group_stream(group, peer)
+
+    def _group_stream(self, group, peer) -> Hashable:
+        group_id = group.group_name if group is not None else "?"
         key = ("communication", group_id, peer)
         if key not in self._streams:
             self._streams.add(key)
@@ -250,10 +282,12 @@ class Collectives:
     def install(self) -> None:
         self.tracker.namespace_handlers["c10d"] = self.on_op
         self.tracker.queued_at_issue.add("c10d")
+        self.tracker.fixed_rules["c10d"] = self
 
     def uninstall(self) -> None:
         self.tracker.namespace_handlers.pop("c10d", None)
         self.tracker.queued_at_issue.discard("c10d")
+        self.tracker.fixed_rules.pop("c10d", None)
         self._held = threading.local()
 
 
