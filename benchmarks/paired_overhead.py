@@ -42,9 +42,11 @@ import statistics
 import time
 
 
-MODELS = {"launch-bound": (64, 8, 8), "larger": (2048, 4, 256), "ddp": (512, 8, 32)}  # width, depth, batch:
+MODELS = {"launch-bound": (64, 8, 8), "larger": (2048, 4, 256), "ddp": (512, 8, 32),  # width, depth, batch:
+          "compiled": (64, 8, 8)}
 # overhead.py's rows
 RANKS = {"ddp": 2}
+COMPILED = {"compiled"}  # torch.compile'd (inductor)
 
 EMPTY_CALLBACK = r"""
 #include <torch/extension.h>
@@ -68,7 +70,7 @@ def launch_bound_step(device: str, model: str = "launch-bound"):
     import torch
 
     width, depth, batch = MODELS[model]
-    ddp = model in RANKS
+    ddp, compiled = model in RANKS, model in COMPILED
     torch.manual_seed(0)
     layers = []
     for _ in range(depth):
@@ -79,10 +81,11 @@ def launch_bound_step(device: str, model: str = "launch-bound"):
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=None if index is None else [index])
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     x = torch.randn(batch, width, device=device)
+    forward = torch.compile(model) if compiled else model
 
     def step():
         opt.zero_grad(set_to_none=True)
-        model(x).pow(2).mean().backward()
+        forward(x).pow(2).mean().backward()
         opt.step()
     return step
 
@@ -130,6 +133,8 @@ def main() -> None:
     step = launch_bound_step(step_device, args.model)
 
     def timed(context):
+        if args.model in COMPILED:  # compiled afresh under each configuration (in the warm-up), as a session compiles
+            torch._dynamo.reset()
         with context() as detector:
             for _ in range(3):
                 step()
@@ -222,10 +227,11 @@ def main() -> None:
     detector = lambda: Detector(backend=args.backend)  # noqa: E731
     configs = {"plain": contextlib.nullcontext, "RecordFunction": record_function(False),
                "RecordFunction boxed": record_function(True), "capture-floor": capture_floor}
-    if ranks > 1:  # a round of every configuration costs a rank-pair's seconds: the detector and its floors only
+    if ranks > 1 or args.model in COMPILED:  # the detector and its floors only (a rank-pair's seconds a round; no
+        # dispatch mode or Python variant runs compiled code as the detector does)
         configs = {"plain": contextlib.nullcontext, "RecordFunction boxed": record_function(True),
                    "capture-floor": capture_floor, args.backend: detector}
-        if cuda:
+        if cuda and ranks > 1:
             configs["cuda events-in-python"] = events_in_python
     elif cuda:  # the round's last session leaves the trace as the detector does, for the next round's plain
         configs.update({"cuda python-trace": python_trace, "cuda in-place trace": in_place_trace,
