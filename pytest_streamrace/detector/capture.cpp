@@ -1137,7 +1137,7 @@ using NameTable = Table<std::shared_ptr<const std::string>, NameValues>;
 
 // The tracker's captured ops applied to its C++ core: the same rules as tracker._apply_captured, which stays the path
 // for hb.py's core, with the tracker's tables in C++ (`Tables`). Python is called for a host sync's rule, a queued
-// collective's model, races and notes.
+// op's model (but where its plan has a fixed rule: `apply_rule`), races and notes.
 class Feed {
  public:
   Feed(py::object core, py::object tracker)

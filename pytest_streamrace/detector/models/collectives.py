@@ -17,7 +17,8 @@ Collectives that torch's C++ issues itself — DDP's reducer, ``_broadcast_coale
 either. Those callers wait before they touch the tensors again, so such a collective is ordered into its issuing stream
 at once, like a synchronous one; what that hides is work on the issuing stream between the issue and the C++ wait,
 which in those callers is none. A collective counts as Python's when it comes through a ProcessGroup method that
-Python calls (what ``torch.distributed`` does); only those wait for a ``wait()``.
+Python calls (what ``torch.distributed`` does); only those wait for a ``wait()``. The others' model is a fixed rule
+(``capture_rule``), which the C++ capture's feed applies without entering Python.
 """
 
 from __future__ import annotations
