@@ -341,7 +341,10 @@ class AccessTracker(TorchDispatchMode):
             if namespace not in self.queued_at_issue:
                 return "queued"
             model = self.fixed_rules.get(namespace)
-            rule = model.capture_rule(func) if model is not None else None
+            try:
+                rule = model.capture_rule(func) if model is not None else None
+            except Exception:  # an op the rule cannot describe: its model takes it in Python
+                rule = None
             return "queued at issue" if rule is None else ("queued at issue", rule)
         if plan is _SKIPPED:
             return None
