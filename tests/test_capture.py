@@ -129,6 +129,24 @@ def test_a_stack_seen_before_is_reused_only_for_the_same_frames(extension):
         [line("helper-line"), line("second-caller")]]
 
 
+def _add_one_deeper(x):
+    _add_one(x)  # deeper-call
+
+
+def test_ops_alternating_between_stacks_each_name_their_own_caller(extension):
+    """A loop's ops alternate between a few stacks, which the capture first looks for among the thread's latest ones,
+    by their frames: each op still names its own caller, and a call a frame deeper is not taken for a shallower one."""
+    with capturing(extension) as (hb, _):
+        x = torch.ones(4)
+        for _ in range(3):
+            _add_one(x)  # alternating-a
+            _add_one(x)  # alternating-b
+            _add_one_deeper(x)  # alternating-deeper
+    callers = [[lineno for _, lineno, _ in op.site.frames[1:3]] for op in hb.timeline if op.site.op == "aten::add_"]
+    assert callers == 3 * [[line("alternating-a")], [line("alternating-b")],  # the test's frame is the last named
+                           [line("deeper-call"), line("alternating-deeper")]]
+
+
 def test_a_stack_ends_at_the_test_harness_where_naming_stops(extension):
     """Frames beneath pytest's are never named (frames._user_only stops there), so the capture's identity of a stack
     ends at the first harness frame: calls that differ only beneath it share a stack, named as before."""

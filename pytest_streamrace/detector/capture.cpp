@@ -6,8 +6,10 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/Storage.h>
+#include <algorithm>
 #include <atomic>
 #include <deque>
+#include <iterator>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -268,29 +270,54 @@ void add_frame(Frames& out, size_t& hash, const void* code, int lasti) {
   hash = (hash ^ (reinterpret_cast<size_t>(code) + static_cast<size_t>(lasti))) * 1099511628211ULL;
 }
 
+// One of this thread's latest stacks, and whether its walk stopped at the harness (else at the thread's first frame).
+struct Recent { std::shared_ptr<Stack> stack; bool to_harness = false; };
+
 #ifdef STREAMRACE_INTERPRETER_FRAMES
 // The calling thread's Python frames, innermost first, down to the test harness's first, and their hash, read from the
 // interpreter's own frames: no frame object is made for them (PyEval_GetFrame would make one per new frame, each op).
 // Without the GIL (`fill` false) this reads only the thread's own frames, which do not change while it runs this C++
 // inside an op it called, and the harness cache: false when a code object is not in it yet. `frames_mutex` is held.
+_PyInterpreterFrame* top_frame(PyThreadState* thread) {
+#if PY_VERSION_HEX >= 0x030D0000
+  return thread->current_frame;
+#else
+  return thread->cframe->current_frame;
+#endif
+}
+
+int offset_in(_PyInterpreterFrame* frame, PyCodeObject* code) {  // of its current instruction, in bytes
+  return static_cast<int>((PREV_INSTR(frame) - _PyCode_CODE(code)) * sizeof(_Py_CODEUNIT));
+}
+
 bool walk_frames(PyThreadState* thread, Frames& out, size_t& hash, bool fill) {
   out.clear();
   hash = 0;
-#if PY_VERSION_HEX >= 0x030D0000
-  _PyInterpreterFrame* frame = thread->current_frame;
-#else
-  _PyInterpreterFrame* frame = thread->cframe->current_frame;
-#endif
-  for (; frame != nullptr; frame = frame->previous) {
+  for (_PyInterpreterFrame* frame = top_frame(thread); frame != nullptr; frame = frame->previous) {
     if (_PyFrame_IsIncomplete(frame)) continue;  // a frame that has not started yet, or the C stack's shim
     PyCodeObject* code = F_CODE(frame);
     const bool* known = kinds_known(code);
     if (known == nullptr && !fill) return false;
     bool last = known != nullptr ? *known : harness(code);
-    add_frame(out, hash, code, static_cast<int>((PREV_INSTR(frame) - _PyCode_CODE(code)) * sizeof(_Py_CODEUNIT)));
+    add_frame(out, hash, code, offset_in(frame, code));
     if (last) break;
   }
   return true;
+}
+
+// Whether the calling thread is where `recent` was taken: the same (code, offset) pairs, down to where that walk
+// stopped. Reads only this thread's own frames and `recent`'s codes (which its stack holds): no lock, no GIL.
+bool same_frames(PyThreadState* thread, const Recent& recent) {
+  const Frames& code = recent.stack->code;
+  size_t i = 0;
+  for (_PyInterpreterFrame* frame = top_frame(thread); frame != nullptr; frame = frame->previous) {
+    if (_PyFrame_IsIncomplete(frame)) continue;
+    if (i == code.size()) return false;  // deeper than the stack, which ended at its thread's first frame
+    PyCodeObject* c = F_CODE(frame);
+    if (code[i].first != c || code[i].second != offset_in(frame, c)) return false;
+    if (++i == code.size() && recent.to_harness) return true;
+  }
+  return i == code.size();
 }
 #else
 // The same through frame objects (before Python 3.11, and on versions whose frames this does not know). The GIL and
@@ -322,12 +349,15 @@ bool walk_frames(PyThreadState*, Frames& out, size_t& hash, bool) {
 }
 #endif
 
-// None on a thread with no Python thread state (a C++ worker): it has no frames to take, and taking them would create
-// and drop a thread state per op. (torch's autograd device threads keep one: their stacks are taken, and empty.) A
-// stack seen before is found without the GIL where the interpreter's frames can be read; a new one takes the GIL.
-std::shared_ptr<Stack> stack_here() {
-  PyThreadState* thread = PyGILState_GetThisThreadState();
-  if (thread == nullptr) return nullptr;
+// Whether a walk's frames stopped at the harness, not at their thread's first frame. `frames_mutex` is held.
+bool ends_at_harness(const Frames& frames) {
+  if (frames.empty()) return false;
+  const bool* known = kinds_known(static_cast<PyCodeObject*>(const_cast<void*>(frames.back().first)));
+  return known != nullptr && *known;
+}
+
+// The stack of the calling thread's frames from `known_stacks`, made and kept there if new.
+Recent known_stack(PyThreadState* thread) {
   thread_local Frames frames;
   size_t hash = 0;
 #ifdef STREAMRACE_INTERPRETER_FRAMES
@@ -335,23 +365,50 @@ std::shared_ptr<Stack> stack_here() {
     std::lock_guard<std::mutex> guard(frames_mutex);
     if (walk_frames(thread, frames, hash, false)) {
       auto found = known_stacks->find(hash);
-      if (found != known_stacks->end() && found->second.frames == frames) return found->second.stack;
+      if (found != known_stacks->end() && found->second.frames == frames)
+        return {found->second.stack, ends_at_harness(frames)};
     }
   }
 #endif
   py::gil_scoped_acquire gil;
+  bool to_harness;
   {
     std::lock_guard<std::mutex> guard(frames_mutex);
     walk_frames(thread, frames, hash, true);
+    to_harness = ends_at_harness(frames);
     auto found = known_stacks->find(hash);
-    if (found != known_stacks->end() && found->second.frames == frames) return found->second.stack;
+    if (found != known_stacks->end() && found->second.frames == frames) return {found->second.stack, to_harness};
   }
   release_stacks();
   auto s = std::make_shared<Stack>(frames);
   std::lock_guard<std::mutex> guard(frames_mutex);
   if (known_stacks->size() >= kKnownStacks) known_stacks->clear();
   (*known_stacks)[hash] = KnownStack{frames, s};
-  return s;
+  return {s, to_harness};
+}
+
+// None on a thread with no Python thread state (a C++ worker): it has no frames to take, and taking them would create
+// and drop a thread state per op. (torch's autograd device threads keep one: their stacks are taken, and empty.)
+// A loop's ops come in runs of a few stacks (a layer's ops, then the next layer's from the same lines, backward's from
+// one line): this thread's latest stacks, most recent first, are tried by comparing frames, without the harness
+// lookups, the hash or the lock of `known_stacks`. A stack seen before is found there without the GIL where the
+// interpreter's frames can be read; a new one takes the GIL.
+std::shared_ptr<Stack> stack_here() {
+  PyThreadState* thread = PyGILState_GetThisThreadState();
+  if (thread == nullptr) return nullptr;
+#ifdef STREAMRACE_INTERPRETER_FRAMES
+  thread_local Recent recent[4];
+  for (size_t i = 0; i < std::size(recent) && recent[i].stack; ++i)
+    if (same_frames(thread, recent[i])) {
+      std::rotate(recent, recent + i, recent + i + 1);
+      return recent[0].stack;
+    }
+  std::move_backward(recent, recent + std::size(recent) - 1, recent + std::size(recent));
+  recent[0] = known_stack(thread);
+  return recent[0].stack;
+#else
+  return known_stack(thread).stack;
+#endif
 }
 
 bool reaches_kernel(const c10::OperatorHandle& op) {  // what reaches the dispatch mode: no decomposition above it
