@@ -6,9 +6,10 @@ Each configuration runs in its own process under callgrind with instrumentation 
 `steps` steps are counted. Instructions are not time (a cache miss or a contended lock costs none here), but they do
 not move with the machine's load, so a change of a few percent in the detector's own work shows where paired timing
 cannot see it (docs/performance.md, thirteenth session). Rows: plain; torch's floor under any RecordFunction-based
-capture (an empty global callback with boxed arguments, as in paired_overhead.py); the virtual detector. ``--top N``
-also lists the N functions whose own instructions grew most from the floor to the detector, and where the extra
-allocations come from.
+capture (an empty global callback with boxed arguments, as in paired_overhead.py); the capture floor (the C++ capture
+as the virtual detector runs it, its records dropped unread each step: what the capture costs apart from applying
+them); the virtual detector. ``--top N`` also lists the N functions whose own instructions grew most from torch's
+floor to the detector, and where the extra allocations come from.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-MODES = ("plain", "RecordFunction boxed", "virtual")
+MODES = ("plain", "RecordFunction boxed", "capture floor", "virtual")
 
 
 def worker(mode: str, steps: int, model: str) -> None:
@@ -30,20 +31,34 @@ def worker(mode: str, steps: int, model: str) -> None:
     from paired_overhead import EMPTY_CALLBACK, launch_bound_step
 
     step = launch_bound_step("cpu", model)
+    after_step = lambda: None  # noqa: E731
     if mode == "RecordFunction boxed":
         from torch.utils.cpp_extension import load_inline
 
         load_inline("streamrace_bench_empty_callback", EMPTY_CALLBACK).add(True)
+    elif mode == "capture floor":  # the C++ capture as the virtual detector runs it, its records dropped unread
+        from pytest_streamrace.detector import capture
+        from pytest_streamrace.detector.hb import HappensBefore
+        from pytest_streamrace.detector.tracker import AccessTracker
+
+        extension = capture.load()
+        if extension is None:
+            raise SystemExit(f"capture floor: {capture.failure()}")
+        tracker = AccessTracker(HappensBefore(), lambda: 0, "cpu")
+        extension.enable(False, tracker._capture_plan, extension.discard, every_thread=False, host_frees=True)
+        after_step = extension.discard
     elif mode == "virtual":
         from pytest_streamrace.detector.session import Detector
 
         Detector(backend="virtual").__enter__()  # left open: the process ends after counting
     for _ in range(20):
         step()
+        after_step()
     control = ["callgrind_control", "-i"]
     subprocess.run(control + ["on", str(os.getpid())], check=True, capture_output=True)
     for _ in range(steps):
         step()
+        after_step()
     subprocess.run(control + ["off", str(os.getpid())], check=True, capture_output=True)
 
 
