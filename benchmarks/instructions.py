@@ -37,16 +37,9 @@ def worker(mode: str, steps: int, model: str) -> None:
 
         load_inline("streamrace_bench_empty_callback", EMPTY_CALLBACK).add(True)
     elif mode == "capture floor":  # the C++ capture as the virtual detector runs it, its records dropped unread
-        from pytest_streamrace.detector import capture
-        from pytest_streamrace.detector.hb import HappensBefore
-        from pytest_streamrace.detector.tracker import AccessTracker
+        from paired_overhead import capture_alone
 
-        extension = capture.load()
-        if extension is None:
-            raise SystemExit(f"capture floor: {capture.failure()}")
-        tracker = AccessTracker(HappensBefore(), lambda: 0, "cpu")
-        extension.enable(False, tracker._capture_plan, extension.discard, every_thread=False, host_frees=True)
-        after_step = extension.discard
+        after_step = capture_alone(False, every_thread=False, host_frees=True).discard
     elif mode == "virtual":
         from pytest_streamrace.detector.session import Detector
 

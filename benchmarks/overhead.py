@@ -107,15 +107,9 @@ def step_time(model_name: str, mode: str, steps: int, rank: int = 0, store: str 
         with Empty():
             return timed()
     if mode == "capture-floor":  # the cuda backend's C++ op capture alone: records dropped unread each step
-        from pytest_streamrace.detector import capture
-        from pytest_streamrace.detector.hb import HappensBefore
-        from pytest_streamrace.detector.tracker import AccessTracker
+        from paired_overhead import capture_alone
 
-        extension = capture.load()
-        if extension is None:
-            raise SystemExit(f"capture-floor: {capture.failure()}")
-        tracker = AccessTracker(HappensBefore(), lambda: 0, device)
-        extension.enable(cuda, tracker._capture_plan)
+        extension = capture_alone(cuda)
         try:
             return timed(after_step=extension.discard)
         finally:

@@ -64,6 +64,21 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("add", &add_callback); m.def("r
 """
 
 
+def capture_alone(cuda: bool, **enable):
+    """The C++ capture enabled without a detector (the capture floor), planning ops as a tracker does, its records
+    dropped unread (`discard`) as often as the detector applies them: the extension, to discard and disable."""
+    from pytest_streamrace.detector import capture
+    from pytest_streamrace.detector.hb import HappensBefore
+    from pytest_streamrace.detector.tracker import AccessTracker
+
+    extension = capture.load()
+    if extension is None:
+        raise SystemExit(f"capture floor: {capture.failure()}")
+    tracker = AccessTracker(HappensBefore(), lambda: 0, "cuda" if cuda else "cpu")
+    extension.enable(cuda, tracker._capture_plan, extension.discard, **enable)
+    return extension
+
+
 def launch_bound_step(device: str, model: str = "launch-bound"):
     """One training step of an MLP on `device` (the launch-bound one: many small ops, little math); wrapped in
     DistributedDataParallel for the ddp row (its process group already started)."""
@@ -196,14 +211,8 @@ def main() -> None:
             yield d
 
     @contextlib.contextmanager
-    def capture_floor():  # the C++ capture alone: records dropped unread as often as the detector applies them
-        from pytest_streamrace.detector import capture
-        from pytest_streamrace.detector.hb import HappensBefore
-        from pytest_streamrace.detector.tracker import AccessTracker
-
-        extension = capture.load()
-        tracker = AccessTracker(HappensBefore(), lambda: 0, device)
-        extension.enable(cuda, tracker._capture_plan, extension.discard)
+    def capture_floor():
+        extension = capture_alone(cuda)
         try:
             yield None
         finally:

@@ -1374,28 +1374,47 @@ class Feed {
     core_.wait_stream_id(comm, issuing);
     const bool root = rule.root_arg >= 0 && on->rank >= 0 && static_cast<size_t>(rule.root_arg) < r.args.size() &&
                       r.args[rule.root_arg].isInt() && r.args[rule.root_arg].toInt() == on->rank;
-    Spans spans;
-    for (const auto& [index, access] : rule.tensors) {
+    for (const auto& [index, access] : rule.tensors) {  // as an op's accesses: `apply` watches their storages too
       if (index >= r.args.size()) continue;
       bool write = access == Rule::kWrite || (access == Rule::kRootReads && !root) ||
                    (access == Rule::kRootWrites && root);
-      add_nested(r, spans, r.args[index], write);
+      add_nested(r, r.accesses, r.args[index], write);
     }
+    r.op = rule.name;
+    launch(r, comm);
+    core_.wait_stream_id(issuing, comm);
+    return true;
+  }
+
+  // The record's accesses and fresh outputs as one launch on stream `id`, judged (tracker._apply_captured's op).
+  void launch(Record& r, int32_t id) {
     Tables& t = *tables_;
     Emptied emptied{scratch_};
     auto& touches = scratch_.touches;
-    for (Span& span : spans) {
+    auto& allocs = scratch_.allocs;
+    for (Span& span : r.accesses) {
       t.watched.try_emplace(span.storage);
-      if (span.write) t.last_writer[span.storage] = comm;
+      if (span.write) {
+        t.last_writer[span.storage] = id;
+      } else if (engine_records_streams_ && r.in_node) {  // read inside a node: one of its incoming gradients
+        auto writer = t.last_writer.find(span.storage);
+        if (writer != t.last_writer.end() && writer->second != id) core_.record_stream(span.storage, id);
+      }
       touches.push_back({span.storage, span.start, span.end, span.write, tensor(span, true)});
     }
-    r.op = rule.name;
+    for (Span& span : r.fresh) {
+      Payload desc = tensor(span, false);
+      if (t.watched.try_emplace(span.storage).second) allocs.push_back({span.storage, span.nbytes, desc});
+      if (span.write) {
+        t.last_writer[span.storage] = id;
+        touches.push_back({span.storage, span.start, span.end, true, std::move(desc)});
+      }
+    }
+    Payload op_site = site(r);
+    if (!r.in_node && r.seq >= 0) forward_.forward(r.seq, op_site);
     py::list races;
-    core_.record(comm, site(r), scratch_.allocs, touches, races);
+    core_.record(id, op_site, allocs, touches, races);
     if (py::len(races) > 0) report_(races);
-    core_.wait_stream_id(issuing, comm);
-    for (const Span& span : spans) watch(span);  // host memory: their frees are learnt from now
-    return true;
   }
 
   void apply_one(Record& r) {
@@ -1428,32 +1447,7 @@ class Feed {
           break;
         }
       }
-    Emptied emptied{scratch_};
-    auto& touches = scratch_.touches;
-    auto& allocs = scratch_.allocs;
-    for (Span& span : r.accesses) {
-      t.watched.try_emplace(span.storage);
-      if (span.write) {
-        t.last_writer[span.storage] = id;
-      } else if (engine_records_streams_ && r.in_node) {  // read inside a node: one of its incoming gradients
-        auto writer = t.last_writer.find(span.storage);
-        if (writer != t.last_writer.end() && writer->second != id) core_.record_stream(span.storage, id);
-      }
-      touches.push_back({span.storage, span.start, span.end, span.write, tensor(span, true)});
-    }
-    for (Span& span : r.fresh) {
-      Payload desc = tensor(span, false);
-      if (t.watched.try_emplace(span.storage).second) allocs.push_back({span.storage, span.nbytes, desc});
-      if (span.write) {
-        t.last_writer[span.storage] = id;
-        touches.push_back({span.storage, span.start, span.end, true, std::move(desc)});
-      }
-    }
-    Payload op_site = site(r);
-    if (!r.in_node && r.seq >= 0) forward_.forward(r.seq, op_site);
-    py::list races;
-    core_.record(id, op_site, allocs, touches, races);
-    if (py::len(races) > 0) report_(races);
+    launch(r, id);
     // a host sync's rule (and a sync reported from inside the op) is the tracker's: tracker._captured_sync
     if (r.synced || r.sync) {
       py::object stack = stack_object(r);

@@ -648,11 +648,7 @@ class PyCore {
   }
 
   void wait_stream(py::handle waiter, py::handle target) {
-    Guard g(mutex_);
-    int32_t w = stream_id(waiter), t = stream_id(target);
-    core_.wait_stream(w, t);
-    created(w);
-    created(t);
+    wait_stream_id(locked_stream_id(waiter), locked_stream_id(target));
   }
 
   void synchronize_stream(py::handle stream, py::handle implicit) {
