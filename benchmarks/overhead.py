@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -137,9 +138,13 @@ def run_worker(model: str, mode: str, steps: int, latent: bool = False) -> subpr
                                                                                             else [])
     if ranks == 1:
         return subprocess.run(command, capture_output=True, text=True)
+    # One intra-op thread a rank, as torchrun starts ranks: two ranks of two threads each on a 2-core machine spin
+    # against each other and the step time measures the scheduler (plain 105 ms a step there; the ratios swung
+    # 0.95-1.71x between runs).
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with tempfile.TemporaryDirectory() as tmp:
         procs = [subprocess.Popen(command + ["--rank", str(r), "--store", f"{tmp}/store"], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True) for r in range(ranks)]
+                                  stderr=subprocess.PIPE, text=True, env=env) for r in range(ranks)]
         outs = [(p, *p.communicate(timeout=600)) for p in procs]
     failed = [(p, err) for p, _, err in outs if p.returncode != 0]
     first, stdout, _ = outs[0]

@@ -117,13 +117,15 @@ def main() -> None:
     cuda = args.backend == "cuda"
     ranks = RANKS.get(args.model, 1)
     if ranks > 1 and args.rank is None:  # the launcher: a process a rank, rank 0's output is the result
+        import os
         import subprocess
         import sys
         import tempfile
 
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # as torchrun (overhead.py)
         with tempfile.TemporaryDirectory() as tmp:
             procs = [subprocess.Popen([sys.executable, *sys.argv, "--rank", str(r), "--store", f"{tmp}/store"],
-                                      stdout=None if r == 0 else subprocess.DEVNULL) for r in range(ranks)]
+                                      stdout=None if r == 0 else subprocess.DEVNULL, env=env) for r in range(ranks)]
             raise SystemExit(max(p.wait() for p in procs))
 
     import torch

@@ -15,7 +15,7 @@ import torch
 from pytest_streamrace.detector import capture
 from pytest_streamrace.detector import hb as hb_py
 from pytest_streamrace.detector.hb import HappensBefore
-from pytest_streamrace.detector.tracker import AccessTracker
+from pytest_streamrace.detector.tracker import READ, WRITE, AccessTracker
 from tagged_lines import line
 
 
@@ -409,7 +409,8 @@ def test_a_kernel_launch_no_op_reports_is_queued_in_order_with_the_captured_ops(
         t = torch.ones(4)
         tracker.drain()
         t.mul_(2)  # captured, not applied yet
-        tracker.launch("triton_poi_fused_0", 7, reads=[t], writes=[t])  # LAUNCH
+        # an in-out pointer and a size, as Inductor passes them
+        tracker.launch("triton_poi_fused_0", 7, (t, 4), (READ | WRITE, 0))  # LAUNCH
         t.add_(1)  # no stream waits for the other: the kernel races with the op before it and the one after
         tracker.drain()
     assert [op.site.op for op in hb.timeline][-3:] == ["aten::mul_", "triton_poi_fused_0", "aten::add_"]

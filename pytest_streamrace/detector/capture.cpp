@@ -858,18 +858,28 @@ void set_stream(int64_t stream) {
 }
 
 // A kernel the capture does not see as an op (compiled code's: Triton's, Inductor's C++ kernels), recorded in order
-// with the ops: it reads `reads` and writes `writes` on `stream` (None: this thread's current). The GIL is held (the
-// interned names rely on it). False when nothing is captured here (the tracker then runs it the slow way).
-bool record_launch(const std::string& name, std::optional<int64_t> stream, const std::vector<at::Tensor>& reads,
-                   const std::vector<at::Tensor>& writes) {
+// with the ops: on `stream` (None: this thread's current), each tensor among `args` is read where its entry in `roles`
+// has bit 1 and written where it has bit 2 (Inductor's argument conventions, models/compiled.py). Taken as the launch's
+// own Python objects: a compiled step launches dozens, and no list is built per launch. The GIL is held (the interned
+// names rely on it). False when nothing is captured here (the tracker then runs it the slow way).
+bool record_kernel(const std::string& name, std::optional<int64_t> stream, py::handle args, py::handle roles) {
   if (!on.load() || here.paused) return false;
   static auto* names = new std::unordered_set<std::string>();  // a record's op name outlives it; never freed
+  py::tuple arg_tuple = py::reinterpret_borrow<py::object>(args);  // a tuple already (a call's *args): no copy
+  py::tuple role_tuple = py::reinterpret_borrow<py::object>(roles);
   Record r;
   r.op = names->insert(name).first->c_str();
   r.stream = stream ? *stream : current_stream();
   in_node(r);
-  for (const auto& t : reads) add(r, r.accesses, t, false, false);
-  for (const auto& t : writes) add(r, r.accesses, t, true, false);
+  size_t n = std::min(arg_tuple.size(), role_tuple.size());
+  for (int bit : {1, 2})  // every read, then every write (an in-out argument is both)
+    for (size_t i = 0; i < n; ++i) {
+      PyObject* arg = PyTuple_GET_ITEM(arg_tuple.ptr(), i);
+      if (!THPVariable_Check(arg)) continue;
+      long role = PyLong_AsLong(PyTuple_GET_ITEM(role_tuple.ptr(), i));
+      if (role == -1 && PyErr_Occurred()) throw py::error_already_set();
+      if (role & bit) add(r, r.accesses, THPVariable_Unpack(arg), bit == 2, false);
+    }
   if (r.accesses.empty()) return true;
   r.stack = stack_here();
   push(std::move(r));
@@ -1496,7 +1506,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_issuing", &set_issuing);
   m.def("set_stream", &set_stream);
   m.def("sync_inside_op", &sync_inside_op);
-  m.def("record_launch", &record_launch, py::arg("name"), py::arg("stream"), py::arg("reads"), py::arg("writes"));
+  m.def("record_kernel", &record_kernel, py::arg("name"), py::arg("stream"), py::arg("args"), py::arg("roles"));
   m.def("mark_free", &mark_free, py::arg("ptr"), py::arg("stack") = true);
   m.def("drain", &drain);
   m.def("discard", [] {  // the records dropped unread: the capture's own cost, for benchmarks' floors

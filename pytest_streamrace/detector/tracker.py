@@ -33,6 +33,8 @@ from .backward_sites import ForwardSites
 from .frames import Captured, stack
 from .hb import HappensBefore, Race, Site
 
+READ, WRITE = 1, 2  # a launched kernel's argument roles, as bits (Tracker.launch; the capture's record_kernel)
+
 # Factories that read only their inputs' metadata; "empty" ones do not write their output either (no kernel runs).
 _METADATA_INPUTS = re.compile(r"^aten::(new_.*|.*_like|empty.*)$")
 _NO_KERNEL = re.compile(r"^aten::(empty.*|new_empty.*)$")
@@ -556,15 +558,21 @@ class AccessTracker(TorchDispatchMode):
             self._report(races)
             return op
 
-    def launch(self, name: str, stream: Hashable | None, reads=(), writes=()) -> None:
-        """A kernel launch that no op reports (compiled code's kernels) reading and writing the given tensors on
-        `stream` (None: the current one). Where the capture runs it is queued in order with the captured ops, without
-        Python: a compiled step launches dozens."""
+    def launch(self, name: str, stream: Hashable | None, args, roles) -> None:
+        """A kernel launch that no op reports (compiled code's kernels) on `stream` (None: the current one): each
+        tensor among `args` is read where its role (`roles`, one per argument) has READ, written where it has WRITE.
+        Where the capture runs it is queued in order with the captured ops, without Python: a compiled step launches
+        dozens."""
         capture = self._capture
-        if capture is not None and (stream is None or self.device_type == "cuda") and capture.record_launch(
-                name, stream, list(reads), list(writes)):
+        if capture is not None and (stream is None or self.device_type == "cuda") and capture.record_kernel(
+                name, stream, args, roles):
             return
-        self.run(name, self.current_stream() if stream is None else stream, reads, writes)
+        if not self.enabled:  # (the capture checks it itself)
+            return
+        reads = [arg for arg, role in zip(args, roles) if role & READ and isinstance(arg, torch.Tensor)]
+        writes = [arg for arg, role in zip(args, roles) if role & WRITE and isinstance(arg, torch.Tensor)]
+        if reads or writes:
+            self.run(name, self.current_stream() if stream is None else stream, reads, writes)
 
     def _report(self, races: list[Race]) -> None:
         if races and self.on_race is not None:

@@ -41,7 +41,7 @@ def main() -> int:
                     print(f"  {module.__name__}.{name}: {type(value).__mro__[:3]} fn={type(fn)} "
                           f"arg_names={getattr(fn, 'arg_names', None)} "
                           f"signature={list((getattr(value, 'triton_meta', None) or {}).get('signature', {}) or ())} "
-                          f"mutated={getattr(value, 'mutated_arg_names', None)} roles={compiled._triton_roles(value)}")
+                          f"mutated={getattr(value, 'mutated_arg_names', None)} kernel={compiled._triton_kernel(value)}")
         print("launches seen:", launches)
         print("races:", [(r.kind, r.earlier.op.site.op, r.later.op.site.op) for r in d.races])
         print("timeline:", [(op.site.op, d.stream_name(op.stream)) for op in d.timeline][-8:])

@@ -31,8 +31,8 @@ import torch
 from .. import compile_time
 from ...patching import AttrPatch, WhenImported, dynamo_skipped
 from .. import active
+from ..tracker import READ, WRITE
 
-READ, WRITE = 1, 2
 _roles_by_file: dict[str, dict[str, tuple[int, ...]]] = {}  # generated module file -> kernel name -> arg roles
 
 _CPP_KERNEL = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(\s*\[[^\]]*\]\s*,\s*r?'''(.*?)'''", re.S | re.M)
@@ -135,22 +135,13 @@ class CompiledCode:
     # launches
 
     def launch(self, name: str, args, roles, stream=None) -> None:
-        """One generated kernel launched with `args` (roles per argument) on `stream` (default: current)."""
+        """One generated kernel launched with `args` (roles per argument: READ, WRITE bits) on `stream` (default:
+        current)."""
         tracker = self.tracker
-        if not tracker.enabled:
-            return
-        reads, writes = [], []
-        for arg, role in zip(args, roles):
-            if role and isinstance(arg, torch.Tensor):
-                if role & READ:
-                    reads.append(arg)
-                if role & WRITE:
-                    writes.append(arg)
-        if reads or writes:
-            try:
-                tracker.launch(name, stream, reads, writes)
-            except Exception as exc:  # never inside the user's test
-                tracker.note(f"{name} is not checked: {type(exc).__name__}: {exc}")
+        try:
+            tracker.launch(name, stream, args, roles)
+        except Exception as exc:  # never inside the user's test
+            tracker.note(f"{name} is not checked: {type(exc).__name__}: {exc}")
 
     # generated modules
 
@@ -253,14 +244,16 @@ def _runtime(compiled_fn):
 
 # cuda stream model: Triton launches and CUDA-graph replays
 
-def _triton_roles(autotuner) -> tuple[int, ...] | None:
-    """Per positional argument of a Triton kernel launched through Inductor's CachingAutotuner, its role: Inductor's
-    naming convention, plus the arguments it says are mutated (user kernels: their own names)."""
-    roles = getattr(autotuner, "_streamrace_roles", None)
-    if roles is not None:
-        return roles
+def _triton_kernel(autotuner) -> tuple[str, tuple[int, ...]] | None:
+    """A Triton kernel launched through Inductor's CachingAutotuner: its name and, per positional argument, its role
+    (Inductor's naming convention, plus the arguments it says are mutated; user kernels: their own names). Kept on
+    the autotuner: a compiled step launches dozens."""
+    kernel = getattr(autotuner, "_streamrace_kernel", None)
+    if kernel is not None:
+        return kernel
     # The kernel's own argument names; in the parent of a compile worker `fn` may be a stub, the signature stays.
-    names = getattr(getattr(autotuner, "fn", None), "arg_names", None)
+    fn = getattr(autotuner, "fn", None)
+    names = getattr(fn, "arg_names", None)
     if not names:
         names = list((getattr(autotuner, "triton_meta", None) or {}).get("signature", {}) or ())
     if not names:
@@ -274,12 +267,12 @@ def _triton_roles(autotuner) -> tuple[int, ...] | None:
         if not role:
             role = READ  # a user kernel's tensor argument that is not mutated: read (scalars are skipped later)
         roles.append(role)
-    roles = tuple(roles)
+    kernel = (getattr(fn, "__name__", None) or "triton kernel", tuple(roles))
     try:
-        autotuner._streamrace_roles = roles
+        autotuner._streamrace_kernel = kernel
     except AttributeError:
         pass
-    return roles
+    return kernel
 
 
 def _capturing() -> bool:
@@ -319,10 +312,9 @@ def _triton_patches(triton_heuristics) -> list:
         # Recorded once run() returns: on its first call run() autotunes first (benchmark launches on copies of the
         # arguments, then a device synchronize), and the kernel is launched after that synchronize, not before it.
         out = run(self, *args, stream=stream, **kwargs)
-        roles = _triton_roles(self)
-        if roles is not None:
-            name = getattr(getattr(self, "fn", None), "__name__", None) or "triton kernel"
-            model.launch(name, args, roles, stream if isinstance(stream, int) else None)
+        kernel = _triton_kernel(self)
+        if kernel is not None:
+            model.launch(kernel[0], args, kernel[1], stream if isinstance(stream, int) else None)
         return out
     # Its benchmarking at a kernel's first launch synchronizes the device: the compiler's ordering, not the program's.
     tuning = [AttrPatch(autotuner, name, compile_time.wrap(getattr(autotuner, name)))
