@@ -5,6 +5,9 @@ scripts/device/compile.sh."""
 
 import json
 
+import pytest
+
+from pytest_streamrace.detector import capture
 from pytest_streamrace.detector.models.compiled import READ, WRITE, cpp_roles
 
 CASES = """
@@ -178,10 +181,16 @@ def test_compiled_code_keeps_its_graph_and_stays_quiet_without_streams(pytester)
     result.assert_outcomes(passed=1)
 
 
-def test_triton_launches_and_cuda_graph_replays_are_accesses_on_their_stream():
+@pytest.mark.parametrize("native", ["1", "0"])
+def test_triton_launches_and_cuda_graph_replays_are_accesses_on_their_stream(native, monkeypatch):
     """The cuda backend's hooks, on stand-ins with the attributes Inductor's CachingAutotuner and cudagraph-tree
-    nodes have (CPU has neither): a launch reads its in_ptr* arguments and writes its out_ptr* and mutated ones."""
+    nodes have (CPU has neither): a launch reads its in_ptr* arguments and writes its out_ptr* and mutated ones. The
+    same with the capture (the launch recorded in C++) and without it (the dispatch mode's fallback)."""
     import types
+
+    if native == "0":  # as STREAMRACE_NATIVE=0 at the process's start: no capture
+        monkeypatch.setattr(capture, "_extension", None)
+        monkeypatch.setattr(capture, "_failure", "STREAMRACE_NATIVE=0")
 
     import torch
 
@@ -230,6 +239,7 @@ def test_triton_launches_and_cuda_graph_replays_are_accesses_on_their_stream():
             for patch in reversed(patches):
                 patch.uninstall()
         races = [(r.earlier.op.site.op, r.later.op.site.op) for r in d.races]
+        assert (d.op_source == "capture") == (native == "1" and capture.load() is not None)
     assert CachingAutotuner.run.__name__ == "run"  # the stand-in's own method is back
     ops = set(races)
     assert ("triton_poi_fused_add_0", "aten::sum") in ops
