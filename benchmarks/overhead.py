@@ -209,7 +209,7 @@ def main() -> int:
         slow = ", ".join(f"{m} {ratio(m):.2f}x" for m in modes[1:])
         if args.latent:
             slow += f"; latent view {ratio(backend, backend + LATENT_OFF):.2f}x"
-        print(f"{model:36} " + " ".join(f"{ms[m]:14.3f}" for m in modes) + f"  {slow}")
+        print(f"{model:36} " + " ".join(f"{ms[m]:14.3f}" for m in modes) + f"  {slow}", flush=True)  # as it comes
     return 0
 
 
