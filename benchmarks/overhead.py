@@ -3,8 +3,9 @@ PyTorch's CUDA stream sanitizer on the same step).
 
     python benchmarks/overhead.py            # CPU: virtual backend; GPU: cuda backend and TORCH_CUDA_SANITIZER
 
-Each configuration runs in its own process (the sanitizer cannot be switched off once on). Prints a table of ms per
-step and the slowdown against plain. "empty-mode" is a TorchDispatchMode that only calls through: the cost of
+Each configuration runs in its own process (the sanitizer cannot be switched off once on), started, built and compiled
+once and kept for every repeat, one configuration's measurement at a time. Prints a table of ms per step and the
+slowdown against plain. "empty-mode" is a TorchDispatchMode that only calls through: the cost of
 entering Python for every op, the floor for any tool built on one (PyTorch's sanitizer is; the virtual backend is).
 "capture-floor" is the cuda backend's C++ op capture alone (``detector/capture.py``): records dropped each step unread.
 The compiled model's forward runs under torch.compile (Inductor) and compiles under the detector; tools built on a
@@ -26,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 
 MODELS = {  # name: (width, depth, batch, ranks, torch.compile'd); ranks > 1: DistributedDataParallel, a process a rank
@@ -36,19 +38,30 @@ MODELS = {  # name: (width, depth, batch, ranks, torch.compile'd); ranks > 1: Di
 }
 # A dispatch mode without ignore_compile_internals makes dynamo skip compiling (the step would run eager): no number.
 NOT_COMPILED_UNDER = ("empty-mode", "sanitizer")
+OPTIONAL = ("capture-floor", "sanitizer")  # a row goes on without them (no compiler; the sanitizer raised): nan
 
 
 LATENT_OFF = "-latent-off"  # a detector mode's suffix: Detector(latent=False), i.e. --streamrace-latent=off
 
 
-def step_time(model_name: str, mode: str, steps: int, rank: int = 0, store: str = "",
-              read_back: bool = False) -> float:
+def _print(value) -> None:
+    print(json.dumps(value), flush=True)
+
+
+def serve(model_name: str, mode: str, steps: int, rank: int = 0, store: str = "", read_back: bool = False,
+          requests=sys.stdin, answer=_print) -> None:
+    """One configuration in this process: built, compiled and warmed up once (answers "ready"), then one measurement
+    per line read from `requests`, its ms a step answered (printed as a JSON line). main() keeps each configuration's
+    process and interleaves their measurements: the repeats cost no process start, import or compile."""
     import torch
 
     width, depth, batch, ranks, compiled = MODELS[model_name]
     cuda = torch.cuda.is_available()
     if compiled and mode in NOT_COMPILED_UNDER:
-        return float("nan")
+        answer("ready")
+        for _ in requests:
+            answer(float("nan"))
+        return
     if ranks > 1:  # one GPU a rank (nccl) where there are enough, else gloo on CPU
         import torch.distributed as dist
 
@@ -79,25 +92,32 @@ def step_time(model_name: str, mode: str, steps: int, rank: int = 0, store: str 
         if read_back:
             loss.item()
 
-    def timed(after_step=lambda: None):  # the median of 5 rounds of `steps` steps, after warm-up
+    def measure(after_step=lambda: None) -> None:
+        """Warm up (the first time: compile), say so, then per request the median of 5 rounds of `steps` steps,
+        each measurement after 3 warm-up steps of its own (the process sat idle while the others measured)."""
         for _ in range(3):
             step()
             after_step()
-        rounds = []
-        for _ in range(5):
-            if cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            for _ in range(steps):
+        answer("ready")
+        for _ in requests:
+            for _ in range(3):
                 step()
                 after_step()
-            if cuda:
-                torch.cuda.synchronize()
-            rounds.append((time.perf_counter() - start) / steps * 1e3)
-        return statistics.median(rounds)
+            rounds = []
+            for _ in range(5):
+                if cuda:
+                    torch.cuda.synchronize()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    step()
+                    after_step()
+                if cuda:
+                    torch.cuda.synchronize()
+                rounds.append((time.perf_counter() - start) / steps * 1e3)
+            answer(statistics.median(rounds))
 
     if mode == "plain":
-        return timed()
+        return measure()
     if mode == "empty-mode":  # the floor of any TorchDispatchMode-based tool: entering Python for every op
         from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -106,50 +126,93 @@ def step_time(model_name: str, mode: str, steps: int, rank: int = 0, store: str 
                 return func(*args, **(kwargs or {}))
 
         with Empty():
-            return timed()
+            return measure()
     if mode == "capture-floor":  # the cuda backend's C++ op capture alone: records dropped unread each step
         from paired_overhead import capture_alone
 
         extension = capture_alone(cuda)
         try:
-            return timed(after_step=extension.discard)
+            return measure(after_step=extension.discard)
         finally:
             extension.disable()
     if mode == "sanitizer":
         from torch.cuda._sanitizer import enable_cuda_sanitizer
 
         enable_cuda_sanitizer()
-        return timed()
+        return measure()
     from pytest_streamrace.detector.session import Detector
 
     with Detector(backend=mode.removesuffix(LATENT_OFF), latent=not mode.endswith(LATENT_OFF)) as detector:
-        ms = timed()
+        measure()
     if detector.races:  # a stock step is correct: a report here is a false positive, never a number to print
         raise SystemExit(f"{mode}: {len(detector.races)} races reported on a correct step")
-    return ms
 
 
-def run_worker(model: str, mode: str, steps: int, latent: bool = False) -> subprocess.CompletedProcess:
-    """One measurement in fresh processes: one, or one a rank (rank 0's time is the result; all must succeed)."""
-    import tempfile
+def step_time(model_name: str, mode: str, steps: int, rank: int = 0, store: str = "", read_back: bool = False) -> float:
+    """One measurement in this process, as `serve` makes it (3 + 3 warm-up steps, then 5 rounds of `steps`)."""
+    answers = []
+    serve(model_name, mode, steps, rank, store, read_back, requests=["measure"], answer=answers.append)
+    return answers[-1]
 
-    ranks = MODELS[model][3]
-    command = [sys.executable, __file__, "--steps", str(steps), "--worker", model, mode] + (["--latent"] if latent
-                                                                                            else [])
-    if ranks == 1:
-        return subprocess.run(command, capture_output=True, text=True)
-    # One intra-op thread a rank, as torchrun starts ranks: two ranks of two threads each on a 2-core machine spin
-    # against each other and the step time measures the scheduler (plain 105 ms a step there; the ratios swung
-    # 0.95-1.71x between runs).
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [subprocess.Popen(command + ["--rank", str(r), "--store", f"{tmp}/store"], stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True, env=env) for r in range(ranks)]
-        outs = [(p, *p.communicate(timeout=600)) for p in procs]
-    failed = [(p, err) for p, _, err in outs if p.returncode != 0]
-    first, stdout, _ = outs[0]
-    return subprocess.CompletedProcess(command, failed[0][0].returncode if failed else 0, stdout,
-                                       failed[0][1] if failed else "")
+
+class Configuration:
+    """One configuration's process (one a rank), serving measurements on request; rank 0's answer is the result.
+    Its stderr goes to a file: a pipe nobody reads would fill with a compile's warnings and stop it."""
+
+    def __init__(self, model: str, mode: str, steps: int, latent: bool, tmp: str):
+        self.mode = mode
+        self.failure: str | None = None  # close()'s answer, once closed
+        ranks = MODELS[model][3]
+        command = [sys.executable, __file__, "--steps", str(steps), "--worker", model, mode] + (
+            ["--latent"] if latent else [])
+        # One intra-op thread a rank, as torchrun starts ranks: two ranks of two threads each on a 2-core machine
+        # spin against each other and the step time measures the scheduler (plain 105 ms a step there; the ratios
+        # swung 0.95-1.71x between runs).
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if ranks > 1 else None
+        name = f"{tmp}/{mode}"
+        self.errors = [open(f"{name}.{r}.err", "w+") for r in range(ranks)]
+        self.procs = [subprocess.Popen(command + (["--rank", str(r), "--store", f"{name}.store"] if ranks > 1 else []),
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors[r],
+                                       text=True, env=env) for r in range(ranks)]
+        self._answers()  # "ready": built and warmed up, before the next configuration starts
+
+    def _answers(self) -> list:
+        answers = []
+        for proc in self.procs:
+            line = proc.stdout.readline()
+            if not line:
+                raise RuntimeError(self.close() or f"{self.mode}: the worker ended without an answer")
+            answers.append(json.loads(line))
+        return answers
+
+    def measure(self) -> float:
+        for proc in self.procs:
+            proc.stdin.write("measure\n")
+            proc.stdin.flush()
+        return self._answers()[0]
+
+    def close(self) -> str:
+        """Ends the processes: "" where all exited cleanly, else the first failure's stderr tail. Once."""
+        if self.failure is not None:
+            return self.failure
+        failure = ""
+        for proc, err in zip(self.procs, self.errors):
+            try:
+                proc.stdin.close()
+            except OSError:
+                pass
+            try:
+                proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            err.seek(0)
+            text = err.read()
+            err.close()
+            if proc.returncode != 0 and not failure:
+                failure = f"{self.mode} failed (exit {proc.returncode}):\n{text[-2000:]}"
+        self.failure = failure
+        return failure
 
 
 def main() -> int:
@@ -169,7 +232,7 @@ def main() -> int:
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
     if args.worker:
-        print(json.dumps(step_time(args.worker[0], args.worker[1], args.steps, args.rank, args.store, args.latent)))
+        serve(args.worker[0], args.worker[1], args.steps, args.rank, args.store, args.latent)
         return 0
 
     import torch
@@ -192,16 +255,32 @@ def main() -> int:
             print(f"{model:36} skipped: {MODELS[model][3]} ranks need as many GPUs, this machine has {gpus}")
             continue
         runs: dict[str, list[float]] = {mode: [] for mode in modes}
-        for rep in range(args.repeat):
-            for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:  # each repeat starts elsewhere
-                out = run_worker(model, mode, args.steps, args.latent)
-                if out.returncode != 0:
-                    print(f"{model}: {mode} failed:\n{out.stderr[-2000:]}", file=sys.stderr)
-                    if mode in ("capture-floor", "sanitizer"):  # a compiler is missing / the sanitizer raised
-                        runs[mode].append(float("nan"))
-                        continue
-                    return 1
-                runs[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+        with tempfile.TemporaryDirectory() as tmp:
+            configurations: dict[str, Configuration] = {}
+            try:
+                for mode in modes:  # one at a time: a process starting or compiling would slow the others' rounds
+                    try:
+                        configurations[mode] = Configuration(model, mode, args.steps, args.latent, tmp)
+                    except RuntimeError as exc:
+                        print(f"{model}: {exc}", file=sys.stderr)
+                        if mode not in OPTIONAL:
+                            return 1
+                for rep in range(args.repeat):
+                    for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:  # each repeat starts elsewhere
+                        try:
+                            runs[mode].append(configurations[mode].measure() if mode in configurations
+                                              else float("nan"))
+                        except RuntimeError as exc:  # the worker ended mid-run
+                            print(f"{model}: {exc}", file=sys.stderr)
+                            if mode not in OPTIONAL:
+                                return 1
+                            configurations.pop(mode)
+                            runs[mode].append(float("nan"))
+            finally:
+                failures = [failure for failure in (c.close() for c in configurations.values()) if failure]
+        if failures:  # a race reported on a correct step, or a worker that broke at its end
+            print(f"{model}: " + "\n".join(failures), file=sys.stderr)
+            return 1
         ms = {mode: statistics.median(values) for mode, values in runs.items()}
 
         def ratio(mode, base="plain"):  # the median of each repeat's own ratio: drift between repeats cancels

@@ -14,10 +14,12 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_overhead_measures_the_launch_bound_and_ddp_rows_without_a_race():
-    out = subprocess.run([sys.executable, "benchmarks/overhead.py", "--steps", "1", "--model", "launch-bound",
-                          "--model", "DDP"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    """Every configuration's process serves both repeats (one start each), the DDP row's a process a rank."""
+    out = subprocess.run([sys.executable, "benchmarks/overhead.py", "--steps", "1", "--repeat", "2", "--model",
+                          "launch-bound", "--model", "DDP"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
+    assert lines[0].endswith("1 steps per measurement, 2 repeat(s)"), lines[0]
     header = next(line for line in lines if line.startswith("model"))
     assert re.findall(r"(\S+) ms", header) == ["plain", "empty-mode", "capture-floor", "virtual"]
     for row in ("launch-bound MLP", "DDP MLP (8x512, batch 32, 2 ranks)"):

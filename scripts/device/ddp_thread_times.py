@@ -88,7 +88,7 @@ if len(sys.argv) > 2 and sys.argv[1] == "--rank":
         instrument()
     ms = step_time(MODEL, mode, STEPS, rank, store)
     if rank == 0:
-        calls = 3 + 5 * STEPS  # overhead.py's warm-up and rounds
+        calls = 6 + 5 * STEPS  # overhead.py's warm-ups and rounds
         print(f"{mode}: {ms:.3f} ms a step (timers on)")
         for (what, thread), (n, s) in sorted(times.items(), key=lambda item: -item[1][1]):
             print(f"  {what:60} {thread[:12]:12} {n / calls:6.1f}/step {s / calls * 1e3:8.4f} ms/step "
