@@ -179,10 +179,15 @@ class Configuration:
     def _answers(self) -> list:
         answers = []
         for proc in self.procs:
-            line = proc.stdout.readline()
-            if not line:
-                raise RuntimeError(self.close() or f"{self.mode}: the worker ended without an answer")
-            answers.append(json.loads(line))
+            while True:  # the next JSON line: anything else a library prints to stdout is passed over
+                line = proc.stdout.readline()
+                if not line:
+                    raise RuntimeError(self.close() or f"{self.mode}: the worker ended without an answer")
+                try:
+                    answers.append(json.loads(line))
+                    break
+                except ValueError:
+                    continue
         return answers
 
     def measure(self) -> float:
