@@ -27,6 +27,6 @@ PYTHONPATH=/tmp/site timeout 150 python3 -m pytest_streamrace.repro zero_overlap
 grep -E ": (reproduced|clean|inconclusive|error) [0-9]+/|every variant" "$OUT/zero_overlap.log" | sort | uniq -c
 if [ -n "${OVERHEAD:-}" ]; then
   echo "== overhead.py, the DDP row as the issue measures it (own process per configuration)"
-  timeout 200 python3 benchmarks/overhead.py --model DDP --steps 30 --repeat 2 2>&1 | tee "$OUT/overhead.log" | tail -6
+  timeout 200 python3 benchmarks/overhead.py --model DDP --steps 30 --repeat 5 2>&1 | tee "$OUT/overhead.log" | tail -6
 fi
 echo "total: $((SECONDS - start)) s"
