@@ -174,7 +174,10 @@ class Configuration:
         self.procs = [subprocess.Popen(command + (["--rank", str(r), "--store", f"{name}.store"] if ranks > 1 else []),
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.errors[r],
                                        text=True, env=env) for r in range(ranks)]
-        self._answers()  # "ready": built and warmed up, before the next configuration starts
+
+    def ready(self) -> None:
+        """Waits for its "ready": built, compiled and warmed up."""
+        self._answers()
 
     def _answers(self) -> list:
         answers = []
@@ -263,12 +266,18 @@ def main() -> int:
         with tempfile.TemporaryDirectory() as tmp:
             configurations: dict[str, Configuration] = {}
             try:
-                for mode in modes:  # one at a time: a process starting or compiling would slow the others' rounds
+                # All start at once and are waited for before any measures: a start (imports, a build check, a
+                # compile) would slow another configuration's rounds, and one after another they took most of a run.
+                starting = {mode: Configuration(model, mode, args.steps, args.latent, tmp) for mode in modes}
+                for mode, configuration in starting.items():
                     try:
-                        configurations[mode] = Configuration(model, mode, args.steps, args.latent, tmp)
+                        configuration.ready()
+                        configurations[mode] = configuration
                     except RuntimeError as exc:
                         print(f"{model}: {exc}", file=sys.stderr)
                         if mode not in OPTIONAL:
+                            for other in starting.values():
+                                other.close()
                             return 1
                 for rep in range(args.repeat):
                     for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:  # each repeat starts elsewhere

@@ -3,7 +3,7 @@
 # the capture floor, the cuda backend and PyTorch's sanitizer, a process per configuration), on two H200s: the DDP row
 # needs a GPU a rank. Every configuration REPEAT times (default 5), interleaved; each row's slowdown is the median of
 # its repeats' ratios. Each configuration's process starts, builds and compiles once and serves every repeat, so
-# repeats cost seconds: the starts are the run's time (20 of them, the compiled row's three compiling). Rows print as
+# repeats cost seconds; a row's configurations start together, before any measures. Rows print as
 # they are measured (line-buffered all the way), so a run cut short keeps the rows it finished. (Twenty-first session:
 # with a process per measurement, three repeats did not finish in 570 s and the pipe held back every row.)
 # MODELS="launch-bound larger" picks rows.
