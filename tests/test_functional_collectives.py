@@ -36,6 +36,15 @@ def test_wait_on_a_side_stream_orders_only_that_stream(rank):
     out.sum()  # unwaited-stream
 
 @pytest.mark.distributed(world_size=2)
+def test_broadcast_received_read_before_wait(rank):
+    x = torch.full((8,), float(rank + 1))
+    out = torch.ops._c10d_functional.broadcast(x, 0, group_name())
+    if rank == 1:  # the receiver's copy is written on the communication stream; the source's only read there
+        out.sum()
+    torch.ops._c10d_functional.wait_tensor(out)
+    assert out.tolist() == [1.0] * 8
+
+@pytest.mark.distributed(world_size=2)
 def test_waited_ops_are_clean(rank):
     x = torch.full((8,), float(rank + 1))
     out = torch.ops._c10d_functional.all_reduce(x, "sum", group_name())
@@ -48,6 +57,9 @@ def test_waited_ops_are_clean(rank):
     torch.ops._c10d_functional.all_reduce_(x, "max", group_name())
     torch.ops._c10d_functional.wait_tensor(x)
     assert x.tolist() == [4.0] * 8
+    sent = torch.ops._c10d_functional.broadcast(x * (rank + 1), 1, group_name())
+    torch.ops._c10d_functional.wait_tensor(sent)
+    assert sent.tolist() == [8.0] * 8
 
 @pytest.mark.distributed(world_size=2)
 def test_async_collective_tensors_used_normally(rank):
@@ -89,7 +101,7 @@ def test_functional_collectives_race_until_waited_and_are_clean_when_waited(pyte
     pytester.makepyfile(test_funcol=CASES)
     result = pytester.runpytest_subprocess("--streamrace", "-p", "no:cacheprovider", "-rA")
     out = result.stdout.str()
-    result.assert_outcomes(passed=3, failed=3)
+    result.assert_outcomes(passed=3, failed=4)
     for clean in ("test_waited_ops_are_clean", "test_async_collective_tensors_used_normally",
                   "test_dtensor_redistribute"):
         assert re.search(rf"PASSED test_funcol.py::{clean}\b", out), clean
@@ -103,6 +115,11 @@ def test_functional_collectives_race_until_waited_and_are_clean_when_waited(pyte
     assert re.search(r"write-after-read on tensor float32\[8\]", overwrite)
     assert re.search(r"earlier\s+read\s+all_gather_into_tensor\s+on communication stream", overwrite)
     assert re.search(r"later\s+write\s+aten::mul_\s+on default stream", overwrite)
+
+    received = _section(out, "test_broadcast_received_read_before_wait")
+    assert re.search(r"stream race on rank 1\b", received), received  # the source only reads its own
+    assert re.search(r"earlier\s+write\s+broadcast\s+on communication stream of the default process group", received)
+    assert re.search(r"later\s+read\s+aten::sum\s+on default stream", received)
 
     side = _section(out, "test_wait_on_a_side_stream_orders_only_that_stream")
     assert re.search(r"^1 stream race", side, re.M)  # the side stream waited: its read is ordered

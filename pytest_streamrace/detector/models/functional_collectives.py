@@ -69,6 +69,7 @@ class FunctionalCollectives:
         self.current_stream = current_stream
         self._streams: set = set()
         self._pending: dict = {}  # storage key of an output -> _Issued (torch's work registry, per storage)
+        self._keys: dict = {}  # (group name, peer) -> its communication stream's key (a name resolves once)
 
     def on_op(self, func, args, kwargs, out, phase: str = "once", stream: Hashable | None = None,
               frames=None) -> None:
@@ -87,7 +88,7 @@ class FunctionalCollectives:
     def _issued(self, op: str, func, args, kwargs, out, current, frames) -> None:
         name, kind = _OPS[op]
         values = _bound(func, args, kwargs)
-        group = _group(values.get("group_name"))
+        group = values.get("group_name")  # resolved only where the op needs the group itself (a root's rank)
         peer = None
         inputs = _tensors(values.get("input", values.get("inputs", values.get("tensor"))))
         reads, writes = inputs, _tensors(out)
@@ -97,6 +98,7 @@ class FunctionalCollectives:
             writes = _tensors(values.get("out"))
         elif kind == "root":  # the source sends its tensor, the others receive into theirs
             touched = _tensors(out) if op == "broadcast" else inputs  # broadcast: into a clone of the input
+            group = _group(group)
             sends = group is not None and values.get("src") == group.rank()
             reads, writes = (touched, []) if sends else ([], touched)
         elif kind == "p2p":
@@ -106,7 +108,7 @@ class FunctionalCollectives:
 
     def _batch_p2p(self, func, args, kwargs, out, current, frames) -> None:
         values = _bound(func, args, kwargs)
-        group = _group(values.get("group_name"))
+        group = values.get("group_name")
         for kind, peer, tensor in zip(values.get("op_list", ()), values.get("peer_list", ()),
                                       _tensors(values.get("tensors"))):
             send = "send" in str(kind)
@@ -140,10 +142,17 @@ class FunctionalCollectives:
         self.hb.wait_event(current, issued)
 
     def _comm_stream(self, group, peer) -> Hashable:
+        """The hb key of the communication stream of `group` (a ProcessGroup, its name, or boxed), with `peer`."""
+        key = self._keys.get((group, peer)) if isinstance(group, str) else None
+        if key is not None:
+            return key
+        group_name, group = group, _group(group)
         key = ("communication", group.group_name if group is not None else "?", peer)
         if key not in self._streams:
             self._streams.add(key)
             self.hb.add_stream(key, _stream_name(group, peer))
+        if group is not None and isinstance(group_name, str):  # a name, once resolved, keys the same stream
+            self._keys[(group_name, peer)] = key
         return key
 
     # patch protocol
@@ -161,10 +170,15 @@ class FunctionalCollectives:
         self._pending.clear()
 
 
+_ARGUMENT_NAMES: dict[int, tuple] = {}  # id(op) -> (op, its arguments' names): a schema read costs microseconds
+
+
 def _bound(func, args, kwargs) -> dict:
     """The op's arguments by schema name."""
-    names = [a.name for a in func._schema.arguments]
-    values = dict(zip(names, args))
+    known = _ARGUMENT_NAMES.get(id(func))
+    if known is None or known[0] is not func:  # (the op is held: its id is not handed to another)
+        known = _ARGUMENT_NAMES[id(func)] = (func, [a.name for a in func._schema.arguments])
+    values = dict(zip(known[1], args))
     values.update(kwargs)
     return values
 
