@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -165,10 +164,9 @@ class Configuration:
         ranks = MODELS[model][3]
         command = [sys.executable, __file__, "--steps", str(steps), "--worker", model, mode] + (
             ["--latent"] if latent else [])
-        # One intra-op thread a rank, as torchrun starts ranks: two ranks of two threads each on a 2-core machine
-        # spin against each other and the step time measures the scheduler (plain 105 ms a step there; the ratios
-        # swung 0.95-1.71x between runs).
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")} if ranks > 1 else None
+        from paired_overhead import rank_env
+
+        env = rank_env() if ranks > 1 else None
         name = f"{tmp}/{mode}"
         self.errors = [open(f"{name}.{r}.err", "w+") for r in range(ranks)]
         self.procs = [subprocess.Popen(command + (["--rank", str(r), "--store", f"{name}.store"] if ranks > 1 else []),

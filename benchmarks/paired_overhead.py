@@ -64,6 +64,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) { m.def("add", &add_callback); m.def("r
 """
 
 
+def rank_env() -> dict:
+    """A rank process's environment: one intra-op thread, as torchrun starts ranks (unless OMP_NUM_THREADS is set).
+    Two ranks of two threads each on a 2-core machine spin against each other, and the step time measures the
+    scheduler (plain 105 ms a step there; overhead.py's DDP ratio swung 0.95-1.71x between runs)."""
+    import os
+
+    return {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+
+
 def capture_alone(cuda: bool, **enable):
     """The C++ capture enabled without a detector (the capture floor), planning ops as a tracker does, its records
     dropped unread (`discard`) as often as the detector applies them: the extension, to discard and disable."""
@@ -117,15 +126,14 @@ def main() -> None:
     cuda = args.backend == "cuda"
     ranks = RANKS.get(args.model, 1)
     if ranks > 1 and args.rank is None:  # the launcher: a process a rank, rank 0's output is the result
-        import os
         import subprocess
         import sys
         import tempfile
 
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # as torchrun (overhead.py)
         with tempfile.TemporaryDirectory() as tmp:
             procs = [subprocess.Popen([sys.executable, *sys.argv, "--rank", str(r), "--store", f"{tmp}/store"],
-                                      stdout=None if r == 0 else subprocess.DEVNULL, env=env) for r in range(ranks)]
+                                      stdout=None if r == 0 else subprocess.DEVNULL, env=rank_env())
+                     for r in range(ranks)]
             raise SystemExit(max(p.wait() for p in procs))
 
     import torch

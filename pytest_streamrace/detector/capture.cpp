@@ -860,15 +860,15 @@ void set_stream(int64_t stream) {
 // A kernel the capture does not see as an op (compiled code's: Triton's, Inductor's C++ kernels), recorded in order
 // with the ops: on `stream` (None: this thread's current), each tensor among `args` is read where its entry in `roles`
 // has bit 1 and written where it has bit 2 (Inductor's argument conventions, models/compiled.py). Taken as the launch's
-// own Python objects: a compiled step launches dozens, and no list is built per launch. The GIL is held (the interned
-// names rely on it). False when nothing is captured here (the tracker then runs it the slow way).
+// own Python objects: a compiled step launches dozens, and no list is built per launch. The GIL is held (`interned`
+// relies on it: a record's op name outlives it). False when nothing is captured here (the tracker then runs it the slow
+// way).
 bool record_kernel(const std::string& name, std::optional<int64_t> stream, py::handle args, py::handle roles) {
   if (!on.load() || here.paused) return false;
-  static auto* names = new std::unordered_set<std::string>();  // a record's op name outlives it; never freed
   py::tuple arg_tuple = py::reinterpret_borrow<py::object>(args);  // a tuple already (a call's *args): no copy
   py::tuple role_tuple = py::reinterpret_borrow<py::object>(roles);
   Record r;
-  r.op = names->insert(name).first->c_str();
+  r.op = interned(name);
   r.stream = stream ? *stream : current_stream();
   in_node(r);
   size_t n = std::min(arg_tuple.size(), role_tuple.size());
