@@ -3,8 +3,8 @@ PyTorch's CUDA stream sanitizer on the same step).
 
     python benchmarks/overhead.py            # CPU: virtual backend; GPU: cuda backend and TORCH_CUDA_SANITIZER
 
-Each configuration runs in its own process (the sanitizer cannot be switched off once on), started, built and compiled
-once and kept for every repeat, one configuration's measurement at a time. Prints a table of ms per step and the
+Each configuration runs in its own process (the sanitizer cannot be switched off once on); a row's processes start
+together, and measure one at a time once all are ready. Each repeat starts fresh ones. Prints a table of ms per step and the
 slowdown against plain. "empty-mode" is a TorchDispatchMode that only calls through: the cost of
 entering Python for every op, the floor for any tool built on one (PyTorch's sanitizer is; the virtual backend is).
 "capture-floor" is the cuda backend's C++ op capture alone (``detector/capture.py``): records dropped each step unread.
@@ -221,6 +221,38 @@ class Configuration:
         return failure
 
 
+def measure_once(model: str, order: list, args, runs: dict) -> str:
+    """One repeat of a row: a fresh process for each configuration (a process a rank), all started at once and waited
+    for before any measures, then one measurement each in `order`, appended to `runs` (nan for an optional one that
+    failed). Fresh processes each repeat: where a process landed (its core, its memory, its GPU context) biases all
+    its numbers alike, so a process kept for every repeat biased a whole row (a 2xH200 run read one row's capture
+    floor at 1.02x, then 1.14x on the next machine). Returns the failure that fails the row, or ""."""
+    with tempfile.TemporaryDirectory() as tmp:
+        started = {mode: Configuration(model, mode, args.steps, args.latent, tmp) for mode in order}
+        ready: dict[str, Configuration] = {}
+        try:
+            for mode, configuration in started.items():
+                try:
+                    configuration.ready()
+                    ready[mode] = configuration
+                except RuntimeError as exc:
+                    if mode not in OPTIONAL:
+                        return str(exc)
+                    print(f"{model}: {exc}", file=sys.stderr)
+            for mode in order:
+                try:
+                    runs[mode].append(ready[mode].measure() if mode in ready else float("nan"))
+                except RuntimeError as exc:  # the worker ended mid-run
+                    if mode not in OPTIONAL:
+                        return str(exc)
+                    print(f"{model}: {exc}", file=sys.stderr)
+                    ready.pop(mode)
+                    runs[mode].append(float("nan"))
+        finally:
+            closed = [c.close() for c in started.values()]  # a race on a correct step fails its worker's exit
+        return "\n".join(f for f in closed if f)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=50)
@@ -261,38 +293,12 @@ def main() -> int:
             print(f"{model:36} skipped: {MODELS[model][3]} ranks need as many GPUs, this machine has {gpus}")
             continue
         runs: dict[str, list[float]] = {mode: [] for mode in modes}
-        with tempfile.TemporaryDirectory() as tmp:
-            configurations: dict[str, Configuration] = {}
-            try:
-                # All start at once and are waited for before any measures: a start (imports, a build check, a
-                # compile) would slow another configuration's rounds, and one after another they took most of a run.
-                starting = {mode: Configuration(model, mode, args.steps, args.latent, tmp) for mode in modes}
-                for mode, configuration in starting.items():
-                    try:
-                        configuration.ready()
-                        configurations[mode] = configuration
-                    except RuntimeError as exc:
-                        print(f"{model}: {exc}", file=sys.stderr)
-                        if mode not in OPTIONAL:
-                            for other in starting.values():
-                                other.close()
-                            return 1
-                for rep in range(args.repeat):
-                    for mode in modes[rep % len(modes):] + modes[:rep % len(modes)]:  # each repeat starts elsewhere
-                        try:
-                            runs[mode].append(configurations[mode].measure() if mode in configurations
-                                              else float("nan"))
-                        except RuntimeError as exc:  # the worker ended mid-run
-                            print(f"{model}: {exc}", file=sys.stderr)
-                            if mode not in OPTIONAL:
-                                return 1
-                            configurations.pop(mode)
-                            runs[mode].append(float("nan"))
-            finally:
-                failures = [failure for failure in (c.close() for c in configurations.values()) if failure]
-        if failures:  # a race reported on a correct step, or a worker that broke at its end
-            print(f"{model}: " + "\n".join(failures), file=sys.stderr)
-            return 1
+        for rep in range(args.repeat):
+            order = modes[rep % len(modes):] + modes[:rep % len(modes)]  # each repeat starts elsewhere
+            failure = measure_once(model, order, args, runs)
+            if failure:
+                print(f"{model}: {failure}", file=sys.stderr)
+                return 1
         ms = {mode: statistics.median(values) for mode, values in runs.items()}
 
         def ratio(mode, base="plain"):  # the median of each repeat's own ratio: drift between repeats cancels

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_overhead_measures_the_launch_bound_and_ddp_rows_without_a_race():
-    """Every configuration's process serves both repeats (one start each), the DDP row's a process a rank."""
+    """Each repeat starts its configurations afresh, together; the DDP row's a process a rank."""
     out = subprocess.run([sys.executable, "benchmarks/overhead.py", "--steps", "1", "--repeat", "2", "--model",
                           "launch-bound", "--model", "DDP"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
