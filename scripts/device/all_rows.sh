@@ -5,7 +5,8 @@
 # its repeats' ratios. Each repeat starts a fresh process per configuration, all of a row's at once, before any measures
 # (a process kept for every repeat biased its whole row: the twenty-second session's first run). Rows print as they
 # are measured (line-buffered all the way), so a run cut short keeps the rows it finished.
-# MODELS="launch-bound larger" picks rows.
+# MODELS="launch-bound larger" picks rows. The four rows took 586 s on an H200 pair (twenty-second session), near one
+# device command's 600: on a slower host, split them over two calls (MODELS="launch-bound larger", then "DDP compiled").
 #   device run (kind nvidia-h200-x2, carry .whl): bash scripts/device/all_rows.sh
 set -u
 . "$(dirname "$0")/setup.sh" all-rows

@@ -10,6 +10,8 @@
 # On the lent 2-GPU machine, with the wheels under .whl/ and DeepSpeed's tests under .gpu/ds-tests/tests (from
 # DeepSpeed's repository, `git archive <commit> tests`; .gpu/ds-tests/COMMIT names the commit; not committed here):
 #   device run (kind nvidia-h200-x2, carry .whl .gpu/ds-tests): bash scripts/device/harnesses.sh mptc|coalesce|zero|all
+# MultiProcessTestCase needs expecttest: where .whl/ has no wheel of it, carry the package itself (twenty-second
+# session: `cp -r .venv/lib/python3.11/site-packages/expecttest .gpu/site/`, carry .gpu, EXTRA_SITE=.gpu/site).
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export OMP_NUM_THREADS=4
@@ -25,8 +27,10 @@ date -u; nvidia-smi -L
 wheels=$(ls .whl/*.whl | grep -v -e '/deepspeed-' -e '/megatron')
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site-ds .whl/deepspeed-0.19.8-*.whl $wheels \
   2>&1 | tail -2
-export PYTHONPATH=/tmp/site-ds
+export PYTHONPATH=/tmp/site-ds${EXTRA_SITE:+:$(cd "$EXTRA_SITE" && pwd)}
 python3 -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+python3 -c "import expecttest" 2>/dev/null || { echo "harnesses.sh: expecttest is missing (its wheel in .whl/, or" \
+  "EXTRA_SITE=a folder holding the package)"; exit 2; }
 python3 -c "import torch, pytest, deepspeed, expecttest; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'pytest', pytest.__version__, 'deepspeed', deepspeed.__version__)" 2>&1 | tail -1
 [ -f .gpu/ds-tests/COMMIT ] && echo "DeepSpeed tests from commit $(cat .gpu/ds-tests/COMMIT)"
 pt="python3 -m pytest -p no:cacheprovider -p no:randomly"
