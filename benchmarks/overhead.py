@@ -4,8 +4,8 @@ PyTorch's CUDA stream sanitizer on the same step).
     python benchmarks/overhead.py            # CPU: virtual backend; GPU: cuda backend and TORCH_CUDA_SANITIZER
 
 Each configuration runs in its own process (the sanitizer cannot be switched off once on); a row's processes start
-together, and measure one at a time once all are ready. Each repeat starts fresh ones. Prints a table of ms per step and the
-slowdown against plain. "empty-mode" is a TorchDispatchMode that only calls through: the cost of
+together and measure one at a time once all are ready, and each repeat starts fresh ones. Prints a table of ms per
+step and the slowdown against plain. "empty-mode" is a TorchDispatchMode that only calls through: the cost of
 entering Python for every op, the floor for any tool built on one (PyTorch's sanitizer is; the virtual backend is).
 "capture-floor" is the cuda backend's C++ op capture alone (``detector/capture.py``): records dropped each step unread.
 The compiled model's forward runs under torch.compile (Inductor) and compiles under the detector; tools built on a

@@ -13,7 +13,7 @@ set -u
 start=$SECONDS
 python3 -c "from pytest_streamrace.detector import capture as c; print('built: capture', c.load() is not None, \
 'trace', c.load_trace() is not None)"  # before the first timed process, not inside it
-lscpu | grep -i numa; nvidia-smi topo -m | head -4  # which CPUs a GPU's launches come from best (pin_near)
+lscpu | grep -i numa; nvidia-smi topo -m | head -4  # the hosts so far: one NUMA node, so no pinning of processes
 rows=()
 for model in ${MODELS:-}; do rows+=(--model "$model"); done
 echo "== overhead.py: ${MODELS:-the four rows}, ${REPEAT:-5} repeat(s)"
