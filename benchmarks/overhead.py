@@ -263,7 +263,7 @@ def main() -> int:
     parser.add_argument("--store", default="", help=argparse.SUPPRESS)
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
                         help="measure every configuration N times, interleaved (ms: medians; slowdowns: the median "
-                             "of each repeat's ratio)")
+                             "of each repeat's ratio, then [lowest-highest])")
     parser.add_argument("--latent", action="store_true",
                         help="read the loss back every step and compare --streamrace-latent=report against off")
     args = parser.parse_args()
@@ -301,11 +301,15 @@ def main() -> int:
                 return 1
         ms = {mode: statistics.median(values) for mode, values in runs.items()}
 
-        def ratio(mode, base="plain"):  # the median of each repeat's own ratio: drift between repeats cancels
-            return statistics.median(m / b for m, b in zip(runs[mode], runs[base]))
-        slow = ", ".join(f"{m} {ratio(m):.2f}x" for m in modes[1:])
+        def ratio(mode, base="plain") -> str:
+            """The median of each repeat's own ratio (drift between repeats cancels), then their range: how far one
+            repeat, the single run a reader might otherwise trust, strays from it."""
+            ratios = sorted(m / b for m, b in zip(runs[mode], runs[base]))
+            spread = f" [{ratios[0]:.2f}-{ratios[-1]:.2f}]" if len(ratios) > 1 else ""
+            return f"{statistics.median(ratios):.2f}x{spread}"
+        slow = ", ".join(f"{m} {ratio(m)}" for m in modes[1:])
         if args.latent:
-            slow += f"; latent view {ratio(backend, backend + LATENT_OFF):.2f}x"
+            slow += f"; latent view {ratio(backend, backend + LATENT_OFF)}"
         print(f"{model:36} " + " ".join(f"{ms[m]:14.3f}" for m in modes) + f"  {slow}", flush=True)  # as it comes
     return 0
 
