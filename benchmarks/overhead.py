@@ -22,11 +22,14 @@ not (``-latent-off``: every sync counts, one view).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
+import signal
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 MODELS = {  # name: (width, depth, batch, ranks, torch.compile'd); ranks > 1: DistributedDataParallel, a process a rank
@@ -156,11 +159,16 @@ def step_time(model_name: str, mode: str, steps: int, rank: int = 0, store: str 
 
 class Configuration:
     """One configuration's process (one a rank), serving measurements on request; rank 0's answer is the result.
-    Its stderr goes to a file: a pipe nobody reads would fill with a compile's warnings and stop it."""
+    Its stderr goes to a file: a pipe nobody reads would fill with a compile's warnings and stop it. A worker that
+    gives no answer within `answer_within` seconds (a start with its compile, or one measurement) is hung: its
+    threads' stacks go to that file (faulthandler, on SIGUSR1), it is killed, and the failure says which rank."""
+
+    answer_within = 600.0
 
     def __init__(self, model: str, mode: str, steps: int, latent: bool, tmp: str):
         self.mode = mode
         self.failure: str | None = None  # close()'s answer, once closed
+        self.hung: list[int] = []  # the ranks that gave no answer in time
         ranks = MODELS[model][3]
         command = [sys.executable, __file__, "--steps", str(steps), "--worker", model, mode] + (
             ["--latent"] if latent else [])
@@ -179,17 +187,36 @@ class Configuration:
 
     def _answers(self) -> list:
         answers = []
-        for proc in self.procs:
-            while True:  # the next JSON line: anything else a library prints to stdout is passed over
-                line = proc.stdout.readline()
-                if not line:
-                    raise RuntimeError(self.close() or f"{self.mode}: the worker ended without an answer")
-                try:
-                    answers.append(json.loads(line))
-                    break
-                except ValueError:
-                    continue
+        for rank, proc in enumerate(self.procs):
+            watchdog = threading.Timer(self.answer_within, self._hang_up, (rank,))
+            watchdog.daemon = True
+            watchdog.start()
+            try:
+                while True:  # the next JSON line: anything else a library prints to stdout is passed over
+                    line = proc.stdout.readline()
+                    if not line:
+                        raise RuntimeError(self.close() or f"{self.mode}: the worker ended without an answer")
+                    try:
+                        answers.append(json.loads(line))
+                        break
+                    except ValueError:
+                        continue
+            finally:
+                watchdog.cancel()
+            if self.hung:  # the answer came as the watchdog went off: too late all the same
+                raise RuntimeError(self.close())
         return answers
+
+    def _hang_up(self, rank: int) -> None:
+        """The watchdog: rank `rank` gave no answer in time. Every rank still running (one may be waiting on another
+        in a collective) writes its stacks to its stderr file, and then all are killed, which ends the read."""
+        alive = [proc for proc in self.procs if proc.poll() is None]
+        self.hung = [self.procs.index(proc) for proc in alive] or [rank]
+        for proc in alive:
+            proc.send_signal(signal.SIGUSR1)
+        time.sleep(0.5)  # faulthandler writes the stacks from its signal handler, at once
+        for proc in alive:
+            proc.kill()
 
     def measure(self) -> float:
         for proc in self.procs:
@@ -198,7 +225,7 @@ class Configuration:
         return self._answers()[0]
 
     def close(self) -> str:
-        """Ends the processes: "" where all exited cleanly, else the first failure's stderr tail. Once."""
+        """Ends the processes: "" where all exited cleanly, else each failed rank's stderr tail. Once."""
         if self.failure is not None:
             return self.failure
         failure = ""
@@ -215,10 +242,12 @@ class Configuration:
             err.seek(0)
             text = err.read()
             err.close()
-            if proc.returncode != 0 and not failure:
-                failure = f"{self.mode} failed (exit {proc.returncode}):\n{text[-2000:]}"
-        self.failure = failure
-        return failure
+            rank = self.procs.index(proc)
+            if proc.returncode != 0 or rank in self.hung:
+                why = f"no answer in {self.answer_within:g} s" if rank in self.hung else f"exit {proc.returncode}"
+                failure += f"{self.mode} failed (rank {rank}: {why}):\n{text[-3000:]}\n"
+        self.failure = failure.rstrip("\n")
+        return self.failure
 
 
 def measure_once(model: str, order: list, args, runs: dict) -> str:
@@ -270,6 +299,7 @@ def main() -> int:
     if args.repeat < 1:
         parser.error("--repeat must be at least 1")
     if args.worker:
+        faulthandler.register(signal.SIGUSR1, all_threads=True)  # Configuration's watchdog asks a hung worker
         serve(args.worker[0], args.worker[1], args.steps, args.rank, args.store, args.latent)
         return 0
 

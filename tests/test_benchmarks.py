@@ -1,7 +1,7 @@
 """The overhead benchmark runs on a CPU-only machine and prints its table. Its numbers are for whoever reads them (timed
 assertions do not belong in tests). What it does assert is the detector's verdict on its stock training steps: a
 race reported on a correct step ends that configuration's process with an error, and the benchmark with exit 1. A
-report there would be a false positive."""
+report there would be a false positive. And a worker that stops answering is killed and named, not waited on forever."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,3 +29,23 @@ def test_overhead_measures_the_launch_bound_and_ddp_rows_without_a_race():
         line = next(line for line in lines if line.startswith(row))
         assert re.search(r"empty-mode \d+\.\d\dx, capture-floor \d+\.\d\dx, virtual \d+\.\d\dx$", line), line
     assert not any(line.startswith(("larger", "compiled")) for line in lines)
+
+
+def test_a_worker_that_gives_no_answer_in_time_is_killed_and_named_with_its_stacks(monkeypatch, tmp_path):
+    """The watchdog: a measurement that takes longer than `answer_within` (here a 200-step one given 0.2 s) ends in a
+    failure naming the configuration, its rank and where its threads stood, and no worker is left running."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from overhead import Configuration
+
+    configuration = Configuration("launch-bound MLP (8x64, batch 8)", "plain", 200, False, str(tmp_path))
+    try:
+        configuration.ready()
+        configuration.answer_within = 0.2
+        with pytest.raises(RuntimeError) as failure:
+            configuration.measure()
+    finally:
+        configuration.close()
+    text = str(failure.value)
+    assert text.startswith("plain failed (rank 0: no answer in 0.2 s)"), text[:300]
+    assert re.search(r'File ".*overhead\.py", line \d+ in serve', text), text
+    assert all(proc.poll() is not None for proc in configuration.procs)
