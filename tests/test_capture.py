@@ -480,6 +480,31 @@ def test_an_op_that_raises_leaves_capture_working(extension):
     assert [op.site.op for op in hb.timeline][-2:] == ["aten::ones", "aten::add_"]
 
 
+def _profiled_ops(step) -> set:
+    """The op names torch's profiler records over `step()`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    return {event.name for event in prof.events()}
+
+
+def _linear_step():
+    model = torch.nn.Linear(4, 3)
+    model(torch.ones(2, 4)).sum().backward()
+
+
+def test_a_profiler_under_capture_sees_the_ops_it_sees_without(extension):
+    """The capture is one more RecordFunction callback: a profiler on beside it records the same ops as without it,
+    the calls nested in other ops included (aten::linear's t and transpose)."""
+    expected = _profiled_ops(_linear_step)
+    assert {"aten::t", "aten::addmm", "aten::transpose"} <= expected  # nested calls, not only the outer ops
+    with capturing(extension) as (hb, _):
+        seen = _profiled_ops(_linear_step)
+    assert seen == expected
+    assert "aten::addmm" in {op.site.op for op in hb.timeline}
+
+
 def test_compiling_under_capture_records_no_fake_tensors(extension):
     """Dynamo traces with fake tensors (a tensor subclass, no memory): their ops must not become accesses."""
     from torch._subclasses.fake_tensor import FakeTensorMode
