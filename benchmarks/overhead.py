@@ -52,9 +52,9 @@ def _print(value) -> None:
 
 def serve(model_name: str, mode: str, steps: int, rank: int = 0, store: str = "", read_back: bool = False,
           requests=sys.stdin, answer=_print) -> None:
-    """One configuration in this process: built, compiled and warmed up once (answers "ready"), then one measurement
-    per line read from `requests`, its ms a step answered (printed as a JSON line). main() keeps each configuration's
-    process and interleaves their measurements: the repeats cost no process start, import or compile."""
+    """One configuration in this process: built, compiled and warmed up (answers "ready"), then one measurement per
+    line read from `requests`, its ms a step answered (printed as a JSON line). The "ready" lets main() start a row's
+    configurations together and measure none until all have started (`measure_once`)."""
     import torch
 
     width, depth, batch, ranks, compiled = MODELS[model_name]
@@ -229,7 +229,7 @@ class Configuration:
         if self.failure is not None:
             return self.failure
         failure = ""
-        for proc, err in zip(self.procs, self.errors):
+        for rank, (proc, err) in enumerate(zip(self.procs, self.errors)):
             try:
                 proc.stdin.close()
             except OSError:
@@ -242,7 +242,6 @@ class Configuration:
             err.seek(0)
             text = err.read()
             err.close()
-            rank = self.procs.index(proc)
             if proc.returncode != 0 or rank in self.hung:
                 why = f"no answer in {self.answer_within:g} s" if rank in self.hung else f"exit {proc.returncode}"
                 failure += f"{self.mode} failed (rank {rank}: {why}):\n{text[-3000:]}\n"
