@@ -39,12 +39,23 @@ def core(request, monkeypatch):
     return request.param
 
 
+KERNEL = False
+
+
+@pytest.fixture(autouse=True, params=["record-function", "kernel"])
+def entry(request, monkeypatch):
+    """The capture's ops come from RecordFunction callbacks (the virtual backend's entry), then from its kernel entry
+    below autograd (cuda's): every test holds for both."""
+    monkeypatch.setitem(globals(), "KERNEL", request.param == "kernel")
+    return request.param
+
+
 @contextlib.contextmanager
 def capturing(extension, track_frees=False):
     """(hb, tracker) fed by the capture, on CPU tensors, while inside (one stream: the capture's CPU key, 0)."""
     hb = HappensBefore(trace=True)
     tracker = AccessTracker(hb, lambda: 0, "cpu", track_frees=track_frees)
-    tracker.capture_with(extension, every_thread=True)  # as on cuda
+    tracker.capture_with(extension, every_thread=True, kernel=KERNEL)  # as on cuda
     try:
         yield hb, tracker
     finally:
@@ -82,7 +93,7 @@ def _ops(captured: bool, extension=None) -> list[tuple]:
     tracker = AccessTracker(hb, lambda: 0, "cpu", track_frees=False)
     keep: list = []
     if captured:
-        tracker.capture_with(extension)
+        tracker.capture_with(extension, kernel=KERNEL)
         try:
             _program(keep)
         finally:
@@ -443,7 +454,7 @@ def test_the_feeds_tables_answer_as_the_trackers_dicts_did(extension, core):
     hb = HappensBefore(trace=True)
     tracker = AccessTracker(hb, lambda: 0, "cpu", track_frees=False)
     tracker.names[12345] = "before the capture"
-    tracker.capture_with(extension, every_thread=True)
+    tracker.capture_with(extension, every_thread=True, kernel=KERNEL)
     try:
         watched, last_writer, redirect, names = tracker.watched, tracker.last_writer, tracker.redirect, tracker.names
         assert not isinstance(watched, dict) and names[12345] == "before the capture"
@@ -478,6 +489,61 @@ def test_an_op_that_raises_leaves_capture_working(extension):
             torch.mm(torch.ones(2, 3), torch.ones(2, 3))
         torch.ones(4).add_(1)
     assert [op.site.op for op in hb.timeline][-2:] == ["aten::ones", "aten::add_"]
+
+
+def test_factory_ops_are_recorded_by_name_and_build_what_they_build_in_a_session_and_after(extension):
+    """The kernel entry takes over torch's BackendSelect kernel of a factory op, picking the backend from dtype,
+    layout, device and any tensor arguments as torch's does: in a session and after it (the kernels stay), each factory
+    builds what it builds without the capture, and a session records it under its own name, as the dispatch mode
+    does."""
+    def factories():
+        generator = torch.Generator().manual_seed(0)
+        indices = torch.tensor([[0, 2]])
+        return {
+            "aten::zeros": torch.zeros(2, 3, dtype=torch.float64),
+            "aten::full": torch.full((2,), 7, dtype=torch.int32),
+            "aten::arange": torch.arange(5),
+            "aten::eye": torch.eye(3),
+            "aten::randn": torch.randn(4, generator=generator),
+            "sparse": torch.zeros(2, 2, layout=torch.sparse_coo),
+            "with tensor arguments": torch.sparse_coo_tensor(indices, torch.ones(2), (3,), dtype=torch.float16,
+                                                              check_invariants=True),
+            "meta": torch.empty(3, device="meta"),
+        }
+
+    def described(made):
+        return {k: (t.dtype, t.layout, t.device.type, t.shape,
+                    None if t.is_meta else t.to_dense().tolist()) for k, t in made.items()}
+
+    expected = described(factories())
+    with capturing(extension) as (hb, tracker):
+        made = described(factories())
+        tracker.drain()
+    assert made == expected and described(factories()) == expected
+    recorded = {op.site.op for op in hb.timeline}
+    assert {"aten::zeros", "aten::full", "aten::arange", "aten::eye", "aten::randn"} <= recorded
+
+
+def test_an_op_defined_after_a_session_is_recorded_in_the_next(extension):
+    """The kernel entry is added for every op there is when a session starts: one defined later (a custom op in a
+    test) is added at the next session's start."""
+    import uuid
+
+    with capturing(extension):
+        torch.ones(1).add_(1)
+    name = f"streamrace_test::bump_{uuid.uuid4().hex[:8]}"
+
+    @torch.library.custom_op(name, mutates_args=("x",))
+    def bump(x: torch.Tensor) -> None:
+        x.add_(1)
+
+    with capturing(extension) as (hb, tracker):
+        t = torch.zeros(3)
+        bump(t)
+        tracker.drain()
+    assert t.tolist() == [1.0, 1.0, 1.0]
+    (op,) = [op for op in hb.timeline if op.site.op == name]  # its add_ inside is the op's own, not recorded apart
+    assert "aten::add_" not in {op.site.op for op in hb.timeline}
 
 
 def _profiled_ops(step) -> set:

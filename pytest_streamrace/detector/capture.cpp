@@ -2,6 +2,8 @@
 #include <ATen/core/ivalue.h>
 #include <ATen/record_function.h>
 #include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/dispatch/ObservedOperators.h>
+#include <ATen/SequenceNumber.h>
 #include <c10/core/CPUAllocator.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/function.h>
@@ -132,7 +134,7 @@ struct Record {
 
 // plan null: the op is only watched for the autograd nodes it makes (node_streams.cpp)
 struct Pending : at::ObserverContext {
-  Record record; std::shared_ptr<const Plan> plan; std::vector<c10::IValue> inputs;
+  Record record; std::shared_ptr<const Plan> plan; std::vector<c10::IValue> inputs; const char* op = nullptr;
   static void* operator new(size_t size);  // from the thread's spares (`Here`): one is made and dropped per op
   static void operator delete(void* pointer, size_t size);
 };
@@ -167,6 +169,10 @@ at::CallbackHandle handle = 0;
 bool every_thread = true;
 std::atomic<bool> on{false};
 bool cuda = false;
+// Ops come from the kernel entry (kernel_entry.cpp), not from RecordFunction callbacks; a thread marked observed
+// there holds `kObserved` for a callback.
+std::atomic<bool> by_kernel{false};
+constexpr at::CallbackHandle kObserved = ~at::CallbackHandle(0);
 // Python callables, kept by pointer: a static py::object would be released after the interpreter is gone.
 py::object* plan_fn = nullptr;
 py::object* drain_fn = nullptr;  // applies the records, called every `kDrainEvery` records
@@ -188,6 +194,9 @@ struct Here {
   // thread (`set_stream`); 0, the default stream, on a thread that never set one in this session (`generation`).
   int64_t stream = 0;
   uint64_t stream_generation = 0;
+  // The kernel entry's autograd number as this thread last saw it, in this session (`moved_seq`)
+  int64_t seen_seq = -1;
+  uint64_t seen_seq_generation = 0;
   // Pending records' blocks, for the next ops on this thread (one at a time but for nesting: a few suffice); given
   // back to malloc when the thread ends (`Reaper`), or at once after that
   void* spare[4] = {};
@@ -438,13 +447,30 @@ Rule rule_of(py::handle spec) {  // (name, stream argument, root argument or -1,
   return rule;
 }
 
-std::shared_ptr<const Plan> planned(const at::RecordFunction& fn) {
+// An op as one of the capture's entries hands it over: torch's RecordFunction callbacks around the whole call
+// (`callback`), or the kernel entry below autograd (kernel_entry.cpp). `name` is the schema's, alive as long as the op
+// (plans key on it); `inputs` are the call's arguments, valid until the op runs; `seq` the autograd number recorded
+// with the op (in forward: of the node it made, or will make; -1: none).
+struct OpCall {
+  const char* name;
+  c10::ArrayRef<c10::IValue> inputs;
+  int64_t seq;
+  const at::RecordFunction* fn = nullptr;
+  const c10::OperatorHandle* op = nullptr;
+
+  static OpCall of(const at::RecordFunction& fn) { return {fn.name(), fn.inputs(), fn.seqNr(), &fn, nullptr}; }
+  std::optional<c10::OperatorName> operator_name() const {  // none: a named range (RecordFunction's), not an op
+    return op != nullptr ? std::optional<c10::OperatorName>(op->operator_name()) : fn->operator_name();
+  }
+};
+
+std::shared_ptr<const Plan> planned(const OpCall& call) {
   {
     std::lock_guard<std::mutex> guard(mutex);
-    auto found = plans.find(fn.name());
+    auto found = plans.find(call.name);
     if (found != plans.end()) return found->second;
   }
-  auto name = fn.operator_name();
+  auto name = call.operator_name();
   if (!name) return nullptr;  // a named range, not an op
   auto made = std::make_shared<Plan>();
   Plan& plan = *made;
@@ -482,7 +508,7 @@ std::shared_ptr<const Plan> planned(const at::RecordFunction& fn) {
     }
   }
   std::lock_guard<std::mutex> guard(mutex);
-  return plans.emplace(fn.name(), std::move(made)).first->second;
+  return plans.emplace(call.name, std::move(made)).first->second;
 }
 
 // This thread's plans by op name, from the map as of `plans_made` (`clear_all` moves it on): a hit takes no lock.
@@ -490,13 +516,13 @@ struct CachedPlan { const char* name = nullptr; uint64_t made = 0; std::shared_p
 constexpr size_t kCachedPlans = 256;
 std::atomic<uint64_t> plans_made{1};
 
-std::shared_ptr<const Plan> plan_for(const at::RecordFunction& fn) {
+std::shared_ptr<const Plan> plan_for(const OpCall& call) {
   thread_local CachedPlan cached[kCachedPlans];
   uint64_t made = plans_made.load(std::memory_order_acquire);
-  CachedPlan& slot = cached[(reinterpret_cast<uintptr_t>(fn.name()) >> 3) % kCachedPlans];
-  if (slot.name == fn.name() && slot.made == made) return slot.plan;
-  auto plan = planned(fn);
-  if (plan != nullptr) slot = CachedPlan{fn.name(), made, plan};
+  CachedPlan& slot = cached[(reinterpret_cast<uintptr_t>(call.name) >> 3) % kCachedPlans];
+  if (slot.name == call.name && slot.made == made) return slot.plan;
+  auto plan = planned(call);
+  if (plan != nullptr) slot = CachedPlan{call.name, made, plan};
   return plan;
 }
 
@@ -570,8 +596,8 @@ bool is_subclass(const c10::IValue& v) {
 
 // An op on a tensor subclass (DTensor, FSDP2's sharded parameters): its own dispatch runs the op on the plain tensors
 // that hold the bytes — those are recorded, as under the dispatch mode, so the outer op neither records nor nests.
-bool on_subclass(const at::RecordFunction& fn) {
-  for (const auto& v : fn.inputs()) {
+bool on_subclass(const OpCall& call) {
+  for (const auto& v : call.inputs) {
     if (is_subclass(v)) return true;
     if (v.isList()) for (const auto& e : v.toListRef()) if (is_subclass(e)) return true;
   }
@@ -579,8 +605,8 @@ bool on_subclass(const at::RecordFunction& fn) {
 }
 
 // x.copy_(y) where both are views of the same bytes: ATen returns before launching anything (no access).
-bool copies_onto_itself(const at::RecordFunction& fn) {
-  auto inputs = fn.inputs();
+bool copies_onto_itself(const OpCall& call) {
+  auto inputs = call.inputs;
   if (inputs.size() < 2 || !inputs[0].isTensor() || !inputs[1].isTensor()) return false;
   const auto& a = inputs[0].toTensor();
   const auto& b = inputs[1].toTensor();
@@ -591,8 +617,8 @@ bool copies_onto_itself(const at::RecordFunction& fn) {
 
 // A copy from the device into pageable host memory: CUDA returns from it only once it is done, non_blocking or not,
 // and torch reports no synchronize for a non-blocking one (host_sync.py's "copy_" rule, where arguments are seen).
-bool into_pageable_host(const at::RecordFunction& fn) {
-  auto inputs = fn.inputs();
+bool into_pageable_host(const OpCall& call) {
+  auto inputs = call.inputs;
   if (inputs.size() < 2 || !inputs[0].isTensor() || !inputs[1].isTensor()) return false;
   const auto& dst = inputs[0].toTensor();
   const auto& src = inputs[1].toTensor();
@@ -641,6 +667,22 @@ int64_t current_stream() {
 }
 
 // Whether an autograd node runs on this thread; if so the record takes its number and name (backward sites).
+// OpCall::seq of an op the kernel entry hands over: read in `moved_seq` once the op records.
+constexpr int64_t kMovedSeq = -2;
+
+// Below autograd, the node an op made is already numbered: the first recording op on this thread to see the number
+// moved on since the last one made node (number - 1), as the dispatch mode reads it (tracker._site); -1 for the others
+// and for the thread's first op in a session (its number may be older than the session).
+int64_t moved_seq() {
+  Here& h = here;
+  uint64_t now_generation = generation.load(std::memory_order_relaxed);
+  int64_t last = h.seen_seq_generation == now_generation ? h.seen_seq : -1;
+  auto now = static_cast<int64_t>(at::sequence_number::peek());
+  h.seen_seq = now;
+  h.seen_seq_generation = now_generation;
+  return now != last && last >= 0 && now > 0 ? now - 1 : -1;
+}
+
 bool in_node(Record& r) {
   auto node = torch::autograd::get_current_node();
   if (node == nullptr) return false;
@@ -650,7 +692,7 @@ bool in_node(Record& r) {
   return true;
 }
 
-void queue_modelled(const at::RecordFunction& fn, std::shared_ptr<const Plan> plan, std::vector<c10::IValue> args,
+void queue_modelled(const char* op, std::shared_ptr<const Plan> plan, std::vector<c10::IValue> args,
                    std::vector<c10::IValue> outputs, What what);  // below
 
 bool issuing() {  // Python issues the collective this thread runs
@@ -658,27 +700,27 @@ bool issuing() {  // Python issues the collective this thread runs
   return h.issuing > 0 && h.issuing_generation == generation.load(std::memory_order_relaxed);
 }
 
-std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
+std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
   Here& h = here;
   if (h.depth > 0 || h.paused || !on.load()) return nullptr;
-  auto plan = plan_for(fn);
+  auto plan = plan_for(call);
   if (plan == nullptr || !plan->below_autograd) return nullptr;
-  if (on_subclass(fn) || (plan->copy && copies_onto_itself(fn))) return nodes_only();
+  if (on_subclass(call) || (plan->copy && copies_onto_itself(call))) return nodes_only();
   ++h.depth;
   auto pending = std::make_unique<Pending>();
   pending->plan = plan;
   if (plan->queued) {
-    auto inputs = fn.inputs();
-    pending->inputs.assign(inputs.begin(), inputs.end());
-    if (plan->at_issue && !issuing()) queue_modelled(fn, plan, pending->inputs, {}, What::kQueuedStart);
+    pending->inputs.assign(call.inputs.begin(), call.inputs.end());
+    pending->op = call.name;
+    if (plan->at_issue && !issuing()) queue_modelled(call.name, plan, pending->inputs, {}, What::kQueuedStart);
   }
   if (plan->record) {
     Record& r = pending->record;
-    r.op = fn.name();
+    r.op = call.name;
     r.sync = plan->sync;
     r.stream = current_stream();
-    if (!in_node(r)) r.seq = fn.seqNr();
-    auto inputs = fn.inputs();
+    if (!in_node(r)) r.seq = call.seq == kMovedSeq ? moved_seq() : call.seq;
+    auto inputs = call.inputs;
     r.accesses.reserve(plan->args.size());
     for (const auto& [index, write] : plan->args)
       if (index < inputs.size()) add_value(r, r.accesses, inputs[index], write, false);
@@ -687,7 +729,7 @@ std::unique_ptr<at::ObserverContext> on_start(const at::RecordFunction& fn) {
       r.args.assign(inputs.begin(), inputs.end());
     }
     r.stack = stack_here();
-    if (cuda && plan->copy && into_pageable_host(fn)) r.synced = r.stream;
+    if (cuda && plan->copy && into_pageable_host(call)) r.synced = r.stream;
     h.in_flight = &r;
   }
   return pending;
@@ -727,11 +769,11 @@ void push(Record&& r) {
 // collective torch's C++ issues (DDP's reducer, from the autograd engine's thread) is queued before it runs; one Python
 // issues, and every functional collective, as it returns with its Work or outputs (collectives.py says why each). The
 // values hold the op's tensors until drained.
-void queue_modelled(const at::RecordFunction& fn, std::shared_ptr<const Plan> plan, std::vector<c10::IValue> args,
+void queue_modelled(const char* op, std::shared_ptr<const Plan> plan, std::vector<c10::IValue> args,
                    std::vector<c10::IValue> outputs, What what) {
   Record r;
   r.what = what;
-  r.op = fn.name();
+  r.op = op;
   r.plan = std::move(plan);
   r.args = std::move(args);
   r.outputs = std::move(outputs);
@@ -740,18 +782,17 @@ void queue_modelled(const at::RecordFunction& fn, std::shared_ptr<const Plan> pl
   push(std::move(r));
 }
 
-void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
+void on_end(c10::ArrayRef<c10::IValue> outputs, at::ObserverContext* context) {
   if (context == nullptr) return;
   auto* pending = static_cast<Pending*>(context);
   const Plan* plan = pending->plan.get();
-  if (!cuda) node_streams::bind_outputs(fn.outputs(), stream_now());
+  if (!cuda) node_streams::bind_outputs(outputs, stream_now());
   if (plan == nullptr) return;  // nodes_only
   Here& h = here;
   --h.depth;
   if (plan->queued) {
     if (!plan->at_issue || issuing()) {
-      auto outputs = fn.outputs();
-      queue_modelled(fn, pending->plan, std::move(pending->inputs), {outputs.begin(), outputs.end()},
+      queue_modelled(pending->op, pending->plan, std::move(pending->inputs), outputs.vec(),
                     What::kQueuedEnd);
     }
     return;
@@ -760,8 +801,8 @@ void on_end(const at::RecordFunction& fn, at::ObserverContext* context) {
   h.in_flight = nullptr;
   Record& r = pending->record;
   if (plan->fresh) {
-    r.fresh.reserve(fn.outputs().size());
-    for (const auto& v : fn.outputs()) add_value(r, r.fresh, v, plan->writes_output, true);
+    r.fresh.reserve(outputs.size());
+    for (const auto& v : outputs) add_value(r, r.fresh, v, plan->writes_output, true);
   }
   if (!cuda && r.touched == 0) return;  // no tensor of the modelled device: no launch, as under the dispatch mode
   push(std::move(r));
@@ -791,29 +832,44 @@ void clear_all() {
 // A thread's own callback. Not on a thread that inherited it with torch's thread-local state from inside an op
 // (gloo's workers): that is the op's own work, which a dispatch mode (inactive inside the ops it handles) does not see.
 // Not while a global callback runs either.
+std::unique_ptr<at::ObserverContext> on_start_global(const at::RecordFunction& fn) {
+  if (here.depth > 0) return nullptr;  // inside a captured op (before the call's making: half the calls a step)
+  return on_start(OpCall::of(fn));
+}
+
 std::unique_ptr<at::ObserverContext> on_start_observed(const at::RecordFunction& fn) {
-  if (every_thread || here.observed == 0) return nullptr;
-  return on_start(fn);
+  if (every_thread || here.observed == 0 || here.depth > 0 || by_kernel.load(std::memory_order_relaxed)) return nullptr;
+  return on_start(OpCall::of(fn));
+}
+
+void on_end_recorded(const at::RecordFunction& fn, at::ObserverContext* context) {
+  if (context != nullptr) on_end(fn.outputs(), context);
 }
 
 at::RecordFunctionCallback callback(bool global) {
-  return at::RecordFunctionCallback(global ? on_start : on_start_observed, on_end).needsInputs(true)
+  return at::RecordFunctionCallback(global ? on_start_global : on_start_observed, on_end_recorded).needsInputs(true)
       .needsOutputs(true).scopes({at::RecordScope::FUNCTION});
 }
 
 // This thread's ops are captured from now on (once enabled for some threads only); false if they were already.
+// A thread marked for the kernel entry gets a callback once a session takes its ops from RecordFunction, and keeps it.
 bool observe() {
-  if (every_thread || here.observed != 0) return false;
-  here.observed = at::addThreadLocalCallback(callback(false));
+  Here& h = here;
+  if (every_thread || (h.observed != 0 && (by_kernel || h.observed != kObserved))) return false;
+  h.observed = by_kernel ? kObserved : at::addThreadLocalCallback(callback(false));
   return true;
 }
 
 void unobserve() {
-  if (here.observed != 0) at::removeCallback(here.observed);
+  if (here.observed != 0 && here.observed != kObserved) at::removeCallback(here.observed);
   here.observed = 0;
 }
 
-void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, bool host_frees) {
+void hook_ops();  // kernel_entry.cpp
+
+// kernel: the ops from the kernel entry (kernel_entry.cpp), else from RecordFunction callbacks (which the virtual
+// model's node binding needs: they end after autograd has put the op's node on its outputs).
+void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, bool host_frees, bool kernel) {
   cuda = on_cuda;
   if (!cuda && host_frees && cpu_deleter == nullptr)
     cpu_deleter = c10::GetDefaultCPUAllocator()->allocate(1).get_deleter();
@@ -824,16 +880,18 @@ void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, b
   drain_fn = drain.is_none() ? nullptr : new py::object(drain);
   generation.fetch_add(1);  // every thread back on the default stream
   clear_all();
-  on.store(true);
   every_thread = all_threads;
-  if (every_thread) handle = at::addGlobalCallback(callback(true));
-  else observe();
+  if (kernel) hook_ops();
+  by_kernel.store(kernel);
+  on.store(true);
+  if (every_thread && !kernel) handle = at::addGlobalCallback(callback(true));
+  else if (!every_thread) observe();
 }
 
 void disable() {
   on.store(false);
-  if (every_thread) at::removeCallback(handle);
-  else unobserve();  // other threads keep theirs: they record into the next session, as a forwarding mode would
+  if (every_thread && !by_kernel) at::removeCallback(handle);
+  else if (!every_thread) unobserve();  // other threads keep theirs: they record into the next session, as a forwarding mode would
   clear_all();
   delete plan_fn;  // called from Python: the GIL is held; outside the lock, as releasing them may run Python
   delete drain_fn;
@@ -1498,7 +1556,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Stack, std::shared_ptr<Stack>>(m, "Stack").def("frames", &Stack::frames);
   m.def("stack", &stack_here);
   m.def("enable", &enable, py::arg("cuda"), py::arg("plan"), py::arg("drain") = py::none(),
-        py::arg("every_thread") = true, py::arg("host_frees") = false);
+        py::arg("every_thread") = true, py::arg("host_frees") = false, py::arg("kernel") = false);
   m.def("observe", &observe);
   m.def("unobserve", &unobserve);
   m.def("disable", &disable);

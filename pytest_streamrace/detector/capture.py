@@ -1,11 +1,15 @@
 """Ops captured in C++ (both stream models): what the dispatch mode hands the tracker, without entering Python per op.
 
 A TorchDispatchMode costs a launch-bound training step 1.6-1.7x before it does anything (measured on H200 hosts,
-docs/gpu-validation.md). This extension registers a global RecordFunction callback instead and records, per op that
-reaches a kernel below autograd (composite ops decompose first, as they do before the dispatch mode; ops nested in a
-recorded op are its own business, as under the mode), the byte ranges of the storages it reads and writes, its fresh
-outputs, the current stream, whether it runs inside an autograd node, and the Python stack (torch's C++ capture, named
-later). Which arguments are read or written is the tracker's own plan (``tracker._plan``), asked once per op.
+docs/gpu-validation.md). This extension takes ops in C++ instead and records, per op that reaches a kernel below
+autograd (composite ops decompose first, as they do before the dispatch mode; ops nested in a recorded op are its own
+business, as under the mode), the byte ranges of the storages it reads and writes, its fresh outputs, the current
+stream, whether it runs inside an autograd node, and the Python stack (torch's C++ capture, named later). Which
+arguments are read or written is the tracker's own plan (``tracker._plan``), asked once per op. The ops come from one
+of two entries (``enable``'s `kernel`): on cuda a kernel of ours at the BackendSelect dispatch key, which sees only
+the calls that reach a kernel (``kernel_entry.cpp``); on host memory a RecordFunction callback, which boxes every
+dispatcher call but ends after autograd has put an op's node on its outputs, as the virtual model's node binding
+needs.
 
 The tracker drains the records in order at every point where order matters (stream and event calls, frees, waits,
 reading races); frees, and on a GPU the trace's event records and waits, arrive as markers in the same buffer. The
@@ -14,12 +18,12 @@ stack, and modelled when drained: a c10d op torch's C++ issues as of before it r
 (``set_issuing``), and every functional collective, as it returned, with its Work or outputs. No op enters Python as
 it runs. ``x.copy_(y)`` of a view onto the same bytes launches nothing and is no access.
 
-On host memory (the virtual model) the current stream is the model's, set per thread (``set_stream``); the callback
+On host memory (the virtual model) the current stream is the model's, set per thread (``set_stream``); the capture
 is per thread, on the threads a dispatch mode would see (``observe``); a storage first seen by a record is held by it
 until drained, and a watched storage's free is queued in order (``mark_free``), so an address handed out again before a
 drain is never taken for the old storage; the arguments of ops whose host sync depends on them come along.
 
-The C++ is ``capture.cpp`` beside this module, shipped as package data and built on first use with torch's C++
+The C++ is ``capture.cpp`` and ``kernel_entry.cpp`` beside this module, shipped as package data and built on first use with torch's C++
 extension loader (a compiler is needed; about 20-40 s, cached). The same module holds the happens-before core in C++
 (``hb_core.cpp``, submodule ``hb``; ``hb_native``), and the capture feeds it without Python per op (``Feed``: the
 tracker's ``_apply_captured`` in C++, over the tracker's own tables; Python is entered for host syncs, races and
@@ -238,11 +242,11 @@ def _ninja_on_path() -> None:
 
 def sources() -> list[str]:
     """The extension's C++ sources (package data), in the order they are joined: the happens-before core
-    (``hb_core.cpp``), the virtual model's node binding (``node_streams.cpp``), then the capture (``capture.cpp``),
-    which uses both and whose module binds them."""
+    (``hb_core.cpp``), the virtual model's node binding (``node_streams.cpp``), the capture (``capture.cpp``), which
+    uses both and whose module binds them, then its kernel entry (``kernel_entry.cpp``), which hands it ops."""
     files = importlib.resources.files(__package__)
     return [files.joinpath(name).read_text(encoding="utf-8")
-            for name in ("hb_core.cpp", "node_streams.cpp", "capture.cpp")]
+            for name in ("hb_core.cpp", "node_streams.cpp", "capture.cpp", "kernel_entry.cpp")]
 
 
 def failure() -> str | None:

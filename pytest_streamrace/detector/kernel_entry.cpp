@@ -1,0 +1,143 @@
+// The capture's kernel entry: ops handed to the capture (capture.cpp's on_start/on_end) by a boxed kernel of ours at
+// torch's BackendSelect dispatch key, instead of by RecordFunction callbacks.
+//
+// Why: RecordFunction runs its machinery and boxes the arguments and outputs of every dispatcher call: composite ops
+// before they decompose, every op nested inside a kernel, views. On the launch-bound step that is ~400 calls for the
+// ~150 ops the capture records, and it was most of the capture floor (docs/performance.md). BackendSelect is the last
+// functionality key before the backend's kernel, in every call's key set (torch's default-included keys), and torch
+// registers a fallthrough there for every op but factories. So a kernel of ours there sees exactly the calls that reach
+// a kernel, below autograd and below any tensor subclass's or mode's handling, as a dispatch mode sees them, and it
+// costs one boxing of the ops it is registered for, nothing for the others. Views (they touch no bytes) are left
+// out. Factory ops, whose BackendSelect kernel picks the backend from dtype/layout/device, get ours instead, which
+// picks it the same way (torchgen's ComputeBackendSelect). The profiler and every other RecordFunction user see what
+// they saw before.
+//
+// The kernels stay registered for the process once added (`hook_ops`, at a session's start): the dispatcher's tables
+// are not safe to change while another thread dispatches the same op, and no session ever needs them gone. Outside a
+// kernel-entry session each costs a boxing and a redispatch. Ops defined later are added at the next session's start.
+//
+// What differs from the callbacks: the op runs inside its autograd kernel, which has made the op's node already but
+// not yet put it on the outputs. So the virtual model's node binding (node_streams.cpp, at an op's end) keeps the
+// RecordFunction entry; and the autograd number of the node an op made is the one `at::sequence_number` moved past
+// (`moved_seq`), as the dispatch mode reads it.
+
+namespace {
+
+constexpr c10::DispatchKeySet kBelowBackendSelect(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::BackendSelect);
+
+void run(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack) {
+  Here& h = here;
+  if (!by_kernel.load(std::memory_order_relaxed) || h.depth > 0 || h.paused || !on.load(std::memory_order_relaxed) ||
+      (!every_thread && h.observed == 0)) {
+    op.redispatchBoxed(below, stack);
+    return;
+  }
+  const auto& schema = op.schema();
+  size_t n = schema.arguments().size();
+  OpCall call{schema.name().c_str(), c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - n, n), kMovedSeq,
+              nullptr, &op};
+  auto context = on_start(call);
+  if (context == nullptr) {
+    op.redispatchBoxed(below, stack);
+    return;
+  }
+  try {
+    op.redispatchBoxed(below, stack);
+  } catch (...) {  // as RecordFunction ends a call that threw: no outputs
+    on_end({}, context.get());
+    throw;
+  }
+  size_t r = schema.returns().size();
+  on_end(c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - r, r), context.get());
+}
+
+void entry(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  run(op, keys & kBelowBackendSelect, stack);
+}
+
+// A factory op: the backend from its dtype, layout and device arguments, and its tensor arguments' keys where it has
+// any, as torch's generated BackendSelect kernel for it computes them.
+void factory_entry(const c10::OperatorHandle& op, c10::DispatchKeySet, torch::jit::Stack* stack) {
+  const auto& arguments = op.schema().arguments();
+  size_t n = arguments.size();
+  const c10::IValue* values = stack->data() + stack->size() - n;
+  std::optional<at::ScalarType> dtype;
+  std::optional<at::Layout> layout;
+  std::optional<at::Device> device;
+  c10::DispatchKeySet tensors;
+  bool has_tensors = false;
+  for (size_t i = 0; i < n; ++i) {
+    const auto& name = arguments[i].name();
+    const auto& v = values[i];
+    if (v.isNone()) continue;
+    if (name == "dtype") dtype = v.toScalarType();
+    else if (name == "layout") layout = v.toLayout();
+    else if (name == "device") device = v.toDevice();
+    else if (v.isTensor()) {
+      has_tensors = true;
+      if (v.toTensor().defined()) tensors = tensors | v.toTensor().key_set();
+    } else if (v.isTensorList()) {
+      has_tensors = true;
+      for (const at::Tensor& t : v.toTensorList()) if (t.defined()) tensors = tensors | t.key_set();
+    }
+  }
+  auto keys = c10::DispatchKeySet(c10::computeDispatchKey(dtype, layout, device));
+  if (has_tensors) keys = c10::impl::computeDispatchKeySet(keys | tensors, kBelowBackendSelect);
+  run(op, keys, stack);
+}
+
+// Whether every return aliases an argument without writing it (a view: no bytes touched).
+bool is_view(const c10::FunctionSchema& schema) {
+  const auto& returns = schema.returns();
+  if (returns.empty()) return false;
+  for (const auto& r : returns)
+    if (r.alias_info() == nullptr || r.alias_info()->isWrite()) return false;
+  return true;
+}
+
+bool is_factory(const c10::FunctionSchema& schema) {  // torchgen's needs_backend_select: TensorOptions arguments
+  int found = 0;
+  for (const auto& a : schema.arguments()) found += a.name() == "dtype" || a.name() == "layout" || a.name() == "device";
+  return found == 3;
+}
+
+struct Silent : c10::WarningHandler {  // torch warns once when a kernel replaces another (a factory's, on purpose)
+  void process(const c10::Warning&) override {}
+};
+
+std::mutex hooks_mutex;
+// Never destroyed: releasing them would change the dispatcher's tables while the process exits.
+auto* hooks = new std::vector<c10::RegistrationHandleRAII>();
+auto* hooked = new std::unordered_set<std::string>();  // "name.overload"
+size_t names_seen = 0;  // ops registered at the last scan: none new, nothing to look at
+
+}  // namespace
+
+// Adds the kernel entry for every op that reaches a kernel and is not hooked yet (called at a kernel-entry session's
+// start, the GIL held). Not for views, for ops RecordFunction leaves unobserved (aten::size and the like), or for an op
+// whose BackendSelect kernel is not a factory's (is_pinned, _pin_memory).
+void hook_ops() {
+  auto& dispatcher = c10::Dispatcher::singleton();
+  std::lock_guard<std::mutex> guard(hooks_mutex);
+  auto names = dispatcher.getAllOpNames();
+  if (names.size() == names_seen) return;
+  names_seen = names.size();
+  Silent silent;
+  c10::WarningUtils::WarningHandlerGuard quiet(&silent);
+  for (const auto& name : names) {
+    auto op = dispatcher.findOp(name);
+    if (!op || !op->hasSchema() || !reaches_kernel(*op)) continue;
+    std::string key = name.name + "." + name.overload_name;
+    if (hooked->count(key) || !c10::ObservedOperators::isObserved(name)) continue;
+    const auto& schema = op->schema();
+    if (is_view(schema)) continue;
+    bool factory = op->hasKernelForDispatchKey(c10::DispatchKey::BackendSelect);
+    if (factory && !is_factory(schema)) continue;
+    hooks->push_back(dispatcher.registerImpl(
+        name, c10::DispatchKey::BackendSelect,
+        factory ? c10::KernelFunction::makeFromBoxedFunction<&factory_entry>()
+                : c10::KernelFunction::makeFromBoxedFunction<&entry>(),
+        std::nullopt, nullptr, "streamrace: the capture's kernel entry"));
+    hooked->insert(std::move(key));
+  }
+}
