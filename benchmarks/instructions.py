@@ -8,7 +8,8 @@ not move with the machine's load, so a change of a few percent in the detector's
 cannot see it (docs/performance.md, thirteenth session). Rows: plain; torch's floor under any RecordFunction-based
 capture (an empty global callback with boxed arguments, as in paired_overhead.py); the capture floor (the C++ capture
 as the virtual detector runs it, its records dropped unread each step: what the capture costs apart from applying
-them); the virtual detector. ``--top N`` also lists the N functions whose own instructions grew most from torch's
+them); the same capture through its kernel entry, as the cuda backend takes ops (kernel_entry.cpp: no RecordFunction
+at all); the virtual detector. ``--top N`` also lists the N functions whose own instructions grew most from torch's
 floor to the detector, and where the extra allocations come from.
 """
 
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 
-MODES = ("plain", "RecordFunction boxed", "capture floor", "virtual")
+MODES = ("plain", "RecordFunction boxed", "capture floor", "kernel-entry floor", "virtual")
 
 
 def worker(mode: str, steps: int, model: str) -> None:
@@ -40,6 +41,10 @@ def worker(mode: str, steps: int, model: str) -> None:
         from paired_overhead import capture_alone
 
         after_step = capture_alone(False, every_thread=False, host_frees=True).discard
+    elif mode == "kernel-entry floor":  # the capture's entry on cuda (kernel_entry.cpp), here on CPU tensors
+        from paired_overhead import capture_alone
+
+        after_step = capture_alone(False, every_thread=True, kernel=True).discard
     elif mode == "virtual":
         from pytest_streamrace.detector.session import Detector
 
