@@ -12,9 +12,10 @@
 // picks it the same way (torchgen's ComputeBackendSelect). The profiler and every other RecordFunction user see what
 // they saw before.
 //
-// The kernels stay registered for the process once added (`hook_ops`, at a session's start): the dispatcher's tables
-// are not safe to change while another thread dispatches the same op, and no session ever needs them gone. Outside a
-// kernel-entry session each costs a boxing and a redispatch. Ops defined later are added at the next session's start.
+// The kernels stay registered for the process once added (`hook_ops`, at a session's start). torch writes an op's table
+// entry before the key mask that routes calls to it, so adding one is safe beside a thread dispatching that op; taking
+// one away is not (a call that read the old mask would reach the fallthrough), and no session needs them gone. Outside
+// a kernel-entry session each costs a boxing and a redispatch. Ops defined later are added at the next session's start.
 //
 // What differs from the callbacks: the op runs inside its autograd kernel, which has made the op's node already but
 // not yet put it on the outputs. So the virtual model's node binding (node_streams.cpp, at an op's end) keeps the
