@@ -17,14 +17,7 @@ echo "== the DDP row, paired (NCCL, a process a rank)"
 timeout 200 python3 benchmarks/paired_overhead.py --model ddp --backend cuda --rounds "${ROUNDS:-6}"; echo "exit $?"
 echo "== where rank 0's detector time goes per step, by thread (timers)"
 STEPS=100 timeout 150 python3 scripts/device/ddp_thread_times.py cuda 2>&1 | grep -v "Warning" | head -24
-echo "== stock stacks on NCCL (clean cases clean, racy twins caught)"
-STACKS="tests/stacks/stack_ddp.py tests/stacks/stack_fsdp2.py tests/stacks/stack_dtensor.py tests/stacks/stack_deepspeed.py" \
-  LIMIT=220 OUT="$OUT/stacks" bash scripts/device/stacks.sh 2>&1 | grep -v "^PASSED" | tail -20
-grep -c "^PASSED" "$OUT/stacks/stacks-streamrace.log"
-echo "== deepspeed 0.19.8: zero_overlap on cuda, both variants, 2 runs each"
-PYTHONPATH=/tmp/site timeout 150 python3 -m pytest_streamrace.repro zero_overlap --backend cuda --repeat 2 \
-  > "$OUT/zero_overlap.log" 2>&1; echo "exit $?"
-grep -E ": (reproduced|clean|inconclusive|error) [0-9]+/|every variant" "$OUT/zero_overlap.log" | sort | uniq -c
+stacks_and_zero_overlap 220
 if [ -n "${OVERHEAD:-}" ]; then
   echo "== overhead.py, the DDP row as the issue measures it (own process per configuration)"
   timeout 200 python3 benchmarks/overhead.py --model DDP --steps 30 --repeat 5 2>&1 | tee "$OUT/overhead.log" | tail -6

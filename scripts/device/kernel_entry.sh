@@ -22,14 +22,7 @@ verdicts)
   PYTHONPATH=/tmp/site timeout 150 $pt tests/corpus/corpus_cases.py --streamrace --streamrace-backend=cuda \
     --junitxml="$OUT/corpus.xml" -q > "$OUT/corpus.log" 2>&1; tail -1 "$OUT/corpus.log"
   python3 scripts/device/corpus_table.py "$OUT/corpus.xml" | tail -3
-  echo "== stock stacks on NCCL (clean cases clean, racy twins caught)"
-  STACKS="tests/stacks/stack_ddp.py tests/stacks/stack_fsdp2.py tests/stacks/stack_dtensor.py tests/stacks/stack_deepspeed.py" \
-    LIMIT=200 OUT="$OUT/stacks" bash scripts/device/stacks.sh 2>&1 | grep -v "^PASSED" | tail -20
-  grep -c "^PASSED" "$OUT/stacks/stacks-streamrace.log"
-  echo "== deepspeed 0.19.8: zero_overlap on cuda, both variants, 2 runs each"
-  PYTHONPATH=/tmp/site timeout 120 python3 -m pytest_streamrace.repro zero_overlap --backend cuda --repeat 2 \
-    > "$OUT/zero_overlap.log" 2>&1; echo "exit $?"
-  grep -E ": (reproduced|clean|inconclusive|error) [0-9]+/|every variant" "$OUT/zero_overlap.log" | sort | uniq -c;;
+  stacks_and_zero_overlap 200;;
 repros)
   for repro in zero_bucket_reuse zero3_param_gather; do
     echo "== deepspeed: $repro, 2 runs per variant"
