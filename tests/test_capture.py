@@ -491,6 +491,25 @@ def test_an_op_that_raises_leaves_capture_working(extension):
     assert [op.site.op for op in hb.timeline][-2:] == ["aten::ones", "aten::add_"]
 
 
+def test_a_plan_that_raises_never_reaches_the_users_op(extension, monkeypatch):
+    """Whatever the tracker's plan raises stays out of the op that asked for it (RecordFunction drops what its callbacks
+    raise; the kernel entry does the same): the op computes its result, and the ops after it are captured."""
+    original = AccessTracker._capture_plan
+
+    def plan(self, name, overload):
+        if name == "aten::mul":
+            raise TypeError("a bug in the plan")
+        return original(self, name, overload)
+
+    monkeypatch.setattr(AccessTracker, "_capture_plan", plan)
+    with capturing(extension) as (hb, tracker):
+        product = torch.full((2,), 2.0) * 3
+        torch.ones(4).add_(1)
+        tracker.drain()
+    assert product.tolist() == [6.0, 6.0]
+    assert [op.site.op for op in hb.timeline][-2:] == ["aten::ones", "aten::add_"]
+
+
 def test_factory_ops_are_recorded_by_name_and_build_what_they_build_in_a_session_and_after(extension):
     """The kernel entry takes over torch's BackendSelect kernel of a factory op, picking the backend from dtype,
     layout, device and any tensor arguments as torch's does: in a session and after it (the kernels stay), each factory

@@ -26,6 +26,13 @@ namespace {
 
 constexpr c10::DispatchKeySet kBelowBackendSelect(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::BackendSelect);
 
+void end(c10::ArrayRef<c10::IValue> outputs, at::ObserverContext* context) noexcept {
+  try {
+    on_end(outputs, context);
+  } catch (const std::exception&) {
+  }
+}
+
 void run(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack) {
   Here& h = here;
   if (!by_kernel.load(std::memory_order_relaxed) || h.depth > 0 || h.paused || !on.load(std::memory_order_relaxed) ||
@@ -37,7 +44,11 @@ void run(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::S
   size_t n = schema.arguments().size();
   OpCall call{schema.name().c_str(), c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - n, n), kMovedSeq,
               nullptr, &op};
-  auto context = on_start(call);
+  std::unique_ptr<at::ObserverContext> context;
+  try {  // the capture never raises into the op (RecordFunction, too, drops what its callbacks throw)
+    context = on_start(call);
+  } catch (const std::exception&) {
+  }
   if (context == nullptr) {
     op.redispatchBoxed(below, stack);
     return;
@@ -45,11 +56,11 @@ void run(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::S
   try {
     op.redispatchBoxed(below, stack);
   } catch (...) {  // as RecordFunction ends a call that threw: no outputs
-    on_end({}, context.get());
+    end(c10::ArrayRef<c10::IValue>(), context.get());
     throw;
   }
   size_t r = schema.returns().size();
-  on_end(c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - r, r), context.get());
+  end(c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - r, r), context.get());
 }
 
 void entry(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
