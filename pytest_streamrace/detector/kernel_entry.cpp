@@ -127,7 +127,7 @@ size_t names_seen = 0;  // ops registered at the last scan: none new, nothing to
 
 // Adds the kernel entry for every op that reaches a kernel and is not hooked yet (called at a kernel-entry session's
 // start, the GIL held). Not for views, for ops RecordFunction leaves unobserved (aten::size and the like), or for an op
-// whose BackendSelect kernel is not a factory's (is_pinned, _pin_memory).
+// whose BackendSelect kernel is not a factory's (is_pinned, _pin_memory), or for varargs ops (none in aten).
 void hook_ops() {
   auto& dispatcher = c10::Dispatcher::singleton();
   std::lock_guard<std::mutex> guard(hooks_mutex);
@@ -142,7 +142,7 @@ void hook_ops() {
     std::string key = name.name + "." + name.overload_name;
     if (hooked->count(key) || !c10::ObservedOperators::isObserved(name)) continue;
     const auto& schema = op->schema();
-    if (is_view(schema)) continue;
+    if (is_view(schema) || schema.is_vararg() || schema.is_varret()) continue;  // varargs: no fixed count to read
     bool factory = op->hasKernelForDispatchKey(c10::DispatchKey::BackendSelect);
     if (factory && !is_factory(schema)) continue;
     hooks->push_back(dispatcher.registerImpl(
