@@ -126,8 +126,9 @@ size_t names_seen = 0;  // ops registered at the last scan: none new, nothing to
 }  // namespace
 
 // Adds the kernel entry for every op that reaches a kernel and is not hooked yet (called at a kernel-entry session's
-// start, the GIL held). Not for views, for ops RecordFunction leaves unobserved (aten::size and the like), or for an op
-// whose BackendSelect kernel is not a factory's (is_pinned, _pin_memory), or for varargs ops (none in aten).
+// start, the GIL held). Not for views, for ops RecordFunction leaves unobserved (aten::size and the like), for an op
+// whose BackendSelect kernel is not one torchgen made for an aten factory (is_pinned, _pin_memory, another library's
+// own), or for varargs ops (none in aten).
 void hook_ops() {
   auto& dispatcher = c10::Dispatcher::singleton();
   std::lock_guard<std::mutex> guard(hooks_mutex);
@@ -144,7 +145,7 @@ void hook_ops() {
     const auto& schema = op->schema();
     if (is_view(schema) || schema.is_vararg() || schema.is_varret()) continue;  // varargs: no fixed count to read
     bool factory = op->hasKernelForDispatchKey(c10::DispatchKey::BackendSelect);
-    if (factory && !is_factory(schema)) continue;
+    if (factory && (name.name.rfind("aten::", 0) != 0 || !is_factory(schema))) continue;  // torchgen's, none other
     hooks->push_back(dispatcher.registerImpl(
         name, c10::DispatchKey::BackendSelect,
         factory ? c10::KernelFunction::makeFromBoxedFunction<&factory_entry>()
