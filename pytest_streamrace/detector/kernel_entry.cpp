@@ -146,11 +146,14 @@ void hook_ops() {
     if (is_view(schema) || schema.is_vararg() || schema.is_varret()) continue;  // varargs: no fixed count to read
     bool factory = op->hasKernelForDispatchKey(c10::DispatchKey::BackendSelect);
     if (factory && (name.name.rfind("aten::", 0) != 0 || !is_factory(schema))) continue;  // torchgen's, none other
-    hooks->push_back(dispatcher.registerImpl(
-        name, c10::DispatchKey::BackendSelect,
-        factory ? c10::KernelFunction::makeFromBoxedFunction<&factory_entry>()
-                : c10::KernelFunction::makeFromBoxedFunction<&entry>(),
-        std::nullopt, nullptr, "streamrace: the capture's kernel entry"));
+    try {  // an op the dispatcher refuses a kernel for goes uncaptured, rather than the session failing to start
+      hooks->push_back(dispatcher.registerImpl(
+          name, c10::DispatchKey::BackendSelect,
+          factory ? c10::KernelFunction::makeFromBoxedFunction<&factory_entry>()
+                  : c10::KernelFunction::makeFromBoxedFunction<&entry>(),
+          std::nullopt, nullptr, "streamrace: the capture's kernel entry"));
+    } catch (const std::exception&) {
+    }
     hooked->insert(std::move(key));
   }
 }
