@@ -666,7 +666,6 @@ int64_t current_stream() {
   return reinterpret_cast<int64_t>(impl->getStream(impl->getDevice()).native_handle());
 }
 
-// Whether an autograd node runs on this thread; if so the record takes its number and name (backward sites).
 // OpCall::seq of an op the kernel entry hands over: read in `moved_seq` once the op records.
 constexpr int64_t kMovedSeq = -2;
 
@@ -683,6 +682,7 @@ int64_t moved_seq() {
   return now != last && last >= 0 && now > 0 ? now - 1 : -1;
 }
 
+// Whether an autograd node runs on this thread; if so the record takes its number and name (backward sites).
 bool in_node(Record& r) {
   auto node = torch::autograd::get_current_node();
   if (node == nullptr) return false;
@@ -829,22 +829,19 @@ void clear_all() {
   known.clear();
 }
 
+std::unique_ptr<at::ObserverContext> on_start_global(const at::RecordFunction& fn) {
+  return on_start(OpCall::of(fn));
+}
+
 // A thread's own callback. Not on a thread that inherited it with torch's thread-local state from inside an op
 // (gloo's workers): that is the op's own work, which a dispatch mode (inactive inside the ops it handles) does not see.
-// Not while a global callback runs either.
-std::unique_ptr<at::ObserverContext> on_start_global(const at::RecordFunction& fn) {
-  if (here.depth > 0) return nullptr;  // inside a captured op (before the call's making: half the calls a step)
-  return on_start(OpCall::of(fn));
-}
-
+// Not while a global callback runs either, nor in a kernel-entry session (a thread keeps its callback across sessions).
 std::unique_ptr<at::ObserverContext> on_start_observed(const at::RecordFunction& fn) {
-  if (every_thread || here.observed == 0 || here.depth > 0 || by_kernel.load(std::memory_order_relaxed)) return nullptr;
+  if (every_thread || here.observed == 0 || by_kernel.load(std::memory_order_relaxed)) return nullptr;
   return on_start(OpCall::of(fn));
 }
 
-void on_end_recorded(const at::RecordFunction& fn, at::ObserverContext* context) {
-  if (context != nullptr) on_end(fn.outputs(), context);
-}
+void on_end_recorded(const at::RecordFunction& fn, at::ObserverContext* context) { on_end(fn.outputs(), context); }
 
 at::RecordFunctionCallback callback(bool global) {
   return at::RecordFunctionCallback(global ? on_start_global : on_start_observed, on_end_recorded).needsInputs(true)
@@ -891,7 +888,8 @@ void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, b
 void disable() {
   on.store(false);
   if (every_thread && !by_kernel) at::removeCallback(handle);
-  else if (!every_thread) unobserve();  // other threads keep theirs: they record into the next session, as a forwarding mode would
+  // other threads keep theirs: they record into the next session, as a forwarding mode would
+  else if (!every_thread) unobserve();
   clear_all();
   delete plan_fn;  // called from Python: the GIL is held; outside the lock, as releasing them may run Python
   delete drain_fn;

@@ -23,11 +23,11 @@ is per thread, on the threads a dispatch mode would see (``observe``); a storage
 until drained, and a watched storage's free is queued in order (``mark_free``), so an address handed out again before a
 drain is never taken for the old storage; the arguments of ops whose host sync depends on them come along.
 
-The C++ is ``capture.cpp`` and ``kernel_entry.cpp`` beside this module, shipped as package data and built on first use with torch's C++
-extension loader (a compiler is needed; about 20-40 s, cached). The same module holds the happens-before core in C++
-(``hb_core.cpp``, submodule ``hb``; ``hb_native``), and the capture feeds it without Python per op (``Feed``: the
-tracker's ``_apply_captured`` in C++, over the tracker's own tables; Python is entered for host syncs, races and
-notes, and on host memory to watch the storages first seen).
+The C++ is ``capture.cpp`` and ``kernel_entry.cpp`` beside this module, shipped as package data and built on first use
+with torch's C++ extension loader (a compiler is needed; about 20-40 s, cached). The same module holds the
+happens-before core in C++ (``hb_core.cpp``, submodule ``hb``; ``hb_native``), and the capture feeds it without Python
+per op (``Feed``: the tracker's ``_apply_captured`` in C++, over the tracker's own tables; Python is entered for host
+syncs, races and notes, and on host memory to watch the storages first seen).
 
 ``gpu_trace.cpp`` (``load_trace``, a module of its own) is the GPU trace's interpreter in C++ for the cuda model: it
 keeps the allocator's frees, event records and waits, and the events nobody needs out of Python

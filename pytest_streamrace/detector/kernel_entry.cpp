@@ -34,9 +34,8 @@ void end(c10::ArrayRef<c10::IValue> outputs, at::ObserverContext* context) noexc
 }
 
 void run(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack) {
-  Here& h = here;
-  if (!by_kernel.load(std::memory_order_relaxed) || h.depth > 0 || h.paused || !on.load(std::memory_order_relaxed) ||
-      (!every_thread && h.observed == 0)) {
+  // Not this entry's session, or a thread it does not observe (on_start checks the rest: depth, pause, session on)
+  if (!by_kernel.load(std::memory_order_relaxed) || (!every_thread && here.observed == 0)) {
     op.redispatchBoxed(below, stack);
     return;
   }
