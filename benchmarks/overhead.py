@@ -4,16 +4,16 @@ PyTorch's CUDA stream sanitizer on the same step).
     python benchmarks/overhead.py            # CPU: virtual backend; GPU: cuda backend and TORCH_CUDA_SANITIZER
 
 Each configuration runs in its own process (the sanitizer cannot be switched off once on); a row's processes start
-together and measure one at a time once all are ready, and each repeat starts fresh ones. Prints a table of ms per
-step and the slowdown against plain. "empty-mode" is a TorchDispatchMode that only calls through: the cost of
-entering Python for every op, the floor for any tool built on one (PyTorch's sanitizer is; the virtual backend is).
+together and, once all are ready, measure one round at a time in turn (`--cycles` turns), each against plain's round
+of the same turn; each repeat starts fresh ones. Prints a table of ms per step and the slowdown against plain.
+"empty-mode" is a TorchDispatchMode that only calls through: the cost of entering Python for every op, the floor for any tool built on one (PyTorch's sanitizer is; the virtual backend is).
 "capture-floor" is the C++ op capture alone (``detector/capture.py``; on cuda through its kernel entry, as the detector
 takes it there): records dropped each step unread.
 The compiled model's forward runs under torch.compile (Inductor) and compiles under the detector; tools built on a
 plain dispatch mode make dynamo skip compiling, so they get no number there (nan).
 
     python benchmarks/overhead.py --latent   # the latent view's cost: --streamrace-latent=report against off
-    python benchmarks/overhead.py --repeat 3 # every configuration 3 times, interleaved: steadier slowdowns
+    python benchmarks/overhead.py --repeat 3 # fresh processes 3 times: steadier slowdowns
 
 With ``--latent`` every step reads its loss back (``loss.item()``, as logging does: the implicit sync that splits the
 latent view's clocks from the normal ones), and the detector runs twice: latent races kept (report, the default) and
@@ -96,18 +96,18 @@ def serve(model_name: str, mode: str, steps: int, rank: int = 0, store: str = ""
             loss.item()
 
     def measure(after_step=lambda: None) -> None:
-        """Warm up (the first time: compile), say so, then per request the median of 5 rounds of `steps` steps,
-        each measurement after 3 warm-up steps of its own (the process sat idle while the others measured)."""
+        """Warm up (the first time: compile), say so, then per request (its number of rounds) the median of that many
+        rounds of `steps` steps, after 3 warm-up steps of its own (the process sat idle while the others measured)."""
         for _ in range(3):
             step()
             after_step()
         answer("ready")
-        for _ in requests:
+        for request in requests:
             for _ in range(3):
                 step()
                 after_step()
             rounds = []
-            for _ in range(5):
+            for _ in range(int(request)):
                 if cuda:
                     torch.cuda.synchronize()
                 start = time.perf_counter()
@@ -154,7 +154,7 @@ def serve(model_name: str, mode: str, steps: int, rank: int = 0, store: str = ""
 def step_time(model_name: str, mode: str, steps: int, rank: int = 0, store: str = "", read_back: bool = False) -> float:
     """One measurement in this process, as `serve` makes it (3 + 3 warm-up steps, then 5 rounds of `steps`)."""
     answers = []
-    serve(model_name, mode, steps, rank, store, read_back, requests=["measure"], answer=answers.append)
+    serve(model_name, mode, steps, rank, store, read_back, requests=["5"], answer=answers.append)
     return answers[-1]
 
 
@@ -219,9 +219,9 @@ class Configuration:
         for proc in alive:
             proc.kill()
 
-    def measure(self) -> float:
+    def measure(self, rounds: int) -> float:
         for proc in self.procs:
-            proc.stdin.write("measure\n")
+            proc.stdin.write(f"{rounds}\n")
             proc.stdin.flush()
         return self._answers()[0]
 
@@ -252,13 +252,23 @@ class Configuration:
 
 def measure_once(model: str, order: list, args, runs: dict) -> str:
     """One repeat of a row: a fresh process for each configuration (a process a rank), all started at once and waited
-    for before any measures, then one measurement each in `order`, appended to `runs` (nan for an optional one that
-    failed). Fresh processes each repeat: where a process landed (its core, its memory, its GPU context) biases all
-    its numbers alike, so a process kept for every repeat biased a whole row (a 2xH200 run read one row's capture
-    floor at 1.02x, then 1.14x on the next machine). Returns the failure that fails the row, or ""."""
+    for before any measures, then `args.cycles` cycles, each measuring every configuration once (one round of
+    `args.steps` steps), in `order` rotated a place each cycle; the sanitizer, ten times slower than the rest, once
+    after them (three rounds). Appends the repeat's list of measurements to each `runs[mode]` (nan for an optional one
+    that failed).
+
+    Fresh processes each repeat: where a process landed (its core, its memory, its GPU context) biases all its numbers
+    alike, so a process kept for every repeat biased a whole row (a 2xH200 run read one row's capture floor at 1.02x,
+    then 1.14x on the next machine). Short cycles: on the GPU hosts a step's time drifts by 10-30% over seconds (plain
+    processes run one after another read 1.08-1.48 ms a larger step, each steady within itself), so a configuration is
+    compared with plain measured just before or after it, not seconds apart. Returns the failure that fails the row,
+    or ""."""
+    cycled = [mode for mode in order if mode != "sanitizer"]
     with tempfile.TemporaryDirectory() as tmp:
         started = {mode: Configuration(model, mode, args.steps, args.latent, tmp) for mode in order}
         ready: dict[str, Configuration] = {}
+        for mode in order:
+            runs[mode].append([])
         try:
             for mode, configuration in started.items():
                 try:
@@ -268,18 +278,38 @@ def measure_once(model: str, order: list, args, runs: dict) -> str:
                     if mode not in OPTIONAL:
                         return str(exc)
                     print(f"{model}: {exc}", file=sys.stderr)
-            for mode in order:
-                try:
-                    runs[mode].append(ready[mode].measure() if mode in ready else float("nan"))
-                except RuntimeError as exc:  # the worker ended mid-run
-                    if mode not in OPTIONAL:
-                        return str(exc)
-                    print(f"{model}: {exc}", file=sys.stderr)
-                    ready.pop(mode)
-                    runs[mode].append(float("nan"))
+            plan = [(cycled[c % len(cycled):] + cycled[:c % len(cycled)], 1) for c in range(args.cycles)]
+            plan += [(["sanitizer"], 3)] if "sanitizer" in order else []
+            for modes, rounds in plan:
+                for mode in modes:
+                    try:
+                        runs[mode][-1].append(ready[mode].measure(rounds) if mode in ready else float("nan"))
+                    except RuntimeError as exc:  # the worker ended mid-run
+                        if mode not in OPTIONAL:
+                            return str(exc)
+                        print(f"{model}: {exc}", file=sys.stderr)
+                        ready.pop(mode)
+                        runs[mode][-1].append(float("nan"))
         finally:
             closed = [c.close() for c in started.values()]  # a race on a correct step fails its worker's exit
         return "\n".join(f for f in closed if f)
+
+
+def slowdown(runs: dict, mode: str, base: str = "plain") -> str:
+    """`mode`'s slowdown against `base`: the median of its ratios to `base` in the same cycle (for the sanitizer, to
+    its repeat's median `base`), over every cycle of every repeat; then the range of the repeats' own medians (how
+    far one repeat, the single run a reader might otherwise trust, strays from it)."""
+    every, per_repeat = [], []
+    for measured, bases in zip(runs[mode], runs[base]):
+        if len(measured) == len(bases):
+            ratios = [m / b for m, b in zip(measured, bases)]
+        else:
+            ratios = [m / statistics.median(bases) for m in measured]
+        every += ratios
+        per_repeat.append(statistics.median(ratios))
+    per_repeat.sort()
+    spread = f" [{per_repeat[0]:.2f}-{per_repeat[-1]:.2f}]" if len(per_repeat) > 1 else ""
+    return f"{statistics.median(every):.2f}x{spread}"
 
 
 def main() -> int:
@@ -291,13 +321,15 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--store", default="", help=argparse.SUPPRESS)
     parser.add_argument("--repeat", type=int, default=1, metavar="N",
-                        help="measure every configuration N times, interleaved (ms: medians; slowdowns: the median "
-                             "of each repeat's ratio, then [lowest-highest])")
+                        help="start every configuration's process N times (ms: medians; slowdowns: the median of "
+                             "every cycle's ratio, then [lowest-highest] of the repeats' medians)")
+    parser.add_argument("--cycles", type=int, default=8, metavar="N",
+                        help="measurements of each configuration a repeat, interleaved one round at a time")
     parser.add_argument("--latent", action="store_true",
                         help="read the loss back every step and compare --streamrace-latent=report against off")
     args = parser.parse_args()
-    if args.repeat < 1:
-        parser.error("--repeat must be at least 1")
+    if args.repeat < 1 or args.cycles < 1:
+        parser.error("--repeat and --cycles must be at least 1")
     if args.worker:
         faulthandler.register(signal.SIGUSR1, all_threads=True)  # Configuration's watchdog asks a hung worker
         serve(args.worker[0], args.worker[1], args.steps, args.rank, args.store, args.latent)
@@ -312,7 +344,8 @@ def main() -> int:
         modes = ["plain", "empty-mode", "capture-floor"] + ([backend, "sanitizer"] if backend == "cuda"
                                                             else [backend])
     where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
-    print(f"torch {torch.__version__} on {where}; {args.steps} steps per measurement, {args.repeat} repeat(s)"
+    print(f"torch {torch.__version__} on {where}; {args.repeat} repeat(s) of {args.cycles} cycles, a round of "
+          f"{args.steps} steps each"
           + ("; loss.item() every step, latent view off vs report" if args.latent else ""))
     print(f"{'model':36} " + " ".join(f"{m + ' ms':>14}" for m in modes) + "  slowdown vs plain")
     gpus = torch.cuda.device_count()
@@ -322,25 +355,20 @@ def main() -> int:
         if gpus and MODELS[model][3] > gpus:  # gloo on the CPU would measure another program than the GPU rows
             print(f"{model:36} skipped: {MODELS[model][3]} ranks need as many GPUs, this machine has {gpus}")
             continue
-        runs: dict[str, list[float]] = {mode: [] for mode in modes}
+        runs: dict[str, list[list[float]]] = {mode: [] for mode in modes}  # a list of measurements a repeat
+        began = time.monotonic()
         for rep in range(args.repeat):
             order = modes[rep % len(modes):] + modes[:rep % len(modes)]  # each repeat starts elsewhere
             failure = measure_once(model, order, args, runs)
             if failure:
                 print(f"{model}: {failure}", file=sys.stderr)
                 return 1
-        ms = {mode: statistics.median(values) for mode, values in runs.items()}
-
-        def ratio(mode, base="plain") -> str:
-            """The median of each repeat's own ratio (drift between repeats cancels), then their range: how far one
-            repeat, the single run a reader might otherwise trust, strays from it."""
-            ratios = sorted(m / b for m, b in zip(runs[mode], runs[base]))
-            spread = f" [{ratios[0]:.2f}-{ratios[-1]:.2f}]" if len(ratios) > 1 else ""
-            return f"{statistics.median(ratios):.2f}x{spread}"
-        slow = ", ".join(f"{m} {ratio(m)}" for m in modes[1:])
+        ms = {mode: statistics.median(sum(values, [])) for mode, values in runs.items()}
+        slow = ", ".join(f"{m} {slowdown(runs, m)}" for m in modes[1:])
         if args.latent:
-            slow += f"; latent view {ratio(backend, backend + LATENT_OFF)}"
-        print(f"{model:36} " + " ".join(f"{ms[m]:14.3f}" for m in modes) + f"  {slow}", flush=True)  # as it comes
+            slow += f"; latent view {slowdown(runs, backend, backend + LATENT_OFF)}"
+        took = f" ({time.monotonic() - began:.0f} s)"
+        print(f"{model:36} " + " ".join(f"{ms[m]:14.3f}" for m in modes) + f"  {slow}{took}", flush=True)  # as it comes
     return 0
 
 
