@@ -18,21 +18,22 @@ ROOT = Path(__file__).resolve().parent.parent
 def test_overhead_measures_the_launch_bound_and_ddp_rows_without_a_race():
     """A repeat starts its configurations afresh, together (one repeat here: each costs every start again); the DDP
     row's a process a rank."""
-    out = subprocess.run([sys.executable, "benchmarks/overhead.py", "--steps", "1", "--repeat", "1", "--model",
-                          "launch-bound", "--model", "DDP"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run([sys.executable, "benchmarks/overhead.py", "--steps", "1", "--repeat", "1", "--cycles", "2",
+                          "--model", "launch-bound", "--model", "DDP"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
-    assert lines[0].endswith("1 steps per measurement, 1 repeat(s)"), lines[0]
+    assert lines[0].endswith("1 repeat(s) of 2 cycles, a round of 1 steps each"), lines[0]
     header = next(line for line in lines if line.startswith("model"))
     assert re.findall(r"(\S+) ms", header) == ["plain", "empty-mode", "capture-floor", "virtual"]
     for row in ("launch-bound MLP", "DDP MLP (8x512, batch 32, 2 ranks)"):
         line = next(line for line in lines if line.startswith(row))
-        assert re.search(r"empty-mode \d+\.\d\dx, capture-floor \d+\.\d\dx, virtual \d+\.\d\dx$", line), line
+        assert re.search(r"empty-mode \d+\.\d\dx, capture-floor \d+\.\d\dx, virtual \d+\.\d\dx \(\d+ s\)$", line), line
     assert not any(line.startswith(("larger", "compiled")) for line in lines)
 
 
 def test_a_worker_that_gives_no_answer_in_time_is_killed_and_named_with_its_stacks(monkeypatch, tmp_path):
-    """The watchdog: a measurement that takes longer than `answer_within` (here a 200-step one given 0.2 s) ends in a
+    """The watchdog: a measurement that takes longer than `answer_within` (here a 200-step round given 0.2 s) ends in a
     failure naming the configuration, its rank and where its threads stood, and no worker is left running."""
     monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
     from overhead import Configuration
@@ -42,7 +43,7 @@ def test_a_worker_that_gives_no_answer_in_time_is_killed_and_named_with_its_stac
         configuration.ready()
         configuration.answer_within = 0.2
         with pytest.raises(RuntimeError) as failure:
-            configuration.measure()
+            configuration.measure(1)
     finally:
         configuration.close()
     text = str(failure.value)
