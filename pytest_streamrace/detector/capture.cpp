@@ -132,9 +132,9 @@ struct Record {
   std::vector<c10::IValue> outputs;  // a queued collective's, as it returned
 };
 
-// plan null: the op is only watched for the autograd nodes it makes (node_streams.cpp)
 struct Pending : at::ObserverContext {
   Record record; std::shared_ptr<const Plan> plan; std::vector<c10::IValue> inputs; const char* op = nullptr;
+  std::vector<at::Tensor> leaves;  // the virtual model's (node_streams::leaves_of)
   static void* operator new(size_t size);  // from the thread's spares (`Here`): one is made and dropped per op
   static void operator delete(void* pointer, size_t size);
 };
@@ -652,13 +652,6 @@ int64_t stream_now() {
   return h.stream_generation == generation.load(std::memory_order_relaxed) ? h.stream : 0;
 }
 
-// Ops that record nothing may still make autograd nodes, which the virtual model binds at their end (below autograd,
-// none are made: composite ops' inner ops bind them).
-std::unique_ptr<at::ObserverContext> nodes_only() {
-  if (cuda || !node_streams::binding.load(std::memory_order_relaxed)) return nullptr;
-  return std::make_unique<Pending>();
-}
-
 // This thread's current stream as records key it: the CUDA stream's handle, or the virtual model's small int.
 int64_t current_stream() {
   if (!cuda) return stream_now();
@@ -705,10 +698,11 @@ std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
   if (h.depth > 0 || h.paused || !on.load()) return nullptr;
   auto plan = plan_for(call);
   if (plan == nullptr || !plan->below_autograd) return nullptr;
-  if (on_subclass(call) || (plan->copy && copies_onto_itself(call))) return nodes_only();
+  if (on_subclass(call) || (plan->copy && copies_onto_itself(call))) return nullptr;
   ++h.depth;
   auto pending = std::make_unique<Pending>();
   pending->plan = plan;
+  if (!cuda) node_streams::leaves_of(call.inputs, pending->leaves);
   if (plan->queued) {
     pending->inputs.assign(call.inputs.begin(), call.inputs.end());
     pending->op = call.name;
@@ -786,8 +780,7 @@ void on_end(c10::ArrayRef<c10::IValue> outputs, at::ObserverContext* context) {
   if (context == nullptr) return;
   auto* pending = static_cast<Pending*>(context);
   const Plan* plan = pending->plan.get();
-  if (!cuda) node_streams::bind_outputs(outputs, stream_now());
-  if (plan == nullptr) return;  // nodes_only
+  if (!pending->leaves.empty()) node_streams::bind_leaves(pending->leaves, stream_now());
   Here& h = here;
   --h.depth;
   if (plan->queued) {
@@ -911,6 +904,7 @@ void set_issuing(bool value) {
 void set_stream(int64_t stream) {
   here.stream = stream;
   here.stream_generation = generation.load(std::memory_order_relaxed);
+  node_streams::stream_set(stream);
 }
 
 // A kernel the capture does not see as an op (compiled code's: Triton's, Inductor's C++ kernels), recorded in order
@@ -1571,9 +1565,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   });
   m.def("bind_nodes", &node_streams::start, py::arg("enter"), py::arg("leave"), py::arg("core"));
   m.def("unbind_nodes", &node_streams::stop);
-  m.def("bind_tensors", [](const std::vector<at::Tensor>& tensors) {
-    node_streams::bind_tensors(tensors, stream_now());
-  });
+  m.def("bind_graph", &node_streams::bind_roots, py::arg("roots"), py::arg("caller"));
   for (auto& def : traced_defs)
     m.attr(def.ml_name) = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.attr("__name__").ptr()));
   m.attr("free_from_trace") = py::capsule(reinterpret_cast<void*>(&free_from_trace), "streamrace.free_from_trace");

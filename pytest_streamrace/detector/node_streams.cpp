@@ -1,15 +1,27 @@
 // The virtual autograd model's node binding in C++ (models/autograd_binding.py's NativeBinding), built into the
-// capture's module: each new autograd node is bound to the virtual stream current when the op that made it ended
-// (capture.cpp calls `bind_outputs` at every op's end), and carries two hooks of ours that run the model's Python
+// capture's module: before each backward, every node of the graph behind its roots is bound to the virtual stream that
+// was current on its thread when it was made (`bind_graph`), and carries two hooks of ours that run the model's Python
 // (`enter`, `leave`) when the node runs, once the session has seen two streams. The fallback binds in Python with a
 // function mode, which costs a Python frame per torch call (docs/performance.md).
 //
+// Which stream was current when a node was made comes from its own autograd number: each thread's stream switches are
+// logged with the number its next node gets (`stream_set`), so nothing is done per op, no op's outputs are read, and a
+// node made above the ops the capture sees (a tensor subclass's, a compiled graph's) is found like any other. An
+// AccumulateGrad node has no number: it takes the stream of its earliest consumer, the op that first used its leaf.
+//
 // The binding lives on the node (our pre-hook object): no table keyed by nodes whose addresses are reused, no weak
-// references (their type differs between torch versions), and the hook is first in the node's list, before any hook a
-// user registers on the node they get back from the op.
+// references (their type differs between torch versions), and the hook goes first in the node's list, before any hook
+// a user registered on the node, as the engine's stream guard is in place before any of them runs.
+#include <ATen/SequenceNumber.h>
+#include <ATen/record_function.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/functions/accumulate_grad.h>
+#include <torch/csrc/autograd/python_cpp_function.h>
+#include <torch/csrc/autograd/python_function.h>
 #include <torch/csrc/autograd/python_variable.h>
+#include <algorithm>
+#include <mutex>
+#include <unordered_map>
 
 namespace node_streams {
 
@@ -95,54 +107,143 @@ struct Follow : torch::autograd::FunctionPostHook {
   void compiled_args(torch::dynamo::autograd::CompiledNodeArgs&) {}
 };
 
-// Bind the graph behind `root` to `stream`, up to the nodes this session already bound.
-void bind_from(Node* root, int64_t stream) {
-  uint64_t now = session.load(std::memory_order_relaxed);
-  std::lock_guard<std::mutex> guard(mutex);
-  thread_local std::vector<Node*> stack;
-  stack.assign(1, root);
-  while (!stack.empty()) {
-    Node* node = stack.back();
-    stack.pop_back();
-    Binding* b = binding_of(node);
-    if (b != nullptr && b->of == now) continue;
-    if (b != nullptr) {  // an earlier session's (a DDP wrapper's AccumulateGrad nodes live on)
-      b->stream = stream;
-      b->of = now;
-    } else {
-      auto hook = std::make_unique<Binding>(stream, now, dynamic_cast<torch::autograd::AccumulateGrad*>(node) != nullptr);
-      b = hook.get();
-      node->add_pre_hook(std::move(hook));
-      if (node->num_outputs() > 0) node->add_post_hook(std::make_unique<Follow>(node, b));
-    }
-    for (const auto& edge : node->next_edges())
-      if (edge.function) stack.push_back(edge.function.get());
+// Each thread's stream switches in this session (by RecordFunction's thread id, as Node::thread_id keeps it), each
+// with the autograd number the thread's next node gets. A thread with none made its nodes on the default stream (0).
+// The newest kSwitchesKept halves are kept: a node older than a thread's oldest switch left is taken as the default's.
+struct Switch {
+  uint64_t seq;
+  int64_t stream;
+};
+constexpr size_t kSwitchesKept = 1 << 16;
+std::mutex switches_mutex;
+std::unordered_map<uint64_t, std::vector<Switch>> switches;
+
+// The virtual model made `stream` current on this thread (the capture's set_stream).
+void stream_set(int64_t stream) {
+  if (!binding.load(std::memory_order_relaxed)) return;
+  uint64_t thread = at::RecordFunction::currentThreadId();
+  uint64_t seq = at::sequence_number::peek();
+  std::lock_guard<std::mutex> guard(switches_mutex);
+  auto& log = switches[thread];
+  if (!log.empty() && log.back().seq == seq) log.pop_back();  // no node made under the stream it replaces
+  if (log.empty() ? stream == 0 : log.back().stream == stream) return;
+  log.push_back({seq, stream});
+  if (log.size() > kSwitchesKept) log.erase(log.begin(), log.begin() + kSwitchesKept / 2);
+}
+
+// The stream current on `node`'s thread when it was made (switches_mutex held).
+int64_t made_on(const Node* node) {
+  auto it = switches.find(node->thread_id());
+  if (it == switches.end()) return 0;
+  const auto& log = it->second;
+  auto after = std::upper_bound(log.begin(), log.end(), node->sequence_nr(),
+                                [](uint64_t seq, const Switch& s) { return seq < s.seq; });
+  return after == log.begin() ? 0 : std::prev(after)->stream;
+}
+
+void bind(Node* node, int64_t stream, uint64_t now) {
+  Binding* b = binding_of(node);
+  if (b != nullptr) {  // an earlier session's (a DDP wrapper's AccumulateGrad nodes live on)
+    b->stream = stream;
+    b->of = now;
+    return;
   }
+  auto hook = std::make_unique<Binding>(stream, now, dynamic_cast<torch::autograd::AccumulateGrad*>(node) != nullptr);
+  b = hook.get();
+  auto& pre = node->pre_hooks();
+  pre.insert(pre.begin(), std::move(hook));
+  if (node->num_outputs() > 0) node->add_post_hook(std::make_unique<Follow>(node, b));
 }
 
-void bind_tensor(const at::Tensor& t, int64_t stream) {
-  if (!t.defined() || !t.requires_grad()) return;
-  const auto& fn = t.grad_fn();
-  if (fn) bind_from(fn.get(), stream);
-}
-
-// Whether new nodes are bound now: a session binds, and grad mode is on (autograd records nothing otherwise).
+// Whether nodes are bound now: a session binds, and grad mode is on (autograd records nothing otherwise).
 bool wanted() { return binding.load(std::memory_order_relaxed) && c10::GradMode::is_enabled(); }
 
-// An op's outputs: the nodes they carry, and the new ones behind them, go to `stream`.
-void bind_outputs(c10::ArrayRef<c10::IValue> outputs, int64_t stream) {
+// A leaf's AccumulateGrad node, made by the leaf's first use, runs where that use ran (its number says nothing), and a
+// backward may start from another graph than the one that made it (DDP and DeepSpeed make theirs with
+// `p.expand_as(p)`): so it is bound at the op. `leaves_of` at the op's start keeps its inputs that are leaves needing a
+// gradient (the node may not exist yet above autograd); `bind_leaves` at its end binds their nodes to `stream`.
+void leaves_of(c10::ArrayRef<c10::IValue> inputs, std::vector<at::Tensor>& leaves) {
   if (!wanted()) return;
-  for (const auto& v : outputs) {
-    if (v.isTensor()) bind_tensor(v.toTensor(), stream);
-    else if (v.isTensorList()) for (const at::Tensor& t : v.toTensorList()) bind_tensor(t, stream);
-    else if (v.isList()) for (const auto& e : v.toListRef()) if (e.isTensor()) bind_tensor(e.toTensor(), stream);
-  }
+  for (const auto& v : inputs)
+    if (v.isTensor() && v.toTensor().defined() && v.toTensor().requires_grad() && v.toTensor().is_leaf())
+      leaves.push_back(v.toTensor());
 }
 
-// A compiled graph's outputs (the Python `adopt_outputs`), to `stream`.
-void bind_tensors(const std::vector<at::Tensor>& tensors, int64_t stream) {
-  if (!wanted()) return;
-  for (const auto& t : tensors) bind_tensor(t, stream);
+void bind_leaves(std::vector<at::Tensor>& leaves, int64_t stream) {
+  uint64_t now = session.load(std::memory_order_relaxed);
+  for (const auto& t : leaves) {
+    auto accumulator = torch::autograd::impl::try_get_grad_accumulator(t);
+    if (!accumulator) continue;
+    std::lock_guard<std::mutex> guard(mutex);
+    Binding* b = binding_of(accumulator.get());
+    if (b == nullptr || b->of != now) bind(accumulator.get(), stream, now);
+  }
+  leaves.clear();
+}
+
+// Before a backward: the graph behind `roots`, up to the nodes this session already bound. An AccumulateGrad no op
+// bound (its leaf used outside the ops the capture sees) takes the stream of its earliest consumer in the graph;
+// `caller`, the stream of a root that has no number.
+void bind_graph(const std::vector<Node*>& roots, int64_t caller) {
+  if (!binding.load(std::memory_order_relaxed)) return;
+  uint64_t now = session.load(std::memory_order_relaxed);
+  std::lock_guard<std::mutex> guard(mutex);
+  std::lock_guard<std::mutex> log_guard(switches_mutex);
+  struct Step {
+    Node* node;
+    uint64_t consumer_seq;  // the node that reached it: its number and stream
+    int64_t consumer_stream;
+  };
+  std::vector<Step> stack;
+  std::unordered_map<Node*, std::pair<uint64_t, int64_t>> unnumbered;  // their earliest consumer's number and stream
+  for (Node* root : roots)
+    if (root != nullptr) stack.push_back({root, UINT64_MAX, caller});
+  while (!stack.empty()) {
+    Step step = stack.back();
+    stack.pop_back();
+    Node* node = step.node;
+    Binding* b = binding_of(node);
+    if (b != nullptr && b->of == now) continue;
+    uint64_t seq = node->sequence_nr();
+    int64_t stream;
+    if (seq == UINT64_MAX) {
+      auto [at, fresh] = unnumbered.try_emplace(node, step.consumer_seq, step.consumer_stream);
+      if (!fresh) {
+        if (step.consumer_seq < at->second.first) at->second = {step.consumer_seq, step.consumer_stream};
+        continue;
+      }
+      stream = step.consumer_stream;
+    } else {
+      stream = made_on(node);
+      bind(node, stream, now);
+    }
+    for (const auto& edge : node->next_edges())
+      if (edge.function) stack.push_back({edge.function.get(), seq, stream});
+  }
+  for (const auto& [node, consumer] : unnumbered) bind(node, consumer.second, now);
+}
+
+template <class T>
+Node* raw_node(const std::weak_ptr<T>& node) {  // a custom Function's node, before torch 2.12
+  return node.lock().get();
+}
+template <class P>
+Node* raw_node(const P& node) {
+  return node.get();
+}
+
+// `bind_graph` from Python: the backward's roots (tensors, or the nodes of GradientEdges), the caller's stream.
+void bind_roots(py::handle roots, int64_t caller) {
+  std::vector<Node*> nodes;
+  for (py::handle root : roots) {
+    PyObject* obj = root.ptr();
+    if (THPVariable_Check(obj)) nodes.push_back(THPVariable_Unpack(obj).grad_fn().get());
+    else if (torch::autograd::THPCppFunction_Check(obj))
+      nodes.push_back(reinterpret_cast<torch::autograd::THPCppFunction*>(obj)->cdata.get());
+    else if (THPFunction_Check(obj)) nodes.push_back(raw_node(reinterpret_cast<THPFunction*>(obj)->cdata));
+  }
+  py::gil_scoped_release released;  // the walk holds our locks only
+  bind_graph(nodes, caller);
 }
 
 void start(py::object enter, py::object leave, py::object hb_core) {
@@ -152,6 +253,10 @@ void start(py::object enter, py::object leave, py::object hb_core) {
   leave_fn = new py::object(std::move(leave));
   core.store(hb_core.is_none() ? nullptr : hb_core.cast<streamrace_hb::PyCore*>());
   session.fetch_add(1);
+  {
+    std::lock_guard<std::mutex> guard(switches_mutex);
+    switches.clear();
+  }
   binding.store(true);
 }
 

@@ -2,13 +2,14 @@
 
 Two bindings with one face (``install``/``uninstall``, ``adopt_outputs``, ``before_backward``, ``mode``), picked with
 the op source:
-- ``NativeBinding`` (with the C++ capture): ``node_streams.cpp`` binds the nodes an op made at the op's end, in C++,
-  and its hooks call the model's ``enter_node``/``leave_node`` once two streams exist. No Python per torch call.
+- ``NativeBinding`` (with the C++ capture): before each backward, ``node_streams.cpp`` binds the graph behind its roots,
+  each node to the stream current on its thread when it was made (found from its autograd number), and its hooks call
+  the model's ``enter_node``/``leave_node`` once two streams exist. Nothing per torch call.
 - ``ModeBinding`` (the fallback, no compiler): a TorchFunctionMode, above autograd, binds the new nodes behind each
   call's outputs with Python hooks. It costs a Python frame per torch call, property reads included.
 
-Both bind a node to the stream current when the call that made it returned, stop at nodes already bound in this
-session, and leave compiled code's nodes to ``adopt_outputs`` (called when a compiled graph ran).
+Both bind a node to the stream current when the call that made it ran and stop at nodes already bound in this session;
+the function mode leaves compiled code's nodes to ``adopt_outputs`` (called when a compiled graph ran).
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _live(ref):
 
 
 class NativeBinding:
-    """Nodes bound in C++ at the end of the op that made them (``node_streams.cpp``, through the capture)."""
+    """Nodes bound in C++ before the backward that runs them (``node_streams.cpp``, through the capture)."""
 
     mode = None  # no function mode for threads to enter
 
@@ -60,12 +61,13 @@ class NativeBinding:
         self.extension.unbind_nodes()
 
     def adopt_outputs(self, out) -> None:
-        tensors = _with_nodes(out)
-        if tensors:
-            self.extension.bind_tensors(tensors)
+        """Nothing to do: a compiled graph's node is found by its number like any other."""
 
     def before_backward(self, outputs) -> None:
-        """Nothing to do: every node has its hooks from the start."""
+        roots = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
+        # tensors, or GradientEdges (node, output number)
+        self.extension.bind_graph([r if isinstance(r, torch.Tensor) else getattr(r, "node", None) for r in roots],
+                                  self.model.streams.index(self.model.streams.current()))
 
 
 # Called by the C++ hooks once the core has seen two streams (node_streams.cpp's `runs`), with streams as the capture's

@@ -256,14 +256,18 @@ class VirtualStreams:
     def set_current(self, stream: Stream) -> None:
         self._tls.stream = stream
         if self.tracker.capturing:
-            index = self._indices.get(stream)
-            if index is None:
-                with self._lock:
-                    index = self._indices.get(stream)
-                    if index is None:
-                        self.keys.append(stream)
-                        index = self._indices[stream] = len(self.keys) - 1
-            self.tracker.capture_stream(index)
+            self.tracker.capture_stream(self.index(stream))
+
+    def index(self, stream: Stream) -> int:
+        """The capture's small int for `stream` (given on first use)."""
+        index = self._indices.get(stream)
+        if index is None:
+            with self._lock:
+                index = self._indices.get(stream)
+                if index is None:
+                    self.keys.append(stream)
+                    index = self._indices[stream] = len(self.keys) - 1
+        return index
 
     def patches(self) -> list:
         """What must be replaced in torch while the model is active (AttrPatch objects)."""
