@@ -330,6 +330,32 @@ def test_autograd_grad_joins_the_caller_stream():
     assert d.races == []
 
 
+def _engine_run_backward(loss):
+    """A backward as Megatron's pipeline schedules run it (``custom_backward``): the engine called directly."""
+    from torch.autograd.variable import Variable
+
+    Variable._execution_engine.run_backward(tensors=(loss,), grad_tensors=(torch.ones_like(loss),), keep_graph=False,
+                                            create_graph=False, inputs=(), allow_unreachable=True,
+                                            accumulate_grad=True)
+
+
+@pytest.mark.parametrize("reader", ["node stream", "other stream"])
+def test_a_backward_run_by_the_engine_directly_runs_each_node_on_its_stream(reader):
+    """The graph made on s runs on s (its nodes read x, written on s, cleanly; s reads the gradient cleanly after it)
+    and the caller joins s at the end; a stream that waited on nothing races with the gradient's write."""
+    with Detector() as d:
+        w = torch.randn(4, requires_grad=True)
+        s, other = side_stream(), side_stream()
+        with torch.cuda.stream(s):
+            x = w * 2
+            loss = (x * x).sum()
+        _engine_run_backward(loss)
+        w.grad.sum()  # the caller joined every stream the backward used
+        with torch.cuda.stream(s if reader == "node stream" else other):
+            w.grad.sum()
+    assert len(d.races) == (0 if reader == "node stream" else 1), d.races
+
+
 def _fan_in(read_on_producer_stream: bool):
     """x feeds ops on two streams: their gradients meet in x's input, added on the consumer's stream."""
     with Detector() as d:

@@ -25,13 +25,12 @@ run off the backward's stream (``hints`` turns the warning into a finding under 
 
 from __future__ import annotations
 
-import functools
 import threading
 import warnings
 
 import torch
 
-from ...patching import AttrPatch
+from ...patching import AttrPatch, skip_in_dynamo
 from .autograd_binding import ModeBinding, NativeBinding
 
 MISMATCH = ("The AccumulateGrad node's stream does not match the stream of the node that produced the incoming "
@@ -115,36 +114,42 @@ class VirtualAutograd:
 
     # the engine
 
-    def _wrap(self, run_backward):
-        @functools.wraps(run_backward)
-        def wrapper(*args, **kwargs):
-            if not self.active:
-                return run_backward(*args, **kwargs)
-            self.binding.before_backward(args[0] if args else kwargs.get("t_outputs", ()))
-            caller = self.streams.current()
-            frame = _Backward()
-            frames = self._tls.__dict__.setdefault("frames", [])
-            frames.append(frame)
-            try:
-                return run_backward(*args, **kwargs)
-            finally:
-                frames.pop()
-                self.tracker.drain()  # the backward's ops land before its redirects go and the caller waits
-                self.tracker.redirect.clear()
-                if frames:  # a backward inside a node (checkpointing) belongs to the outer one
-                    frames[-1].used.update(frame.used)
-                self.streams.set_current(caller)
-                for stream in frame.used:
-                    if stream is not caller:
-                        self.hb.wait_stream(caller, stream)
-        return wrapper
+    def _run_backward(self, run_backward, args, kwargs):
+        """The engine's run_backward, its roots (`tensors`) first, positional or by name: its graph bound, its nodes'
+        streams joined into the caller's at the end."""
+        if not self.active:
+            return run_backward(*args, **kwargs)
+        self.binding.before_backward(args[0] if args else kwargs.get("tensors", ()))
+        caller = self.streams.current()
+        frame = _Backward()
+        frames = self._tls.__dict__.setdefault("frames", [])
+        frames.append(frame)
+        try:
+            return run_backward(*args, **kwargs)
+        finally:
+            frames.pop()
+            self.tracker.drain()  # the backward's ops land before its redirects go and the caller waits
+            self.tracker.redirect.clear()
+            if frames:  # a backward inside a node (checkpointing) belongs to the outer one
+                frames[-1].used.update(frame.used)
+            self.streams.set_current(caller)
+            for stream in frame.used:
+                if stream is not caller:
+                    self.hb.wait_stream(caller, stream)
 
     def patches(self) -> list:
-        import torch.autograd.graph
+        """The engine itself, not torch's Python entry to it: Megatron's pipeline schedules call
+        ``Variable._execution_engine.run_backward`` directly (``custom_backward``)."""
+        from torch.autograd.variable import Variable
 
-        wrapped = self._wrap(torch.autograd.graph._engine_run_backward)
-        return [AttrPatch(torch.autograd.graph, "_engine_run_backward", wrapped),
-                AttrPatch(torch.autograd, "_engine_run_backward", wrapped), self]
+        model = self
+
+        class Engine(type(Variable._execution_engine)):
+            def run_backward(self, *args, **kwargs):
+                return model._run_backward(super().run_backward, args, kwargs)
+
+        skip_in_dynamo(Engine.run_backward)
+        return [AttrPatch(Variable, "_execution_engine", Engine()), self]
 
     @property
     def mode(self):
