@@ -855,10 +855,9 @@ void unobserve() {
   here.observed = 0;
 }
 
-void hook_ops();  // kernel_entry.cpp
+void hook_ops(bool views);  // kernel_entry.cpp
 
-// kernel: the ops from the kernel entry (kernel_entry.cpp), else from RecordFunction callbacks (which the virtual
-// model's node binding needs: they end after autograd has put the op's node on its outputs).
+// kernel: the ops from the kernel entry (kernel_entry.cpp), else from RecordFunction callbacks.
 void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, bool host_frees, bool kernel) {
   cuda = on_cuda;
   if (!cuda && host_frees && cpu_deleter == nullptr)
@@ -871,7 +870,7 @@ void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, b
   generation.fetch_add(1);  // every thread back on the default stream
   clear_all();
   every_thread = all_threads;
-  if (kernel) hook_ops();
+  if (kernel) hook_ops(!cuda);  // views: the virtual model binds AccumulateGrad nodes at them
   by_kernel.store(kernel);
   on.store(true);
   if (every_thread && !kernel) handle = at::addGlobalCallback(callback(true));

@@ -18,9 +18,10 @@
 // a kernel-entry session each costs a boxing and a redispatch. Ops defined later are added at the next session's start.
 //
 // What differs from the callbacks: the op runs inside its autograd kernel, which has made the op's node already but
-// not yet put it on the outputs. So the virtual model's node binding (node_streams.cpp, at an op's end) keeps the
-// RecordFunction entry; and the autograd number of the node an op made is the one `at::sequence_number` moved past
-// (`moved_seq`), as the dispatch mode reads it.
+// not yet put it on the outputs; the autograd number of the node an op made is the one `at::sequence_number` moved
+// past (`moved_seq`), as the dispatch mode reads it. The virtual model binds nodes by that number before a backward
+// (node_streams.cpp), but a leaf's AccumulateGrad at the op that first used the leaf, which may be a view
+// (`p.expand_as(p)`): so its sessions hook views too (`hook_ops(true)`).
 
 namespace {
 
@@ -121,19 +122,21 @@ std::mutex hooks_mutex;
 auto* hooks = new std::vector<c10::RegistrationHandleRAII>();
 auto* hooked = new std::unordered_set<std::string>();  // "name.overload"
 size_t names_seen = 0;  // ops registered at the last scan: none new, nothing to look at
+bool views_hooked = false;  // whether that scan hooked views
 
 }  // namespace
 
 // Adds the kernel entry for every op that reaches a kernel and is not hooked yet (called at a kernel-entry session's
-// start, the GIL held). Not for views, for ops RecordFunction leaves unobserved (aten::size and the like), for an op
+// start, the GIL held). Not for views unless `views`, for ops RecordFunction leaves unobserved (aten::size and the like), for an op
 // whose BackendSelect kernel is not one torchgen made for an aten factory (is_pinned, _pin_memory, another library's
 // own), or for varargs ops (none in aten).
-void hook_ops() {
+void hook_ops(bool views) {
   auto& dispatcher = c10::Dispatcher::singleton();
   std::lock_guard<std::mutex> guard(hooks_mutex);
   auto names = dispatcher.getAllOpNames();
-  if (names.size() == names_seen) return;
+  if (names.size() == names_seen && (views_hooked || !views)) return;
   names_seen = names.size();
+  views_hooked = views_hooked || views;
   Silent silent;
   c10::WarningUtils::WarningHandlerGuard quiet(&silent);
   for (const auto& name : names) {
@@ -142,7 +145,7 @@ void hook_ops() {
     std::string key = name.name + "." + name.overload_name;
     if (hooked->count(key) || !c10::ObservedOperators::isObserved(name)) continue;
     const auto& schema = op->schema();
-    if (is_view(schema) || schema.is_vararg() || schema.is_varret()) continue;  // varargs: no fixed count to read
+    if ((is_view(schema) && !views) || schema.is_vararg() || schema.is_varret()) continue;  // varargs: no fixed count
     bool factory = op->hasKernelForDispatchKey(c10::DispatchKey::BackendSelect);
     if (factory && (name.name.rfind("aten::", 0) != 0 || !is_factory(schema))) continue;  // torchgen's, none other
     try {  // an op the dispatcher refuses a kernel for goes uncaptured, rather than the session failing to start

@@ -266,9 +266,8 @@ class AccessTracker(TorchDispatchMode):
         syncs; on host memory its records hold the storages they saw first until then, unless their deleter reports
         their free as it happens (the default CPU allocator's storages, with `track_frees`). It sees the threads the
         dispatch mode would see (`observe_thread`), unless `every_thread` (the default on cuda, where a global
-        callback has always been what ran). Its ops come from its kernel entry below autograd (`kernel`, the default
-        on cuda) or from RecordFunction, whose calls end after autograd put the op's node on its outputs, which the
-        virtual model's node binding needs (kernel_entry.cpp)."""
+        callback has always been what ran). Its ops come from its kernel entry below autograd (`kernel`, the default)
+        or from RecordFunction callbacks (kernel_entry.cpp says what differs)."""
         self._capture = extension
         core = getattr(self.hb, "core", None)  # hb_native's C++ core: the records go straight into it
         self._feed = extension.Feed(core, self) if isinstance(core, extension.hb.Core) else None
@@ -277,7 +276,7 @@ class AccessTracker(TorchDispatchMode):
         cuda = self.device_type == "cuda"
         extension.enable(cuda, self._capture_plan, self._drain_forced,
                          cuda if every_thread is None else every_thread, host_frees=self.track_frees and not cuda,
-                         kernel=cuda if kernel is None else kernel)
+                         kernel=True if kernel is None else kernel)
 
     def observe_thread(self):
         """Capture this thread's ops from now on, where the capture does not see every thread: the undo (None when
