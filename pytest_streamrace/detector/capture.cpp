@@ -855,7 +855,7 @@ void unobserve() {
   here.observed = 0;
 }
 
-void hook_ops(bool views);  // kernel_entry.cpp
+void hook_ops(bool expand);  // kernel_entry.cpp
 
 // kernel: the ops from the kernel entry (kernel_entry.cpp), else from RecordFunction callbacks.
 void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, bool host_frees, bool kernel) {
@@ -870,7 +870,7 @@ void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, b
   generation.fetch_add(1);  // every thread back on the default stream
   clear_all();
   every_thread = all_threads;
-  if (kernel) hook_ops(!cuda);  // views: the virtual model binds AccumulateGrad nodes at them
+  if (kernel) hook_ops(!cuda);  // aten::expand: the virtual model binds AccumulateGrad nodes at p.expand_as(p)
   by_kernel.store(kernel);
   on.store(true);
   if (every_thread && !kernel) handle = at::addGlobalCallback(callback(true));

@@ -181,6 +181,13 @@ void bind_leaves(std::vector<at::Tensor>& leaves, int64_t stream) {
   leaves.clear();
 }
 
+// Below autograd (a view's kernel entry), where the nodes exist already: both at once.
+void bind_inputs(c10::ArrayRef<c10::IValue> inputs, int64_t stream) {
+  std::vector<at::Tensor> leaves;
+  leaves_of(inputs, leaves);
+  if (!leaves.empty()) bind_leaves(leaves, stream);
+}
+
 // Before a backward: the graph behind `roots`, up to the nodes this session already bound. An AccumulateGrad no op
 // bound (its leaf used outside the ops the capture sees) takes the stream of its earliest consumer in the graph;
 // `caller`, the stream of a root that has no number.
