@@ -589,3 +589,33 @@ def test_one_detector_at_a_time_and_clear_errors():
     with pytest.raises(RuntimeError, match="only while a streamrace Detector"):
         from pytest_streamrace.detector.models import virtual_streams
         virtual_streams.Stream()
+
+
+class _Square(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        ctx.save_for_backward(x)
+        return x * x
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        return grad * 2 * x
+
+
+@pytest.mark.parametrize("root", ["op's node", "custom Function's node"])
+def test_a_backward_from_gradient_edges_binds_the_graph_behind_them(root):
+    """torch.autograd.grad from GradientEdges (as pipeline schedules split a backward): the graph behind the edge's
+    node is bound like a tensor's. Its nodes, made on s, read x (written on s) there: clean. Were they left unbound,
+    they would run on the caller's stream, which never waited on s."""
+    from torch.autograd.graph import get_gradient_edge
+
+    with Detector() as d:
+        w = torch.randn(4, requires_grad=True)
+        s = side_stream()
+        with torch.cuda.stream(s):
+            x = w * 2
+            y = x * x if root == "op's node" else _Square.apply(x)
+        (g,) = torch.autograd.grad([get_gradient_edge(y)], [w], grad_outputs=[torch.ones_like(y)])
+        g.sum()  # the caller joined s at the end
+    assert d.races == []
