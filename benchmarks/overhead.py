@@ -6,9 +6,9 @@ PyTorch's CUDA stream sanitizer on the same step).
 Each configuration runs in its own process (the sanitizer cannot be switched off once on); a row's processes start
 together and, once all are ready, measure one round at a time in turn (`--cycles` turns), each against plain's round
 of the same turn; each repeat starts fresh ones. Prints a table of ms per step and the slowdown against plain.
-"empty-mode" is a TorchDispatchMode that only calls through: the cost of entering Python for every op, the floor for any tool built on one (PyTorch's sanitizer is; the virtual backend is).
-"capture-floor" is the C++ op capture alone (``detector/capture.py``; on cuda through its kernel entry, as the detector
-takes it there): records dropped each step unread.
+"empty-mode" is a TorchDispatchMode that only calls through: the cost of entering Python for every op, the floor for
+any tool built on one (PyTorch's sanitizer is; the virtual backend's fallback is). "capture-floor" is the C++ op capture
+alone (``detector/capture.py``, through its kernel entry, as the detector takes it): records dropped each step unread.
 The compiled model's forward runs under torch.compile (Inductor) and compiles under the detector; tools built on a
 plain dispatch mode make dynamo skip compiling, so they get no number there (nan).
 
