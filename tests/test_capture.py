@@ -565,6 +565,26 @@ def test_an_op_defined_after_a_session_is_recorded_in_the_next(extension):
     assert "aten::add_" not in {op.site.op for op in hb.timeline}
 
 
+def test_an_op_defined_inside_a_session_is_recorded_in_it(extension):
+    """A custom op a test defines while a session runs is captured from its first call in that session: the kernel
+    entry hooks it at the next captured op's start (the dispatcher tells the capture an op was defined)."""
+    import uuid
+
+    name = f"streamrace_test::bump_{uuid.uuid4().hex[:8]}"
+    with capturing(extension) as (hb, tracker):
+        torch.ones(1).add_(1)
+
+        @torch.library.custom_op(name, mutates_args=("x",))
+        def bump(x: torch.Tensor) -> None:
+            x.add_(1)
+
+        t = torch.zeros(3)
+        bump(t)
+        tracker.drain()
+    assert t.tolist() == [1.0, 1.0, 1.0]
+    assert [op.site.op for op in hb.timeline].count(name) == 1
+
+
 def _profiled_ops(step) -> set:
     """The op names torch's profiler records over `step()`."""
     from torch.profiler import ProfilerActivity, profile

@@ -173,6 +173,9 @@ bool cuda = false;
 // there holds `kObserved` for a callback.
 std::atomic<bool> by_kernel{false};
 constexpr at::CallbackHandle kObserved = ~at::CallbackHandle(0);
+// An op was defined since the kernel entry last looked (the dispatcher's listener says so): the next captured op's
+// start hooks it, so an op a test defines inside a session is captured in that session.
+std::atomic<bool> ops_added{false};
 // Python callables, kept by pointer: a static py::object would be released after the interpreter is gone.
 py::object* plan_fn = nullptr;
 py::object* drain_fn = nullptr;  // applies the records, called every `kDrainEvery` records
@@ -530,6 +533,7 @@ bool on_device(const at::Tensor& t) { return cuda ? t.device().is_cuda() : t.dev
 
 }  // namespace
 void queue_free(int64_t ptr);  // below: a free queued in order with the ops
+void hook_ops(bool expand);  // kernel_entry.cpp
 namespace {
 
 // Host memory: the default CPU allocator's deleter (taken in `enable`), and ours, which a storage from that allocator
@@ -696,6 +700,7 @@ bool issuing() {  // Python issues the collective this thread runs
 std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
   Here& h = here;
   if (h.depth > 0 || h.paused || !on.load()) return nullptr;
+  if (ops_added.load(std::memory_order_relaxed) && by_kernel.load(std::memory_order_relaxed)) hook_ops(!cuda);
   auto plan = plan_for(call);
   if (plan == nullptr || !plan->below_autograd) return nullptr;
   if (on_subclass(call) || (plan->copy && copies_onto_itself(call))) return nullptr;
@@ -854,8 +859,6 @@ void unobserve() {
   if (here.observed != 0 && here.observed != kObserved) at::removeCallback(here.observed);
   here.observed = 0;
 }
-
-void hook_ops(bool expand);  // kernel_entry.cpp
 
 // kernel: the ops from the kernel entry (kernel_entry.cpp), else from RecordFunction callbacks.
 void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, bool host_frees, bool kernel) {
