@@ -628,3 +628,32 @@ def test_a_backward_from_gradient_edges_binds_the_graph_behind_them(root):
         (g,) = torch.autograd.grad([get_gradient_edge(y)], [w], grad_outputs=[torch.ones_like(y)])
         g.sum()  # the caller joined s at the end
     assert d.races == []
+
+
+@pytest.mark.parametrize("reader", ["caller", "other stream"])
+def test_nodes_made_on_another_thread_run_on_the_stream_current_there(reader):
+    """A worker thread builds the graph on s (its own stream switches and autograd numbers); the main thread, which
+    switched streams itself, runs the backward. The nodes run on s, where x was written: clean; the caller joins s at
+    the end. A stream that waited on nothing races with the gradient's write."""
+    with Detector() as d:
+        w = torch.randn(4, requires_grad=True)
+        s, other = side_stream(), side_stream()
+        made = {}
+
+        def forward():
+            with torch.cuda.stream(s):
+                x = w * 2
+                made["loss"] = (x * x).sum()
+
+        worker = threading.Thread(target=forward)
+        worker.start()
+        worker.join()
+        with torch.cuda.stream(other):
+            torch.ones(1)  # the main thread's own switches, at its own autograd numbers
+        made["loss"].backward()
+        if reader == "caller":
+            w.grad.sum()
+        else:
+            with torch.cuda.stream(other):
+                w.grad.sum()
+    assert len(d.races) == (0 if reader == "caller" else 1), d.races
