@@ -151,8 +151,8 @@ auto* hooked = new std::unordered_set<std::string>();  // "name.overload"
 // Adds the kernel entry for every op that reaches a kernel and is not hooked yet: at a kernel-entry session's start
 // (the first time ~6 ms, then ~0.3 ms), and at the next captured op's start once an op was defined (`ops_added`). Not
 // for views (but aten::expand with `expand`), for ops RecordFunction leaves unobserved (aten::size and the like), for
-// an op whose BackendSelect kernel is not one torchgen made for an aten factory (is_pinned, _pin_memory, another library's
-// own), or for varargs ops (none in aten).
+// an op whose BackendSelect kernel is not one torchgen made for an aten factory (is_pinned, _pin_memory, another
+// library's own), or for varargs ops (none in aten).
 void hook_ops(bool expand) {
   auto& dispatcher = c10::Dispatcher::singleton();
   std::lock_guard<std::mutex> guard(hooks_mutex);

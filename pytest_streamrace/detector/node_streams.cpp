@@ -7,7 +7,8 @@
 // Which stream was current when a node was made comes from its own autograd number: each thread's stream switches are
 // logged with the number its next node gets (`stream_set`), so nothing is done per op, no op's outputs are read, and a
 // node made above the ops the capture sees (a tensor subclass's, a compiled graph's) is found like any other. An
-// AccumulateGrad node has no number: it takes the stream of its earliest consumer, the op that first used its leaf.
+// AccumulateGrad node has no number: it is bound at the captured op that used its leaf (`bind_leaves`), else it takes
+// the stream of its earliest consumer in the graph.
 //
 // The binding lives on the node (our pre-hook object): no table keyed by nodes whose addresses are reused, no weak
 // references (their type differs between torch versions), and the hook goes first in the node's list, before any hook
