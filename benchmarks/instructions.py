@@ -6,10 +6,9 @@ Each configuration runs in its own process under callgrind with instrumentation 
 `steps` steps are counted. Instructions are not time (a cache miss or a contended lock costs none here), but they do
 not move with the machine's load, so a change of a few percent in the detector's own work shows where paired timing
 cannot see it (docs/performance.md, thirteenth session). Rows: plain; torch's floor under any RecordFunction-based
-capture (an empty global callback with boxed arguments, as in paired_overhead.py); the C++ capture through
-RecordFunction callbacks (how both backends took ops before its kernel entry), its records dropped unread each step;
-the capture floor (the same capture as the virtual detector runs it, through its kernel entry, kernel_entry.cpp: what
-the capture costs apart from applying its records); the virtual detector. ``--top N`` also lists the N functions
+capture (an empty global callback with boxed arguments, as in paired_overhead.py); the capture floor (the C++ capture
+as the virtual detector runs it, through its kernel entry, kernel_entry.cpp, its records dropped unread each step:
+what the capture costs apart from applying its records); the virtual detector. ``--top N`` also lists the N functions
 whose own instructions grew most from torch's floor to the detector, and where the extra allocations come from.
 """
 
@@ -24,7 +23,7 @@ import subprocess
 import sys
 import tempfile
 
-MODES = ("plain", "RecordFunction boxed", "RecordFunction capture", "capture floor", "virtual")
+MODES = ("plain", "RecordFunction boxed", "capture floor", "virtual")
 
 
 def worker(mode: str, steps: int, model: str) -> None:
@@ -37,10 +36,6 @@ def worker(mode: str, steps: int, model: str) -> None:
         from torch.utils.cpp_extension import load_inline
 
         load_inline("streamrace_bench_empty_callback", EMPTY_CALLBACK).add(True)
-    elif mode == "RecordFunction capture":  # the C++ capture from RecordFunction callbacks, records dropped unread
-        from paired_overhead import capture_alone
-
-        after_step = capture_alone(False, every_thread=False, host_frees=True, kernel=False).discard
     elif mode == "capture floor":  # the C++ capture as the virtual detector runs it (its kernel entry)
         from paired_overhead import capture_alone
 

@@ -31,9 +31,9 @@ Then the detector against its capture floor, round by round: a slower host slows
 so this moves less between hosts than either ratio to plain (on two H200 hosts the DDP floor alone was 1.12-1.24x).
 
 "RecordFunction" rows are torch's own floor under any capture built on it: an empty global callback (built here, with
-torch's C++ extension loader), without arguments and with them boxed (as the capture's RecordFunction entry asks). The
-capture takes its ops from its kernel entry instead (``detector/kernel_entry.cpp``), which stays registered in the
-process once a session added it: the plain rounds after the first detector round carry it (a boxing per op), and the
+torch's C++ extension loader), without arguments and with them boxed (as such a capture needs them). The capture
+takes its ops from its kernel entry instead (``detector/kernel_entry.cpp``), which stays registered in the process
+once a session added it: the plain rounds after the first detector round carry it (a boxing per op), and the
 last line compares them with the first plain round.
 """
 
@@ -76,9 +76,8 @@ def rank_env() -> dict:
 
 
 def capture_alone(cuda: bool, **enable):
-    """The C++ capture enabled without a detector (the capture floor), planning ops as a tracker does, from the entry
-    the tracker takes (its kernel entry, unless `kernel=False`), its records dropped unread (`discard`) as often as the
-    detector applies them: the extension, to discard and disable."""
+    """The C++ capture enabled without a detector (the capture floor), planning ops as a tracker does, its records
+    dropped unread (`discard`) as often as the detector applies them: the extension, to discard and disable."""
     from pytest_streamrace.detector import capture
     from pytest_streamrace.detector.hb import HappensBefore
     from pytest_streamrace.detector.tracker import AccessTracker
@@ -87,7 +86,7 @@ def capture_alone(cuda: bool, **enable):
     if extension is None:
         raise SystemExit(f"capture floor: {capture.failure()}")
     tracker = AccessTracker(HappensBefore(), lambda: 0, "cuda" if cuda else "cpu")
-    extension.enable(cuda, tracker._capture_plan, extension.discard, **{"kernel": True, **enable})
+    extension.enable(cuda, tracker._capture_plan, extension.discard, **enable)
     return extension
 
 

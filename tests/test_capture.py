@@ -1,4 +1,4 @@
-"""The C++ op capture (the cuda backend's source of ops), run here on CPU tensors: it must hand the tracker what the
+"""The C++ op capture (both backends' source of ops), run here on CPU tensors: it must hand the tracker what the
 dispatch mode does — the same ops, the same byte ranges, the user's lines — and c10d ops to their model in order."""
 
 from __future__ import annotations
@@ -39,23 +39,12 @@ def core(request, monkeypatch):
     return request.param
 
 
-KERNEL = False
-
-
-@pytest.fixture(autouse=True, params=["record-function", "kernel"])
-def entry(request, monkeypatch):
-    """The capture's ops come from RecordFunction callbacks (the virtual backend's entry), then from its kernel entry
-    below autograd (cuda's): every test holds for both."""
-    monkeypatch.setitem(globals(), "KERNEL", request.param == "kernel")
-    return request.param
-
-
 @contextlib.contextmanager
 def capturing(extension, track_frees=False):
     """(hb, tracker) fed by the capture, on CPU tensors, while inside (one stream: the capture's CPU key, 0)."""
     hb = HappensBefore(trace=True)
     tracker = AccessTracker(hb, lambda: 0, "cpu", track_frees=track_frees)
-    tracker.capture_with(extension, every_thread=True, kernel=KERNEL)  # as on cuda
+    tracker.capture_with(extension, every_thread=True)  # as on cuda
     try:
         yield hb, tracker
     finally:
@@ -93,7 +82,7 @@ def _ops(captured: bool, extension=None) -> list[tuple]:
     tracker = AccessTracker(hb, lambda: 0, "cpu", track_frees=False)
     keep: list = []
     if captured:
-        tracker.capture_with(extension, kernel=KERNEL)
+        tracker.capture_with(extension)
         try:
             _program(keep)
         finally:
@@ -209,9 +198,9 @@ def test_paused_tracker_captures_nothing(extension):
 
 
 def test_other_threads_are_captured_and_a_pause_stays_on_its_thread(extension):
-    """The capture is a global callback: a worker thread's ops arrive without any mode entered there. Pausing is per
-    thread, as the tracker's is: a thread modelling its work by hand (a threaded rank inside its collective) must not
-    silence the others."""
+    """The capture sees every thread (as on cuda): a worker thread's ops arrive without any mode entered there. Pausing
+    is per thread, as the tracker's is: a thread modelling its work by hand (a threaded rank inside its collective) must
+    not silence the others."""
     import threading
 
     with capturing(extension) as (hb, tracker):
@@ -454,7 +443,7 @@ def test_the_feeds_tables_answer_as_the_trackers_dicts_did(extension, core):
     hb = HappensBefore(trace=True)
     tracker = AccessTracker(hb, lambda: 0, "cpu", track_frees=False)
     tracker.names[12345] = "before the capture"
-    tracker.capture_with(extension, every_thread=True, kernel=KERNEL)
+    tracker.capture_with(extension, every_thread=True)
     try:
         watched, last_writer, redirect, names = tracker.watched, tracker.last_writer, tracker.redirect, tracker.names
         assert not isinstance(watched, dict) and names[12345] == "before the capture"
@@ -492,8 +481,8 @@ def test_an_op_that_raises_leaves_capture_working(extension):
 
 
 def test_a_plan_that_raises_never_reaches_the_users_op(extension, monkeypatch):
-    """Whatever the tracker's plan raises stays out of the op that asked for it (RecordFunction drops what its callbacks
-    raise; the kernel entry does the same): the op computes its result, and the ops after it are captured."""
+    """Whatever the tracker's plan raises stays out of the op that asked for it (the kernel entry drops it): the op
+    computes its result, and the ops after it are captured."""
     original = AccessTracker._capture_plan
 
     def plan(self, name, overload):
@@ -600,8 +589,8 @@ def _linear_step():
 
 
 def test_a_profiler_under_capture_sees_the_ops_it_sees_without(extension):
-    """The capture is one more RecordFunction callback: a profiler on beside it records the same ops as without it,
-    the calls nested in other ops included (aten::linear's t and transpose)."""
+    """The capture's kernels leave torch's RecordFunction alone: a profiler on beside it records the same ops as
+    without it, the calls nested in other ops included (aten::linear's t and transpose)."""
     expected = _profiled_ops(_linear_step)
     assert {"aten::t", "aten::addmm", "aten::transpose"} <= expected  # nested calls, not only the outer ops
     with capturing(extension) as (hb, _):

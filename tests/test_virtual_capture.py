@@ -1,4 +1,4 @@
-"""The virtual backend takes its ops from the C++ capture (a RecordFunction callback, no dispatch mode) where it
+"""The virtual backend takes its ops from the C++ capture (its kernel entry, no dispatch mode) where it
 builds, and from the dispatch mode where it does not (``STREAMRACE_NATIVE=0`` stands for a machine without a
 compiler): the same program gives the same verdicts either way — streams, autograd on a side stream, a read-back's
 host sync, other threads' current streams, and storages freed and their addresses reused between two drains."""

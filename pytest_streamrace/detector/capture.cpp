@@ -161,18 +161,13 @@ void give_back(std::vector<Record>& drained) {
 }
 // keyed by the op's name, which lives in its schema; shared with the ops running one, as `enable` clears the map
 std::unordered_map<const char*, std::shared_ptr<const Plan>> plans;
-at::CallbackHandle handle = 0;
-// Every thread (a global callback), or (host memory: the virtual model, whose fallback is a dispatch mode) a callback
-// per thread, on the threads that mode would see: the enabling thread and those the tracker marks (`observe`: Python
-// threads started in a session). Not threads that inherit the callback with torch's thread-local state: a backend's
-// workers inside an op (gloo copying a result out), which the mode did not see; at::launch's, which it did.
+// Every thread, or (host memory: the virtual model, whose fallback is a dispatch mode) the threads that mode would see:
+// the enabling thread and those the tracker marks (`observe`: Python threads started in a session). A mark is the
+// capture's own thread-local: threads that inherit torch's thread-local state from a marked one (at::launch's, a
+// backend's workers inside an op) are not marked.
 bool every_thread = true;
 std::atomic<bool> on{false};
 bool cuda = false;
-// Ops come from the kernel entry (kernel_entry.cpp), not from RecordFunction callbacks; a thread marked observed
-// there holds `kObserved` for a callback.
-std::atomic<bool> by_kernel{false};
-constexpr at::CallbackHandle kObserved = ~at::CallbackHandle(0);
 // An op was defined since the kernel entry last looked (the dispatcher's listener says so): the next captured op's
 // start hooks it, so an op a test defines inside a session is captured in that session.
 std::atomic<bool> ops_added{false};
@@ -183,9 +178,9 @@ py::object* drain_fn = nullptr;  // applies the records, called every `kDrainEve
 std::atomic<uint64_t> generation{0};  // a session's: what a thread set in an earlier one no longer holds
 
 // What the capture keeps per thread, in one place: a dlopen'ed library reaches each thread-local variable through a
-// call (__tls_get_addr), so a callback reads this once. Trivially destructible: readable through the thread's exit.
+// call (__tls_get_addr), so an entry reads this once. Trivially destructible: readable through the thread's exit.
 struct Here {
-  at::CallbackHandle observed = 0;  // this thread's own callback, when it has one
+  bool observed = false;  // this thread's ops are captured where not every thread's are (`observe`)
   int depth = 0;  // ops below autograd running on this thread
   bool paused = false;  // this thread's work is modelled by hand (set_recording): others still record
   bool draining = false;
@@ -450,21 +445,12 @@ Rule rule_of(py::handle spec) {  // (name, stream argument, root argument or -1,
   return rule;
 }
 
-// An op as one of the capture's entries hands it over: torch's RecordFunction callbacks around the whole call
-// (`callback`), or the kernel entry below autograd (kernel_entry.cpp). `name` is the schema's, alive as long as the op
-// (plans key on it); `inputs` are the call's arguments, valid until the op runs; `seq` the autograd number recorded
-// with the op (in forward: of the node it made, or will make; -1: none).
+// An op as the kernel entry (kernel_entry.cpp) hands it over, below autograd. `name` is the schema's, alive as long as
+// the op (plans key on it); `inputs` are the call's arguments, valid until the op runs.
 struct OpCall {
   const char* name;
   c10::ArrayRef<c10::IValue> inputs;
-  int64_t seq;
-  const at::RecordFunction* fn = nullptr;
-  const c10::OperatorHandle* op = nullptr;
-
-  static OpCall of(const at::RecordFunction& fn) { return {fn.name(), fn.inputs(), fn.seqNr(), &fn, nullptr}; }
-  std::optional<c10::OperatorName> operator_name() const {  // none: a named range (RecordFunction's), not an op
-    return op != nullptr ? std::optional<c10::OperatorName>(op->operator_name()) : fn->operator_name();
-  }
+  const c10::OperatorHandle& op;
 };
 
 std::shared_ptr<const Plan> planned(const OpCall& call) {
@@ -473,18 +459,16 @@ std::shared_ptr<const Plan> planned(const OpCall& call) {
     auto found = plans.find(call.name);
     if (found != plans.end()) return found->second;
   }
-  auto name = call.operator_name();
-  if (!name) return nullptr;  // a named range, not an op
+  const c10::OperatorName& name = call.op.operator_name();
   auto made = std::make_shared<Plan>();
   Plan& plan = *made;
-  auto op = c10::Dispatcher::singleton().findOp(*name);
-  plan.below_autograd = op && reaches_kernel(*op);
-  plan.copy = name->name == "aten::copy_";
-  plan.overload = name->overload_name;
+  plan.below_autograd = reaches_kernel(call.op);
+  plan.copy = name.name == "aten::copy_";
+  plan.overload = name.overload_name;
   if (plan.below_autograd) {
     py::gil_scoped_acquire gil;
     if (plan_fn == nullptr) return nullptr;
-    py::object got = (*plan_fn)(name->name, name->overload_name);
+    py::object got = (*plan_fn)(name.name, name.overload_name);
     py::object rule = py::none();
     if (py::isinstance<py::tuple>(got) && py::len(got) == 2 && py::isinstance<py::str>(got.cast<py::tuple>()[0])) {
       rule = got.cast<py::tuple>()[1];  // ("queued at issue", a fixed rule)
@@ -507,7 +491,7 @@ std::shared_ptr<const Plan> planned(const OpCall& call) {
       plan.keep_args = t[3].cast<bool>();  // a host sync that depends on them (host memory)
       plan.sync = t[4].cast<bool>();
       if (plan.keep_args)
-        for (const auto& a : op->schema().arguments()) plan.names.push_back({a.name(), a.kwarg_only()});
+        for (const auto& a : call.op.schema().arguments()) plan.names.push_back({a.name(), a.kwarg_only()});
     }
   }
   std::lock_guard<std::mutex> guard(mutex);
@@ -663,9 +647,6 @@ int64_t current_stream() {
   return reinterpret_cast<int64_t>(impl->getStream(impl->getDevice()).native_handle());
 }
 
-// OpCall::seq of an op the kernel entry hands over: read in `moved_seq` once the op records.
-constexpr int64_t kMovedSeq = -2;
-
 // Below autograd, the node an op made is already numbered: the first recording op on this thread to see the number
 // moved on since the last one made node (number - 1), as the dispatch mode reads it (tracker._site); -1 for the others
 // and for the thread's first op in a session (its number may be older than the session).
@@ -700,7 +681,7 @@ bool issuing() {  // Python issues the collective this thread runs
 std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
   Here& h = here;
   if (h.depth > 0 || h.paused || !on.load()) return nullptr;
-  if (ops_added.load(std::memory_order_relaxed) && by_kernel.load(std::memory_order_relaxed)) hook_ops(!cuda);
+  if (ops_added.load(std::memory_order_relaxed)) hook_ops(!cuda);
   auto plan = plan_for(call);
   if (plan == nullptr || !plan->below_autograd) return nullptr;
   if (on_subclass(call) || (plan->copy && copies_onto_itself(call))) return nullptr;
@@ -718,7 +699,7 @@ std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
     r.op = call.name;
     r.sync = plan->sync;
     r.stream = current_stream();
-    if (!in_node(r)) r.seq = call.seq == kMovedSeq ? moved_seq() : call.seq;
+    if (!in_node(r)) r.seq = moved_seq();
     auto inputs = call.inputs;
     r.accesses.reserve(plan->args.size());
     for (const auto& [index, write] : plan->args)
@@ -827,41 +808,17 @@ void clear_all() {
   known.clear();
 }
 
-std::unique_ptr<at::ObserverContext> on_start_global(const at::RecordFunction& fn) {
-  return on_start(OpCall::of(fn));
-}
-
-// A thread's own callback. Not on a thread that inherited it with torch's thread-local state from inside an op
-// (gloo's workers): that is the op's own work, which a dispatch mode (inactive inside the ops it handles) does not see.
-// Not while a global callback runs either, nor in a kernel-entry session (a thread keeps its callback across sessions).
-std::unique_ptr<at::ObserverContext> on_start_observed(const at::RecordFunction& fn) {
-  if (every_thread || here.observed == 0 || by_kernel.load(std::memory_order_relaxed)) return nullptr;
-  return on_start(OpCall::of(fn));
-}
-
-void on_end_recorded(const at::RecordFunction& fn, at::ObserverContext* context) { on_end(fn.outputs(), context); }
-
-at::RecordFunctionCallback callback(bool global) {
-  return at::RecordFunctionCallback(global ? on_start_global : on_start_observed, on_end_recorded).needsInputs(true)
-      .needsOutputs(true).scopes({at::RecordScope::FUNCTION});
-}
-
 // This thread's ops are captured from now on (once enabled for some threads only); false if they were already.
-// A thread marked for the kernel entry gets a callback once a session takes its ops from RecordFunction, and keeps it.
 bool observe() {
   Here& h = here;
-  if (every_thread || (h.observed != 0 && (by_kernel || h.observed != kObserved))) return false;
-  h.observed = by_kernel ? kObserved : at::addThreadLocalCallback(callback(false));
+  if (every_thread || h.observed) return false;
+  h.observed = true;
   return true;
 }
 
-void unobserve() {
-  if (here.observed != 0 && here.observed != kObserved) at::removeCallback(here.observed);
-  here.observed = 0;
-}
+void unobserve() { here.observed = false; }
 
-// kernel: the ops from the kernel entry (kernel_entry.cpp), else from RecordFunction callbacks.
-void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, bool host_frees, bool kernel) {
+void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, bool host_frees) {
   cuda = on_cuda;
   if (!cuda && host_frees && cpu_deleter == nullptr)
     cpu_deleter = c10::GetDefaultCPUAllocator()->allocate(1).get_deleter();
@@ -873,18 +830,15 @@ void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, b
   generation.fetch_add(1);  // every thread back on the default stream
   clear_all();
   every_thread = all_threads;
-  if (kernel) hook_ops(!cuda);  // aten::expand: the virtual model binds AccumulateGrad nodes at p.expand_as(p)
-  by_kernel.store(kernel);
+  hook_ops(!cuda);  // aten::expand: the virtual model binds AccumulateGrad nodes at p.expand_as(p)
   on.store(true);
-  if (every_thread && !kernel) handle = at::addGlobalCallback(callback(true));
-  else if (!every_thread) observe();
+  if (!every_thread) observe();
 }
 
 void disable() {
   on.store(false);
-  if (every_thread && !by_kernel) at::removeCallback(handle);
-  // other threads keep theirs: they record into the next session, as a forwarding mode would
-  else if (!every_thread) unobserve();
+  // other threads keep their marks: they record into the next session, as a forwarding mode would
+  if (!every_thread) unobserve();
   clear_all();
   delete plan_fn;  // called from Python: the GIL is held; outside the lock, as releasing them may run Python
   delete drain_fn;
@@ -1550,7 +1504,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Stack, std::shared_ptr<Stack>>(m, "Stack").def("frames", &Stack::frames);
   m.def("stack", &stack_here);
   m.def("enable", &enable, py::arg("cuda"), py::arg("plan"), py::arg("drain") = py::none(),
-        py::arg("every_thread") = true, py::arg("host_frees") = false, py::arg("kernel") = false);
+        py::arg("every_thread") = true, py::arg("host_frees") = false);
   m.def("observe", &observe);
   m.def("unobserve", &unobserve);
   m.def("disable", &disable);

@@ -5,11 +5,9 @@ docs/gpu-validation.md). This extension takes ops in C++ instead and records, pe
 autograd (composite ops decompose first, as they do before the dispatch mode; ops nested in a recorded op are its own
 business, as under the mode), the byte ranges of the storages it reads and writes, its fresh outputs, the current
 stream, whether it runs inside an autograd node, and the Python stack (torch's C++ capture, named later). Which
-arguments are read or written is the tracker's own plan (``tracker._plan``), asked once per op. The ops come from one
-of two entries (``enable``'s `kernel`): on cuda a kernel of ours at the BackendSelect dispatch key, which sees only
-the calls that reach a kernel (``kernel_entry.cpp``); on host memory a RecordFunction callback, which boxes every
-dispatcher call but ends after autograd has put an op's node on its outputs, as the virtual model's node binding
-needs.
+arguments are read or written is the tracker's own plan (``tracker._plan``), asked once per op. The ops come from a
+kernel of ours at the BackendSelect dispatch key, which sees only the calls that reach a kernel (``kernel_entry.cpp``),
+not from RecordFunction callbacks, which box every dispatcher call's arguments.
 
 The tracker drains the records in order at every point where order matters (stream and event calls, frees, waits,
 reading races); frees, and on a GPU the trace's event records and waits, arrive as markers in the same buffer. The
@@ -132,8 +130,8 @@ def _build(prefix: str, code: list[str]):
     sources, and venvs with the same torch version (tox envs, a CI clone beside a checkout), share the extensions
     folder without rebuilding each other's in turn, a minute each time."""
     _ninja_on_path()
-    # NDEBUG: torch's headers give RecordFunction debug-only members otherwise, and its layout would not match the
-    # release build of torch.
+    # NDEBUG, as torch's release build is compiled: otherwise its headers give classes debug-only members
+    # (RecordFunction's), whose layout would not match the library's, and debug-only code to inline dispatcher calls.
     import torch
 
     source = "\n".join(code)

@@ -1,9 +1,9 @@
-// The capture's kernel entry: ops handed to the capture (capture.cpp's on_start/on_end) by a boxed kernel of ours at
-// torch's BackendSelect dispatch key, instead of by RecordFunction callbacks.
+// The capture's entry: ops handed to the capture (capture.cpp's on_start/on_end) by a boxed kernel of ours at torch's
+// BackendSelect dispatch key.
 //
-// Why: RecordFunction runs its machinery and boxes the arguments and outputs of every dispatcher call: composite ops
-// before they decompose, every op nested inside a kernel, views. On the launch-bound step that is ~400 calls for the
-// ~150 ops the capture records, and it was most of the capture floor (docs/performance.md). BackendSelect is the last
+// Why not RecordFunction callbacks: RecordFunction boxes the arguments and outputs of every dispatcher call (composite
+// ops before they decompose, every op nested inside a kernel, views): on the launch-bound step ~400 calls for the ~150
+// ops the capture records, most of what the capture cost (docs/performance.md). BackendSelect is the last
 // functionality key before the backend's kernel, in every call's key set (torch's default-included keys), and torch
 // registers a fallthrough there for every op but factories. So a kernel of ours there sees exactly the calls that reach
 // a kernel, below autograd and below any tensor subclass's or mode's handling, as a dispatch mode sees them, and it
@@ -15,13 +15,13 @@
 // The kernels stay registered for the process once added (`hook_ops`, at a session's start). torch writes an op's table
 // entry before the key mask that routes calls to it, so adding one is safe beside a thread dispatching that op; taking
 // one away is not (a call that read the old mask would reach the fallthrough), and no session needs them gone. Outside
-// a kernel-entry session each costs a boxing and a redispatch. An op defined later is added at the next session's
-// start, or within a session at the next captured op's start (`ops_added`, set by a dispatcher listener).
+// a session each costs a boxing and a redispatch. An op defined later is added at the next session's start, or within
+// a session at the next captured op's start (`ops_added`, set by a dispatcher listener).
 //
-// What differs from the callbacks: the op runs inside its autograd kernel, which has made the op's node already but
-// not yet put it on the outputs; the autograd number of the node an op made is the one `at::sequence_number` moved
-// past (`moved_seq`), as the dispatch mode reads it. The virtual model binds nodes by that number before a backward
-// (node_streams.cpp), but a leaf's AccumulateGrad at the op that first used the leaf. Where that op is a view, its
+// Below autograd, the op runs inside its autograd kernel, which has made the op's node already but not yet put it on
+// the outputs; the autograd number of the node an op made is the one `at::sequence_number` moved past (`moved_seq`),
+// as the dispatch mode reads it. The virtual model binds nodes by that number before a backward (node_streams.cpp),
+// but a leaf's AccumulateGrad at the op that first used the leaf. Where that op is a view, its
 // node is in the graph a backward walks and gives the right stream there, except for `p.expand_as(p)`, the way DDP,
 // DeepSpeed and Megatron reach a parameter's AccumulateGrad outside any graph: so its sessions hook `aten::expand`
 // (`hook_ops(true)`), with a lighter entry (`view_entry`). Hooking every view cost 0.24 M instructions on the
@@ -39,17 +39,16 @@ void end(c10::ArrayRef<c10::IValue> outputs, at::ObserverContext* context) noexc
 }
 
 void run(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::Stack* stack) {
-  // Not this entry's session, or a thread it does not observe (on_start checks the rest: depth, pause, session on)
-  if (!by_kernel.load(std::memory_order_relaxed) || (!every_thread && here.observed == 0)) {
+  // No session, or a thread it does not observe (on_start checks the rest: depth, pause)
+  if (!on.load(std::memory_order_relaxed) || (!every_thread && !here.observed)) {
     op.redispatchBoxed(below, stack);
     return;
   }
   const auto& schema = op.schema();
   size_t n = schema.arguments().size();
-  OpCall call{schema.name().c_str(), c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - n, n), kMovedSeq,
-              nullptr, &op};
+  OpCall call{schema.name().c_str(), c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - n, n), op};
   std::unique_ptr<at::ObserverContext> context;
-  try {  // the capture never raises into the op (RecordFunction, too, drops what its callbacks throw)
+  try {  // the capture never raises into the op
     context = on_start(call);
   } catch (const std::exception&) {
   }
@@ -59,7 +58,7 @@ void run(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::S
   }
   try {
     op.redispatchBoxed(below, stack);
-  } catch (...) {  // as RecordFunction ends a call that threw: no outputs
+  } catch (...) {  // a call that threw ends with no outputs
     end(c10::ArrayRef<c10::IValue>(), context.get());
     throw;
   }
@@ -75,8 +74,7 @@ void entry(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::
 // of the leaves it reads, made by now (node_streams.cpp). Nothing else, so it costs its boxing and no more.
 void view_entry(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const Here& h = here;
-  if (by_kernel.load(std::memory_order_relaxed) && !cuda && h.depth == 0 && !h.paused && on.load() &&
-      (every_thread || h.observed != 0)) {
+  if (!cuda && h.depth == 0 && !h.paused && on.load() && (every_thread || h.observed)) {
     size_t n = op.schema().arguments().size();
     try {
       node_streams::bind_inputs(c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - n, n), stream_now());
@@ -148,8 +146,8 @@ auto* hooked = new std::unordered_set<std::string>();  // "name.overload"
 
 }  // namespace
 
-// Adds the kernel entry for every op that reaches a kernel and is not hooked yet: at a kernel-entry session's start
-// (the first time ~6 ms, then ~0.3 ms), and at the next captured op's start once an op was defined (`ops_added`). Not
+// Adds the kernel entry for every op that reaches a kernel and is not hooked yet: at a session's start (the first time
+// ~6 ms, then ~0.3 ms), and at the next captured op's start once an op was defined (`ops_added`). Not
 // for views (but aten::expand with `expand`), for ops RecordFunction leaves unobserved (aten::size and the like), for
 // an op whose BackendSelect kernel is not one torchgen made for an aten factory (is_pinned, _pin_memory, another
 // library's own), or for varargs ops (none in aten).

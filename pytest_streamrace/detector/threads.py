@@ -7,9 +7,9 @@ mode for the tracker, the virtual autograd model's function mode (the fallback's
 thread-pool work item run on a worker started before the session pushes them around that item. The forwarding modes
 hand each op to the session active *now* (none: the op just runs), so a thread that outlives its test neither reports
 into a finished session nor misses the next one. Where the C++ capture replaces the dispatch mode, the virtual
-backend's is a callback per thread, which such a thread gets instead (``tracker.observe_thread``), so it sees the
-threads a dispatch mode would (not a backend's own worker threads: gloo copying a result out); the cuda backend's is a
-global callback that sees every thread already.
+backend's captures only the threads marked for it, and such a thread is marked instead (``tracker.observe_thread``),
+so it sees the threads a dispatch mode would (not a backend's own worker threads: gloo copying a result out); the cuda
+backend's sees every thread already.
 
 Streams: the current stream is per thread (the virtual model keeps it thread-local; CUDA does too), and a new thread
 starts on the default stream. ``start`` / ``join`` / ``Future.result`` order the host, never the device: nothing here
@@ -111,7 +111,7 @@ def _observing(original):
 
 class Threads:
     """The patch: new threads (and pool work items) carry the session's modes: the tracker's dispatch (or the C++
-    capture's callback, where it replaces the mode) and `function()`, the virtual autograd model's function mode, if
+    capture's thread mark, where it replaces the mode) and `function()`, the virtual autograd model's function mode, if
     any (read at install: it exists only once that model is installed)."""
 
     def __init__(self, tracker, function=None):

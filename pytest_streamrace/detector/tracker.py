@@ -260,14 +260,13 @@ class AccessTracker(TorchDispatchMode):
     def capturing(self) -> bool:
         return self._capture is not None
 
-    def capture_with(self, extension, every_thread: bool | None = None, kernel: bool | None = None) -> None:
+    def capture_with(self, extension, every_thread: bool | None = None) -> None:
         """Take ops from the C++ capture instead of this dispatch mode (which then stays uninstalled). The capture
         asks for a drain every few hundred records (`_drain_forced`), so its buffer stays bounded in a loop that never
         syncs; on host memory its records hold the storages they saw first until then, unless their deleter reports
         their free as it happens (the default CPU allocator's storages, with `track_frees`). It sees the threads the
-        dispatch mode would see (`observe_thread`), unless `every_thread` (the default on cuda, where a global
-        callback has always been what ran). Its ops come from its kernel entry below autograd (`kernel`, the default)
-        or from RecordFunction callbacks (kernel_entry.cpp says what differs)."""
+        dispatch mode would see (`observe_thread`), unless `every_thread` (the default on cuda). Its ops come from its
+        kernel entry below autograd (kernel_entry.cpp)."""
         self._capture = extension
         core = getattr(self.hb, "core", None)  # hb_native's C++ core: the records go straight into it
         self._feed = extension.Feed(core, self) if isinstance(core, extension.hb.Core) else None
@@ -275,8 +274,7 @@ class AccessTracker(TorchDispatchMode):
             self._swap_tables(self._feed.tables)
         cuda = self.device_type == "cuda"
         extension.enable(cuda, self._capture_plan, self._drain_forced,
-                         cuda if every_thread is None else every_thread, host_frees=self.track_frees and not cuda,
-                         kernel=True if kernel is None else kernel)
+                         cuda if every_thread is None else every_thread, host_frees=self.track_frees and not cuda)
 
     def observe_thread(self):
         """Capture this thread's ops from now on, where the capture does not see every thread: the undo (None when
