@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The cuda backend's ops through the capture's kernel entry (detector/kernel_entry.cpp, twenty-third session) instead of
 # RecordFunction callbacks: what it could have broken, then what it costs. PART picks:
-#   verdicts (default): the cuda unit tests (test_capture runs each capture test through both entries); the corpus on
-#     the cuda backend; the stock stacks on NCCL; the zero_overlap repro. Nothing may move.
+#   verdicts (default): the cuda unit tests; the corpus on the cuda backend; the stock stacks on NCCL; the zero_overlap
+#     repro. Nothing may move.
 #   repros: zero_bucket_reuse, zero3_param_gather (DeepSpeed 0.19.8) and megatron_instances (megatron-core 0.15.2),
 #     two runs per variant.
 #   paired: the launch-bound and DDP rows in paired rounds, RecordFunction's own cost beside the capture floor.
@@ -15,7 +15,7 @@ pt="python3 -m pytest -p no:cacheprovider"
 start=$SECONDS
 case "${PART:-verdicts}" in
 verdicts)
-  echo "== cuda unit tests (the capture rebuilt against this torch; both entries)"
+  echo "== cuda unit tests (the capture rebuilt against this torch)"
   timeout 200 $pt tests/test_cuda_backend.py tests/test_capture.py -q -n 0 > "$OUT/unit.log" 2>&1
   echo "exit $?"; grep -E "^(FAILED|ERROR)" "$OUT/unit.log" | head; tail -1 "$OUT/unit.log"
   echo "== corpus on the cuda backend"
