@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The stock-stack suite (tests/stacks) on GPUs — cuda backend, NCCL, one GPU per rank — under --streamrace; with
 # `plain`, without the plugin (each item starts NCCL, ~8-10 s: the two passes do not fit one 10-minute command); with
-# `regress`, the corpus, the repros (DeepSpeed's and Megatron's) and the overhead benchmark again (nothing may
-# regress). On the lent 2-GPU machine, with the wheels under .whl/ (docs/gpu-validation.md says how they are made):
+# `regress`, the corpus and the repros (DeepSpeed's and Megatron's) again (nothing may regress; the overhead is
+# all_rows.sh's). On the lent 2-GPU machine, with the wheels under .whl/ (docs/gpu-validation.md says how they are made):
 #   device run (kind nvidia-h200-x2, carry .whl): bash scripts/device/stacks.sh [plain|regress]
 # STACKS=... picks stack modules (default: all of tests/stacks/stack_*.py); LIMIT=... caps a stacks pass (s, default 540).
 set -u
@@ -44,5 +44,4 @@ echo "== megatron-core 0.15.2: megatron_instances, 3 runs per variant"
 timeout 200 python3 -m pytest_streamrace.repro megatron_instances --backend cuda --steps 3 --repeat 3 \
   > "$OUT/megatron_instances.log" 2>&1
 echo "exit $?"; grep -E "^megatron_instances/(unpatched|patched): |every variant" "$OUT/megatron_instances.log" | grep -v " — "
-echo "== overhead"; timeout 240 python3 benchmarks/overhead.py 2>&1 | tee "$OUT/overhead.log" | tail -12
 echo "total: $((SECONDS - start)) s"
