@@ -1,7 +1,10 @@
-"""The race corpus under `pytest --streamrace` (virtual backend): every verdict right, with the right kind."""
+"""The race corpus under `pytest --streamrace` (virtual backend): every verdict right, with the right kind, from the
+C++ capture and core and from the pure-Python fallback (``STREAMRACE_NATIVE=0``: a machine without a compiler)."""
 
 import json
 from pathlib import Path
+
+import pytest
 
 CORPUS = Path(__file__).parent / "corpus" / "corpus_cases.py"
 
@@ -22,7 +25,9 @@ RACY = {
 }
 
 
-def test_corpus_verdicts_and_kinds(pytester):
+@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "fallback"])
+def test_corpus_verdicts_and_kinds(pytester, monkeypatch, native):
+    monkeypatch.setenv("STREAMRACE_NATIVE", native)
     result = pytester.runpytest_subprocess(str(CORPUS), "--streamrace", "-p", "no:cacheprovider",
                                            "--streamrace-json", "races.json", "-rf")
     result.assert_outcomes(passed=2 * len(RACY))
