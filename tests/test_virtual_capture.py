@@ -226,3 +226,29 @@ def test_a_captured_op_the_tracker_cannot_model_is_skipped_with_one_note(pyteste
     notes = [line for line in result.stdout.lines if "is not checked: RuntimeError: cannot model this op" in line]
     summary = [line.split(": ", 1)[1] for line in notes if line.startswith("test_faulty.py")]
     assert summary == ["aten::_local_scalar_dense is not checked: RuntimeError: cannot model this op (streamrace note)"]
+
+
+WARNS_IN_BACKWARD = """
+import torch
+
+
+def test_a_full_backward_hook_warns_from_this_module():
+    layer = torch.nn.Linear(4, 4)
+    layer.register_full_backward_hook(lambda module, grad_in, grad_out: None)
+    layer(torch.ones(2, 4)).sum().backward()  # no input requires grad: torch warns, attributed to this line
+"""
+
+
+@pytest.mark.parametrize("streamrace", [False, True], ids=["plain", "streamrace"])
+def test_a_warning_raised_inside_a_backward_points_where_it_would_without_the_detector(pytester, streamrace):
+    """torch warns from a module's full backward hook with a `stacklevel` that counts the frames above the engine: a
+    frame of ours there would move the warning to torch's autograd module, and a filter on the test's own module would
+    stop matching (here: the warning, made an error, fails the test)."""
+    if streamrace and capture.load() is None:
+        pytest.skip(f"the capture does not build here: {capture.failure()}")  # the fallback's frames stay: README
+    pytester.makepyfile(test_warns=WARNS_IN_BACKWARD)
+    args = ["-p", "no:cacheprovider", "-W", "error::UserWarning"]
+    if streamrace:
+        args += ["--streamrace", "--streamrace-backend=virtual"]
+    pytester.runpytest_subprocess(*args, "-W", "ignore::UserWarning:test_warns").assert_outcomes(passed=1)
+    pytester.runpytest_subprocess(*args).assert_outcomes(failed=1)  # the warning is raised: the filter is what passes

@@ -1499,6 +1499,26 @@ class Feed {
 
 }  // namespace feed
 
+// `call` run between `before(*args, **kwargs)` and `after(state)`, as one builtin: while `call` runs, no Python frame
+// of ours is on the stack, so what it warns with a `stacklevel` (torch's hooks during a backward) is attributed to the
+// same line as without the detector, and warnings filters keyed on the user's module still match. A Python wrapper
+// would put its frames there. `before` returning None: `call` alone.
+py::cpp_function around(py::object before, py::object call, py::object after) {
+  return py::cpp_function([before, call, after](py::args args, py::kwargs kwargs) -> py::object {
+    py::object state = before(*args, **kwargs);
+    if (state.is_none()) return call(*args, **kwargs);
+    py::object result;
+    try {
+      result = call(*args, **kwargs);
+    } catch (py::error_already_set&) {  // its error is held here, not set, while `after` runs; then raised again
+      after(state);
+      throw;
+    }
+    after(state);
+    return result;
+  });
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_core(m);  // hb_core.cpp, compiled into this module (capture.load)
   py::class_<Stack, std::shared_ptr<Stack>>(m, "Stack").def("frames", &Stack::frames);
@@ -1522,6 +1542,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bind_nodes", &node_streams::start, py::arg("enter"), py::arg("leave"), py::arg("core"));
   m.def("unbind_nodes", &node_streams::stop);
   m.def("bind_graph", &node_streams::bind_roots, py::arg("roots"), py::arg("caller"));
+  m.def("around", &around, py::arg("before"), py::arg("call"), py::arg("after"));
   for (auto& def : traced_defs)
     m.attr(def.ml_name) = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.attr("__name__").ptr()));
   m.attr("free_from_trace") = py::capsule(reinterpret_cast<void*>(&free_from_trace), "streamrace.free_from_trace");

@@ -49,6 +49,7 @@ class VirtualAutograd:
         self._mismatches: set = set()  # (node stream, producer stream) pairs already warned about
         self.binding = NativeBinding(self, extension) if extension is not None else ModeBinding(self)
         self.active = False
+        self._engine = None  # the engine object `patches` puts in torch's place
 
     def adopt_outputs(self, out) -> None:
         """A compiled graph ran: bind the autograd nodes its outputs carry (and the new ones behind them) to the
@@ -114,42 +115,57 @@ class VirtualAutograd:
 
     # the engine
 
-    def _run_backward(self, run_backward, args, kwargs):
-        """The engine's run_backward, its roots (`tensors`) first, positional or by name: its graph bound, its nodes'
-        streams joined into the caller's at the end."""
+    def _before_backward(self, *args, **kwargs):
+        """The engine is about to run a backward (its roots, `tensors`, first, positional or by name): its graph
+        bound. Returns what `_after_backward` takes; None while inactive."""
         if not self.active:
-            return run_backward(*args, **kwargs)
+            return None
         self.binding.before_backward(args[0] if args else kwargs.get("tensors", ()))
-        caller = self.streams.current()
         frame = _Backward()
-        frames = self._tls.__dict__.setdefault("frames", [])
-        frames.append(frame)
-        try:
-            return run_backward(*args, **kwargs)
-        finally:
-            frames.pop()
-            self.tracker.drain()  # the backward's ops land before its redirects go and the caller waits
-            self.tracker.redirect.clear()
-            if frames:  # a backward inside a node (checkpointing) belongs to the outer one
-                frames[-1].used.update(frame.used)
-            self.streams.set_current(caller)
-            for stream in frame.used:
-                if stream is not caller:
-                    self.hb.wait_stream(caller, stream)
+        self._tls.__dict__.setdefault("frames", []).append(frame)
+        return self.streams.current(), frame
+
+    def _after_backward(self, state) -> None:
+        """The backward returned or raised: its nodes' streams joined into the caller's."""
+        caller, frame = state
+        frames = self._tls.frames
+        frames.pop()
+        self.tracker.drain()  # the backward's ops land before its redirects go and the caller waits
+        self.tracker.redirect.clear()
+        if frames:  # a backward inside a node (checkpointing) belongs to the outer one
+            frames[-1].used.update(frame.used)
+        self.streams.set_current(caller)
+        for stream in frame.used:
+            if stream is not caller:
+                self.hb.wait_stream(caller, stream)
 
     def patches(self) -> list:
         """The engine itself, not torch's Python entry to it: Megatron's pipeline schedules call
-        ``Variable._execution_engine.run_backward`` directly (``custom_backward``)."""
+        ``Variable._execution_engine.run_backward`` directly (``custom_backward``). Where the capture is built, the
+        engine's `run_backward` is one builtin (``capture.around``): no frame of ours sits under the backward's hooks,
+        so a warning they raise with a `stacklevel` (a module's full backward hook) points where it would without
+        the detector, and a filter on the user's module still matches it. The fallback wraps it in Python."""
         from torch.autograd.variable import Variable
 
         model = self
 
         class Engine(type(Variable._execution_engine)):
             def run_backward(self, *args, **kwargs):
-                return model._run_backward(super().run_backward, args, kwargs)
+                state = model._before_backward(*args, **kwargs)
+                if state is None:
+                    return super().run_backward(*args, **kwargs)
+                try:
+                    return super().run_backward(*args, **kwargs)
+                finally:
+                    model._after_backward(state)
 
         skip_in_dynamo(Engine.run_backward)
-        return [AttrPatch(Variable, "_execution_engine", Engine()), self]
+        engine = self._engine = Engine()
+        extension = getattr(self.binding, "extension", None)
+        if extension is not None:
+            engine.run_backward = extension.around(self._before_backward, super(Engine, engine).run_backward,
+                                                   self._after_backward)
+        return [AttrPatch(Variable, "_execution_engine", engine), self]
 
     @property
     def mode(self):
@@ -164,6 +180,12 @@ class VirtualAutograd:
     def uninstall(self) -> None:
         self.active = False
         self.binding.uninstall()
+        engine = self._engine
+        if engine is not None:  # its builtin holds the engine's bound method: a cycle the collector cannot see
+            engine.__dict__.pop("run_backward", None)
+
+
+skip_in_dynamo(VirtualAutograd._before_backward, VirtualAutograd._after_backward)  # called from C++ (capture.around)
 
 
 class _Backward:
