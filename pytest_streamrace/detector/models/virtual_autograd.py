@@ -49,6 +49,7 @@ class VirtualAutograd:
         self._mismatches: set = set()  # (node stream, producer stream) pairs already warned about
         self.binding = NativeBinding(self, extension) if extension is not None else ModeBinding(self)
         self.active = False
+        self._around = extension.around if extension is not None else _Around
         self._engine = None  # the engine object `patches` puts in torch's place
 
     def adopt_outputs(self, out) -> None:
@@ -147,24 +148,12 @@ class VirtualAutograd:
         the detector, and a filter on the user's module still matches it. The fallback wraps it in Python."""
         from torch.autograd.variable import Variable
 
-        model = self
-
         class Engine(type(Variable._execution_engine)):
-            def run_backward(self, *args, **kwargs):
-                state = model._before_backward(*args, **kwargs)
-                if state is None:
-                    return super().run_backward(*args, **kwargs)
-                try:
-                    return super().run_backward(*args, **kwargs)
-                finally:
-                    model._after_backward(state)
+            """torch's engine, its `run_backward` set on the object (below)."""
 
-        skip_in_dynamo(Engine.run_backward)
         engine = self._engine = Engine()
-        extension = getattr(self.binding, "extension", None)
-        if extension is not None:
-            engine.run_backward = extension.around(self._before_backward, super(Engine, engine).run_backward,
-                                                   self._after_backward)
+        engine.run_backward = self._around(self._before_backward, super(Engine, engine).run_backward,
+                                           self._after_backward)
         return [AttrPatch(Variable, "_execution_engine", engine), self]
 
     @property
@@ -180,12 +169,31 @@ class VirtualAutograd:
     def uninstall(self) -> None:
         self.active = False
         self.binding.uninstall()
-        engine = self._engine
-        if engine is not None:  # its builtin holds the engine's bound method: a cycle the collector cannot see
-            engine.__dict__.pop("run_backward", None)
+        # its run_backward holds the engine's bound method: with the builtin, a cycle the collector cannot see
+        if self._engine is not None:
+            self._engine.__dict__.pop("run_backward", None)
 
 
-skip_in_dynamo(VirtualAutograd._before_backward, VirtualAutograd._after_backward)  # called from C++ (capture.around)
+class _Around:
+    """``capture.around`` where the extension is not built: the same, with a frame of ours under `call`."""
+
+    __slots__ = ("before", "call", "after")
+
+    def __init__(self, before, call, after):
+        self.before, self.call, self.after = before, call, after
+
+    def __call__(self, *args, **kwargs):
+        state = self.before(*args, **kwargs)
+        if state is None:
+            return self.call(*args, **kwargs)
+        try:
+            return self.call(*args, **kwargs)
+        finally:
+            self.after(state)
+
+
+# called from inside torch's backward, compiled regions' too (capture.around calls the first two from C++)
+skip_in_dynamo(VirtualAutograd._before_backward, VirtualAutograd._after_backward, _Around.__call__)
 
 
 class _Backward:
