@@ -1,7 +1,7 @@
 """One way to patch: every change the package makes to other code is a patch that can be undone.
 
 A patch is an object with install() and uninstall() (`Patch`); a session keeps the ones it installed in a list and
-undoes them in reverse order. `AttrPatch` replaces one attribute, `patched` does the same for a ``with`` block,
+undoes them in reverse order. `AttrPatch` replaces one attribute, `WrapPatch` wraps one as it is at install, `patched` does the same for a ``with`` block,
 `WhenImported` runs a callback once a module is imported, and `skip_in_dynamo` lists the entry points torch.compile
 must never trace. Imports nothing from the package, nor torch: a child's start-up hook uses it before torch loads.
 """
@@ -39,6 +39,19 @@ class AttrPatch:
             delattr(self.obj, self.name)
         else:
             setattr(self.obj, self.name, self._original)
+
+
+class WrapPatch(AttrPatch):
+    """``obj.name`` replaced by ``wrap(obj.name)`` as it is at install: it composes with a patch installed before it
+    on the same attribute (another model's wrapper of ``Thread._bootstrap_inner``), whoever built theirs first."""
+
+    def __init__(self, obj, name: str, wrap):
+        super().__init__(obj, name, None)
+        self.wrap = wrap
+
+    def install(self) -> None:
+        self.value = self.wrap(getattr(self.obj, self.name))
+        super().install()
 
 
 class CallPatch:

@@ -166,6 +166,110 @@ def test_host_sync_on_something_else_does_not_order(sync):
     assert RAW in [r.kind for r in read(hb, "s2", 20)]
 
 
+SYNCS = {
+    "stream": lambda hb: hb.synchronize_stream("s1"),
+    "event": lambda hb: (hb.record_event("e", "s1"), hb.synchronize_event("e")),
+    "device": lambda hb: hb.synchronize_device(),
+}
+WORKER = 7  # a synthetic thread ident
+
+
+def on_worker(hb, step):
+    """`step(hb)` on thread WORKER, which has a host clock of its own (as a thread the session follows)."""
+    with hb.acting_for(WORKER):
+        hb.own_host()
+        return step(hb)
+
+
+@pytest.mark.parametrize("sync", SYNCS.values(), ids=SYNCS)
+def test_another_threads_sync_does_not_order_this_threads_work(sync):
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    on_worker(hb, sync)
+    assert [r.kind for r in read(hb, "s2", 20)] == [RAW]
+
+
+@pytest.mark.parametrize("sync", SYNCS.values(), ids=SYNCS)
+def test_another_threads_sync_orders_this_thread_after_a_handoff(sync):
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    on_worker(hb, lambda hb: (sync(hb), hb.release("queue")))
+    hb.acquire("queue")
+    assert read(hb, "s2", 20) == []
+
+
+def test_a_handoff_carries_only_what_was_known_when_it_was_released():
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    on_worker(hb, lambda hb: hb.release("lock"))
+    on_worker(hb, lambda hb: hb.synchronize_stream("s1"))  # after the release: not carried
+    hb.acquire("lock")
+    assert [r.kind for r in read(hb, "s2", 20)] == [RAW]
+
+
+def test_a_handoff_merges_every_release_into_it():
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    write(hb, "s2", 11, storage=OTHER)
+    on_worker(hb, lambda hb: (hb.synchronize_stream("s1"), hb.release("queue")))
+    with hb.acting_for(8):
+        hb.own_host()
+        hb.synchronize_stream("s2")
+        hb.release("queue")
+    hb.acquire("queue")
+    assert read(hb, "s3", 20) == [] and read(hb, "s3", 21, storage=OTHER) == []
+
+
+def test_a_thread_orders_its_own_later_launches_after_its_sync():
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    assert on_worker(hb, lambda hb: (hb.synchronize_stream("s1"), read(hb, "s2", 20))[1]) == []
+
+
+def test_threads_without_a_host_of_their_own_share_the_main_one():
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    with hb.acting_for(9):
+        hb.synchronize_stream("s1")
+    assert read(hb, "s2", 20) == []
+
+
+def test_a_dropped_host_goes_back_to_the_shared_one():
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    on_worker(hb, lambda hb: hb.synchronize_stream("s1"))
+    with hb.acting_for(WORKER):
+        hb.drop_host()
+    assert [r.kind for r in read(hb, "s2", 20)] == [RAW]  # what the worker knew went with its host
+    with hb.acting_for(WORKER):
+        hb.synchronize_stream("s1")
+    assert read(hb, "s3", 21) == []
+
+
+def test_a_handoff_of_an_implicit_sync_stays_latent():
+    hb = HappensBefore()
+    write(hb, "s1", 10)
+    on_worker(hb, lambda hb: (hb.synchronize_stream("s1", implicit=site(15, "aten::item")), hb.release("q")))
+    hb.acquire("q")
+    assert read(hb, "s2", 20) == []
+    (latent,) = hb.latent_races
+    assert latent.hidden_by.location() == "test_x.py:15"
+
+
+def test_a_free_is_judged_by_the_freeing_threads_host():
+    hb = HappensBefore()
+    hb.alloc(BUF, 1024, "s1", site(1))
+    read(hb, "s2", 10)
+    on_worker(hb, lambda hb: (hb.synchronize_stream("s2"), hb.free(BUF, site(11, "free"))))
+    assert hb.alloc(OTHER, 1024, "s1", site(12)) == []
+    hb2 = HappensBefore()
+    hb2.alloc(BUF, 1024, "s1", site(1))
+    read(hb2, "s2", 10)
+    on_worker(hb2, lambda hb: hb.synchronize_stream("s2"))
+    hb2.free(BUF, site(11, "free"))  # on the main thread, which never synchronized
+    assert [r.kind for r in hb2.alloc(OTHER, 1024, "s1", site(12))] == [FREE]
+
+
 def test_host_sync_does_not_order_work_launched_before_it():
     hb = HappensBefore()
     write(hb, "s1", 10)

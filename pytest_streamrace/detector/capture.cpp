@@ -130,6 +130,8 @@ struct Record {
   int64_t touched = 0;  // tensors of the modelled device among its arguments and fresh outputs, empty ones included
   std::shared_ptr<const Plan> plan; std::vector<c10::IValue> args;  // the arguments, where the plan keeps them
   std::vector<c10::IValue> outputs;  // a queued collective's, as it returned
+  // the thread that recorded it: the core applies its launch, syncs and frees with that thread's host clock
+  int64_t thread = static_cast<int64_t>(PyThread_get_thread_ident());
 };
 
 struct Pending : at::ObserverContext {
@@ -900,6 +902,9 @@ bool sync_inside_op(int64_t stream) {
   return true;
 }
 
+// Whether this thread is running a captured op (a sync reported now is that op's: a read-back's).
+bool in_op() { return here.in_flight != nullptr; }
+
 // A storage freed (the allocator's callback, or a storage's weak reference): queued in order with the ops. Its address
 // may be handed out again from now on, to a storage the tracker does not watch yet. stack: whether to take one.
 // A free or an event, queued in order with the ops without forcing a drain (it may come from the allocator, on any
@@ -995,10 +1000,11 @@ void watch_held(py::list& out, const Spans& spans) {
       out.append(py::make_tuple("watch", t.storage, py::reinterpret_steal<py::object>(THPStorage_Wrap(t.held))));
 }
 
-// ("free", ptr, stack or None), ("event_record" or "event_wait", event, stream), ("queued", `queued_call`), ("op",
-// name, stream, in_node, accesses, fresh, stack, seq, node name or None, synced stream or None, (args, kwargs) or
-// None), or ("watch", ptr, storage) right after the op that first saw a storage (host memory); a tensor is (storage,
-// start, end, write, shape, dtype[, nbytes]).
+// ("free", ptr, stack or None, thread), ("event_record" or "event_wait", event, stream, thread), ("queued",
+// `queued_call`, thread), ("op", name, stream, in_node, accesses, fresh, stack, seq, node name or None, synced stream
+// or None, (args, kwargs) or None, thread), or ("watch", ptr, storage) right after the op that first saw a storage
+// (host memory); a tensor is (storage, start, end, write, shape, dtype[, nbytes]); thread: the recording thread's
+// ident.
 py::list drain() {
   std::vector<Record> taken = take_records();
   struct GiveBack { std::vector<Record>& records; ~GiveBack() { give_back(records); } } later{taken};
@@ -1006,15 +1012,16 @@ py::list drain() {
   for (auto& r : taken) {
     py::object stack = stack_object(r);
     if (r.what == What::kFree) {
-      out.append(py::make_tuple("free", r.handle, stack));
+      out.append(py::make_tuple("free", r.handle, stack, r.thread));
       continue;
     }
     if (r.what == What::kEventRecord || r.what == What::kEventWait) {
-      out.append(py::make_tuple(r.what == What::kEventWait ? "event_wait" : "event_record", r.handle, r.stream));
+      out.append(py::make_tuple(r.what == What::kEventWait ? "event_wait" : "event_record", r.handle, r.stream,
+                                r.thread));
       continue;
     }
     if (r.what != What::kOp) {
-      out.append(py::make_tuple("queued", queued_call(r, py::int_(r.stream))));
+      out.append(py::make_tuple("queued", queued_call(r, py::int_(r.stream)), r.thread));
       continue;
     }
     py::list accesses, fresh;
@@ -1024,7 +1031,7 @@ py::list drain() {
       fresh.append(py::make_tuple(t.storage, t.start, t.end, t.write, shape_of(t), dtype_name(t.dtype), t.nbytes));
     py::object node = r.node.empty() ? py::object(py::none()) : py::object(py::str(r.node));
     out.append(py::make_tuple("op", r.op, r.stream, r.in_node, accesses, fresh, stack, r.seq, node,
-                              synced_of(r), arguments_of(r)));
+                              synced_of(r), arguments_of(r), r.thread));
     watch_held(out, r.accesses);
     watch_held(out, r.fresh);
   }
@@ -1259,20 +1266,22 @@ class Feed {
   }
 
   // Drains the capture into the core (until no frees follow on host memory). streams: the virtual model's streams
-  // by their small int (None on cuda: a stream is its handle). Returns the first op's name when `name_first` (the
-  // tracker names an unnamed implicit sync after it), else None.
-  py::object apply(py::object streams, bool engine_records_streams, bool name_first) {
+  // by their small int (None on cuda: a stream is its handle). unnamed: the threads with an unnamed implicit sync
+  // (a set of idents, or None); returns {thread: its first op's name} for them (the tracker names each sync after it).
+  py::dict apply(py::object streams, bool engine_records_streams, py::object unnamed) {
     streams_ = std::move(streams);
     engine_records_streams_ = engine_records_streams;
-    py::object first = py::none();
+    py::dict firsts;
+    const bool naming = !unnamed.is_none();
     for (;;) {
       std::vector<Record> taken = take_records();
       if (taken.empty()) break;
       for (auto& r : taken) {
-        if (name_first && r.what == What::kOp) {
-          first = py::str(r.op);
-          name_first = false;
+        if (naming && r.what == What::kOp) {
+          py::int_ thread(r.thread);
+          if (unnamed.contains(thread) && !firsts.contains(thread)) firsts[thread] = py::str(r.op);
         }
+        streamrace_hb::ActingFor acting(r.thread);  // the Python it calls too (a host sync's rule, a queued op's model)
         guarded(r, [&] { apply_one(r); });
         guarded(r, [&] {  // even when the op went unchecked: its storages' frees are still learnt
           for (const Span& span : r.accesses) watch(span);
@@ -1283,7 +1292,7 @@ class Feed {
       if (!track_frees_) break;
     }
     streams_ = py::none();
-    return first;
+    return firsts;
   }
 
   size_t forward_sites() const { return forward_.size(); }
@@ -1532,6 +1541,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_issuing", &set_issuing);
   m.def("set_stream", &set_stream);
   m.def("sync_inside_op", &sync_inside_op);
+  m.def("in_op", &in_op);
   m.def("record_kernel", &record_kernel, py::arg("name"), py::arg("stream"), py::arg("args"), py::arg("roles"));
   m.def("mark_free", &mark_free, py::arg("ptr"), py::arg("stack") = true);
   m.def("drain", &drain);

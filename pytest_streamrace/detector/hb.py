@@ -5,11 +5,16 @@ sees into these calls, and the rules can be unit-tested with synthetic ids.
 
 Model. Each stream has a vector clock: its own component counts its launches (the epoch of its latest op), the
 others say how much of each other stream's work is known to be complete before the stream's next op starts.
-Event record snapshots a clock, event wait merges a snapshot into a stream's clock. The host has a clock too:
-synchronize calls merge into it, and every stream merges it at its next launch (work launched after the host
-waited is ordered after what the host waited for). An access A on stream s at epoch e is ordered before an op B
-on another stream when B's clock has s >= e. Clocks are shared copy-on-write, so an Op keeps the clock it was
-launched with for free.
+Event record snapshots a clock, event wait merges a snapshot into a stream's clock. Each host thread has a clock
+too, as CUDA blocks only the thread that synchronizes: its synchronize calls merge into it, and a stream merges the
+launching thread's clock at its next launch (work launched after that thread waited is ordered after what it waited
+for). Threads share what they know only through a handoff: ``release(key)`` merges the calling thread's clock into a
+sync object's, ``acquire(key)`` merges the object's into the caller's (a lock, a queue, a future, a thread's start
+and join: ``detector/models/host_handoffs.py``). Every thread shares one host clock, the program's main one, until
+``own_host()`` gives it a clock of its own (a thread the session follows from its start); ``acting_for`` names the
+thread whose work a call applies, where that is not the calling thread (records drained on another thread). An
+access A on stream s at epoch e is ordered before an op B on another stream when B's clock has s >= e. Clocks are
+shared copy-on-write, so an Op keeps the clock it was launched with for free.
 
 Latent view. A host sync is *implicit* when it is a value read back (``.item()``, ``.cpu()``, a data-dependent
 size): the program did not ask for the ordering, it got it by accident, and the ordering goes when the read-back does.
@@ -21,6 +26,7 @@ second view costs an identity test per op.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import weakref
 from collections import deque
@@ -137,6 +143,26 @@ def where(site: Site) -> str:
     return site.location() if site.frames else f"<unknown>:{site.op}"
 
 
+_acting = threading.local()  # .ident: the thread whose work this thread applies (a drain of another's records)
+
+
+def acting_thread() -> int:
+    """The thread on whose behalf the core is called: the calling thread, unless `acting_for` says otherwise."""
+    ident = getattr(_acting, "ident", None)
+    return threading.get_ident() if ident is None else ident
+
+
+@contextlib.contextmanager
+def acting_for(ident: int | None):
+    """Inside, core calls on this thread apply `ident`'s work (None: this thread's own)."""
+    outer = getattr(_acting, "ident", None)
+    _acting.ident = ident
+    try:
+        yield
+    finally:
+        _acting.ident = outer
+
+
 def happens_before(a: Op, b: Op) -> bool:
     """Whether op a is ordered before op b (same stream: program order)."""
     if a.stream == b.stream:
@@ -167,7 +193,7 @@ class _Stream:
         self.epoch = 0  # epoch of the latest op launched here
         self.known: dict = {}  # what this stream's next op is ordered after (other streams' epochs)
         self.strict: dict = self.known  # the same, implicit host syncs left out (the latent view)
-        self.host_seen = 0  # the host clock version already merged into `known`
+        self.host_seen = 0  # the stamp of the host clock last merged into `known`
         # blocks freed back to this stream's pool while other streams' accesses to them were not yet ordered
         # before the free: (storage, free op, those accesses, alloc site, tensor) — judged at the next allocation
         self.freed: list[tuple] = []
@@ -202,6 +228,18 @@ class _Stream:
             self.strict = self.known
         else:
             self.strict = _merge(self.strict, strict)
+
+
+class _Host:
+    """One host thread's clock (or the shared one's): what that thread has learnt completed, in both views. `stamp`
+    is unique across the core's hosts and changes with the clock, so a stream knows whether it has merged it."""
+
+    __slots__ = ("known", "strict", "stamp")
+
+    def __init__(self, stamp: int):
+        self.known: dict = {}
+        self.strict: dict = self.known  # through explicit syncs only (the latent view)
+        self.stamp = stamp
 
 
 class _Storage:
@@ -281,9 +319,10 @@ class HappensBefore:
         self._lock = threading.Lock()  # autograd may call in from its device threads
         self._streams: dict[Any, _Stream] = {}
         self._events = Events()
-        self._host: dict = {}
-        self._host_strict: dict = self._host  # the host's knowledge through explicit syncs only
-        self._host_version = 0
+        self._stamps = 1  # the last stamp handed to a host (0: no stream has merged any)
+        self._shared = _Host(1)  # every thread's until it owns one: the program's main host
+        self._hosts: dict[int, _Host] = {}  # thread ident -> its own host
+        self._handoffs = Events()  # sync object -> (clock, strict clock) released into it
         # implicit host syncs, newest last: (seq, what the host learnt, the read-back's site) — names a latent race
         self._implicit: deque = deque(maxlen=4096)
         self._seq = 0
@@ -354,19 +393,67 @@ class HappensBefore:
             for state in self._streams.values():
                 self._host_learns(state.snapshot(), implicit)
 
-    def _host_learns(self, snapshot: tuple[dict, dict], implicit: Site | None = None) -> None:
+    def _host_learns(self, snapshot: tuple[dict, dict], implicit: Site | None = None, host: _Host | None = None) -> None:
+        """The calling thread's host (or `host`) learns a snapshot: a sync it made, or a handoff it acquired."""
+        host = self._host() if host is None else host
         now, strict = snapshot
-        same = self._host_strict is self._host
-        merged = _merge(self._host, now)
+        same = host.strict is host.known
+        merged = _merge(host.known, now)
         if implicit is None:
-            merged_strict = merged if same and strict is now else _merge(self._host_strict, strict)
+            merged_strict = merged if same and strict is now else _merge(host.strict, strict)
         else:
-            merged_strict = self._host_strict
-            if merged is not self._host:
+            merged_strict = host.strict
+            if merged is not host.known:
                 self._implicit.append((self._seq, now, implicit))
-        if merged is not self._host or merged_strict is not self._host_strict:
-            self._host, self._host_strict = merged, merged_strict
-            self._host_version += 1
+        if merged is not host.known or merged_strict is not host.strict:
+            host.known, host.strict = merged, merged_strict
+            self._stamps += 1
+            host.stamp = self._stamps
+
+    # host threads
+
+    @staticmethod
+    def acting_for(ident: int | None):
+        """Inside, this core's calls on this thread apply thread `ident`'s work (hb.acting_for)."""
+        return acting_for(ident)
+
+    def _host(self) -> _Host:
+        return self._hosts.get(acting_thread(), self._shared)
+
+    def own_host(self) -> None:
+        """The calling thread gets a clock of its own, empty (a thread the session follows from its start: what it
+        knows comes from `acquire`). No change for a thread that has one."""
+        with self._lock:
+            ident = acting_thread()
+            if ident not in self._hosts:
+                self._stamps += 1
+                self._hosts[ident] = _Host(self._stamps)
+
+    def drop_host(self) -> None:
+        """The calling thread's own clock is forgotten (the thread ends; its ident may be reused)."""
+        with self._lock:
+            self._hosts.pop(acting_thread(), None)
+
+    def release(self, key: Hashable) -> None:
+        """A handoff: what the calling thread knows is merged into the sync object `key` (a lock released, an item
+        put, a future's result set, a thread started or ending)."""
+        with self._lock:
+            host = self._host()
+            held = self._handoffs.get(key)
+            if held is None:
+                self._handoffs.put(key, (host.known, host.strict))
+                return
+            known, strict = held
+            same = strict is known and host.strict is host.known
+            merged = _merge(known, host.known)
+            self._handoffs.put(key, (merged, merged if same else _merge(strict, host.strict)))
+
+    def acquire(self, key: Hashable) -> None:
+        """The other side of a handoff: the calling thread learns what was released into `key` (nothing if never)."""
+        with self._lock:
+            held = self._handoffs.get(key)
+            if held is not None:
+                self._host_learns(held)
 
     # work
 
@@ -411,9 +498,10 @@ class HappensBefore:
         state = self._streams.get(stream)
         if state is None:
             state = self._stream(stream)
-        if state.host_seen != self._host_version:
-            state.learn(self._host, self._host_strict)
-            state.host_seen = self._host_version
+        host = self._host()
+        if state.host_seen != host.stamp:
+            state.learn(host.known, host.strict)
+            state.host_seen = host.stamp
         state.epoch += 1
         self._seq += 1
         op = Op(stream, state.epoch, self._seq, site, state.known, state.strict)
@@ -499,10 +587,11 @@ class HappensBefore:
         state = self._streams.get(stream)
         if state is None or not state.freed:
             return
-        if state.host_seen != self._host_version:
-            state.learn(self._host, self._host_strict)
-            state.host_seen = self._host_version
-        now = _merge(self._host, state.now())
+        host = self._host()
+        if state.host_seen != host.stamp:
+            state.learn(host.known, host.strict)
+            state.host_seen = host.stamp
+        now = _merge(host.known, state.now())
         for freed_storage, free_op, hazards, alloc_site, freed_tensor, nbytes_freed in state.freed:
             for a in hazards:
                 if now.get(a.op.stream, 0) < a.op.epoch:
@@ -547,7 +636,7 @@ class HappensBefore:
             if not others and not self._trace:
                 return []
             state = self._stream(stream)
-            safe = _merge(self._host, state.now())  # ordered before any reuse of the block
+            safe = _merge(self._host().known, state.now())  # ordered before any reuse of the block
             hazards = [Access(a_op, storage, a_start, a_end, a_write, TensorInfo.of(a_tensor))
                        for a_op, a_start, a_end, a_write, a_tensor in others
                        if safe.get(a_op.stream, 0) < a_op.epoch]

@@ -241,6 +241,35 @@ struct Snapshot {
 
 enum Kind { RAW = 0, WAR = 1, WAW = 2, FREE = 3 };
 
+// hb._Host: one host thread's clock, or the shared one. `stamp` is unique across the core's hosts and changes with
+// the clock, so a stream knows whether it has merged it.
+struct Host {
+  ClockPtr known, strict;
+  int64_t stamp = 0;
+};
+
+// hb.acting_thread: the thread on whose behalf the core is called (the calling one, unless an ActingFor says
+// otherwise: the feed applies each record for the thread that recorded it).
+thread_local int64_t acting_ident = 0;
+thread_local bool acting_set = false;
+
+inline int64_t acting_thread() {
+  return acting_set ? acting_ident : static_cast<int64_t>(PyThread_get_thread_ident());
+}
+
+struct ActingFor {  // hb.acting_for
+  explicit ActingFor(int64_t ident) : outer_ident(acting_ident), outer_set(acting_set) {
+    acting_ident = ident;
+    acting_set = true;
+  }
+  ~ActingFor() {
+    acting_ident = outer_ident;
+    acting_set = outer_set;
+  }
+  int64_t outer_ident;
+  bool outer_set;
+};
+
 // An unordered pair (or, latent, one ordered only through an implicit host sync). For FREE, `later` is the free
 // (start 0, end nbytes) and its tensor the allocation's description, when one was given.
 struct Candidate {
@@ -269,8 +298,10 @@ constexpr size_t IMPLICIT_KEPT = 4096;  // hb.py: deque(maxlen=4096)
 class Core {
  public:
   explicit Core(bool trace)
-      : trace_(trace), empty_(std::make_shared<Clock>()), host_(empty_), host_strict_(empty_),
-        keys_(std::make_shared<StreamKeys>()) {}
+      : trace_(trace), empty_(std::make_shared<Clock>()), keys_(std::make_shared<StreamKeys>()) {
+    shared_.known = shared_.strict = empty_;
+    shared_.stamp = stamps_;
+  }
 
   // streams
 
@@ -304,22 +335,45 @@ class Core {
     if (snap != nullptr) learn(w, snap->now, snap->strict);
   }
 
-  void synchronize_stream(int32_t id, const Payload& implicit) { host_learns(snapshot(id), implicit); }
-  void synchronize_snapshot(const Snapshot& snap, const Payload& implicit) { host_learns(snap, implicit); }
+  void synchronize_stream(int32_t id, const Payload& implicit) { host_learns(host(), snapshot(id), implicit); }
+  void synchronize_snapshot(const Snapshot& snap, const Payload& implicit) { host_learns(host(), snap, implicit); }
   void synchronize_device(const Payload& implicit) {
+    Host& h = host();
     for (size_t i = 0; i < order_.size(); ++i) {
       int32_t id = order_[i];
-      host_learns(snapshot_of(id, streams_[id]), implicit);
+      host_learns(h, snapshot_of(id, streams_[id]), implicit);
     }
   }
+
+  // host threads (hb.py's own_host, drop_host, release, acquire; handoffs are kept by hb_native.py as snapshots)
+
+  void own_host() {
+    auto inserted = hosts_.try_emplace(acting_thread());
+    if (!inserted.second) return;
+    Host& h = inserted.first->second;
+    h.known = h.strict = empty_;
+    h.stamp = ++stamps_;
+  }
+  void drop_host() { hosts_.erase(acting_thread()); }
+
+  // What `held` (a handoff's snapshot, or none) holds once the calling thread releases into it.
+  Snapshot release(const Snapshot* held) {
+    const Host& h = host();
+    if (held == nullptr) return {h.known, h.strict};
+    ClockPtr now = merge(held->now, h.known);
+    const bool same = held->strict == held->now && h.strict == h.known;
+    return {now, same ? now : merge(held->strict, h.strict)};
+  }
+  void acquire(const Snapshot& held) { host_learns(host(), held, Payload()); }
 
   // work
 
   OpPtr launch(int32_t id, Payload site) {  // hb._launch
     StreamState& s = stream(id);
-    if (s.host_seen != host_version_) {
-      learn(s, host_, host_strict_);
-      s.host_seen = host_version_;
+    const Host& h = host();
+    if (s.host_seen != h.stamp) {
+      learn(s, h.known, h.strict);
+      s.host_seen = h.stamp;
     }
     s.epoch += 1;
     seq_ += 1;
@@ -391,11 +445,12 @@ class Core {
     storages_[storage] = std::move(fresh);
     if (id < 0 || !streams_[id].created || streams_[id].freed.empty()) return;
     StreamState& s = streams_[id];
-    if (s.host_seen != host_version_) {
-      learn(s, host_, host_strict_);
-      s.host_seen = host_version_;
+    const Host& h = host();
+    if (s.host_seen != h.stamp) {
+      learn(s, h.known, h.strict);
+      s.host_seen = h.stamp;
     }
-    ClockPtr now = merge(host_, with_own(s.known, id, s.epoch));
+    ClockPtr now = merge(h.known, with_own(s.known, id, s.epoch));
     std::vector<Freed> freed;
     freed.swap(s.freed);  // each hazard is judged once: resolved (ordered) or reported here
     for (Freed& f : freed)
@@ -431,7 +486,7 @@ class Core {
     }
     if (others.empty() && !trace_) return;
     StreamState& state = stream(id);
-    ClockPtr safe = merge(host_, with_own(state.known, id, state.epoch));  // ordered before any reuse
+    ClockPtr safe = merge(host().known, with_own(state.known, id, state.epoch));  // ordered before any reuse
     std::vector<Rec> hazards;
     for (const Rec* rec : others)
       if (safe->get(rec->op->stream) < rec->op->epoch) hazards.push_back(*rec);
@@ -493,23 +548,29 @@ class Core {
       s.strict = merge(s.strict, strict);
   }
 
-  void host_learns(const Snapshot& snap, const Payload& implicit) {  // hb._host_learns
-    const bool same = host_strict_ == host_;
-    ClockPtr merged = merge(host_, snap.now);
+  Host& host() {  // hb._host: the acting thread's own, else the shared one
+    if (hosts_.empty()) return shared_;
+    auto found = hosts_.find(acting_thread());
+    return found == hosts_.end() ? shared_ : found->second;
+  }
+
+  void host_learns(Host& h, const Snapshot& snap, const Payload& implicit) {  // hb._host_learns
+    const bool same = h.strict == h.known;
+    ClockPtr merged = merge(h.known, snap.now);
     ClockPtr merged_strict;
     if (implicit.empty()) {
-      merged_strict = same && snap.strict == snap.now ? merged : merge(host_strict_, snap.strict);
+      merged_strict = same && snap.strict == snap.now ? merged : merge(h.strict, snap.strict);
     } else {
-      merged_strict = host_strict_;
-      if (merged != host_) {
+      merged_strict = h.strict;
+      if (merged != h.known) {
         implicit_.push_back({seq_, snap.now, implicit});
         if (implicit_.size() > IMPLICIT_KEPT) implicit_.pop_front();
       }
     }
-    if (merged != host_ || merged_strict != host_strict_) {
-      host_ = std::move(merged);
-      host_strict_ = std::move(merged_strict);
-      ++host_version_;
+    if (merged != h.known || merged_strict != h.strict) {
+      h.known = std::move(merged);
+      h.strict = std::move(merged_strict);
+      h.stamp = ++stamps_;
     }
   }
 
@@ -528,8 +589,10 @@ class Core {
   }
 
   bool trace_;
-  ClockPtr empty_, host_, host_strict_;  // host_strict_: the host's knowledge through explicit syncs only
-  int64_t host_version_ = 0, seq_ = 0;
+  ClockPtr empty_;
+  Host shared_;  // every thread's until it owns one: the program's main host
+  std::unordered_map<int64_t, Host> hosts_;  // thread ident -> its own host
+  int64_t stamps_ = 1, seq_ = 0;  // stamps_: the last stamp handed to a host (0: no stream has merged any)
   std::shared_ptr<StreamKeys> keys_;
   std::vector<StreamState> streams_;  // by id
   std::vector<int32_t> order_;  // created streams, in creation order (hb.py's dict order)
@@ -666,6 +729,26 @@ class PyCore {
   void synchronize_device(py::handle implicit) {
     Guard g(mutex_);
     core_.synchronize_device(Payload::of(implicit));
+  }
+
+  void own_host() {
+    Guard g(mutex_);
+    core_.own_host();
+  }
+
+  void drop_host() {
+    Guard g(mutex_);
+    core_.drop_host();
+  }
+
+  Snapshot release(const Snapshot* held) {
+    Guard g(mutex_);
+    return core_.release(held);
+  }
+
+  void acquire(const Snapshot& held) {
+    Guard g(mutex_);
+    core_.acquire(held);
   }
 
   OpPtr launch(py::handle stream, py::handle site) {
@@ -882,6 +965,16 @@ py::object clock_dict(const Op& op, const Clock& clock) {
 void bind_core(py::module_& m) {
   using namespace streamrace_hb;
   auto hb = m.def_submodule("hb", "the happens-before core (hb_core.cpp); hb_native.py is its Python face");
+  // hb.acting_for's twin for this core: a context manager's enter and exit, by thread ident (None: the caller's own)
+  hb.def("act_for", [](py::object ident) {
+    if (ident.is_none()) {
+      acting_set = false;
+      return;
+    }
+    acting_ident = ident.cast<int64_t>();
+    acting_set = true;
+  });
+  hb.def("acting", []() -> py::object { return acting_set ? py::object(py::int_(acting_ident)) : py::object(py::none()); });
   py::class_<Snapshot>(hb, "Snapshot");
   py::class_<Op, OpPtr>(hb, "Op")
       .def_property_readonly("stream", [](const Op& op) { return op.keys->keys[op.stream].to_python(); })
@@ -925,6 +1018,10 @@ void bind_core(py::module_& m) {
       .def("synchronize_snapshot", &PyCore::synchronize_snapshot, py::arg("snapshot"),
            py::arg("implicit") = py::none())
       .def("synchronize_device", &PyCore::synchronize_device, py::arg("implicit") = py::none())
+      .def("own_host", &PyCore::own_host)
+      .def("drop_host", &PyCore::drop_host)
+      .def("release", &PyCore::release, py::arg("held").none(true))
+      .def("acquire", &PyCore::acquire, py::arg("held"))
       .def("launch", &PyCore::launch, py::arg("stream"), py::arg("site"))
       .def("access", &PyCore::access, py::arg("op"), py::arg("storage"), py::arg("start"), py::arg("end"),
            py::arg("write"), py::arg("tensor"))

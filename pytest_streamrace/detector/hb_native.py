@@ -10,6 +10,7 @@ deduplicated and counted here exactly as hb.py does. Ops are the core's ``Op`` o
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from typing import Hashable
 
@@ -83,6 +84,10 @@ class NativeHappensBefore:
         self.wait_stream = core.wait_stream
         self.synchronize_stream = core.synchronize_stream
         self.synchronize_device = core.synchronize_device
+        self.own_host = core.own_host
+        self.drop_host = core.drop_host
+        self._act_for, self._acting = extension.hb.act_for, extension.hb.acting
+        self._handoffs = Events()  # sync object -> the core's snapshot released into it (as events are kept)
         self.add_stream = core.add_stream
         self.stream_name = core.stream_name
         self.alloc_site = core.alloc_site
@@ -123,6 +128,28 @@ class NativeHappensBefore:
                 snapshot = self._events.get(event)
         if snapshot is not None:
             self.core.synchronize_snapshot(snapshot, implicit)
+
+    # host threads: handoffs by key here, as events are kept
+
+    @contextlib.contextmanager
+    def acting_for(self, ident: int | None):
+        """Inside, this core's calls on this thread apply thread `ident`'s work (hb.acting_for)."""
+        outer = self._acting()
+        self._act_for(ident)
+        try:
+            yield
+        finally:
+            self._act_for(outer)
+
+    def release(self, key: Hashable) -> None:
+        with self._event_lock:
+            self._handoffs.put(key, self.core.release(self._handoffs.get(key)))
+
+    def acquire(self, key: Hashable) -> None:
+        with self._event_lock:
+            held = self._handoffs.get(key)
+        if held is not None:
+            self.core.acquire(held)
 
     # results
 

@@ -133,9 +133,11 @@ class Detector:
 
         patches += Futures(self.hb, self.tracker, self._current,
                            inline_callbacks=self.backend == "virtual").patches()
+        from .models.host_handoffs import HostHandoffs
         from .threads import Threads
 
         patches += Threads(self.tracker, function_mode).patches()
+        patches += HostHandoffs(self.hb, self.tracker).patches()  # wraps Threads' thread entry, as installed
         self.tracker.latent, self.tracker.incidental = self.latent, self.incidental
         for patch in patches:
             self.install(patch)

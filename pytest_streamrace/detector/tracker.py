@@ -229,7 +229,8 @@ class AccessTracker(TorchDispatchMode):
         # The latent view (hb): read-backs order the host only in the normal view. Off: every sync counts (no cost).
         self.latent = True
         self.incidental: tuple[str, ...] = ()  # globs of files whose explicit syncs count as read-backs
-        self._unnamed_sync: Site | None = None  # the cuda model's latest implicit sync, named by the op that made it
+        # the cuda model's latest implicit sync per thread, named by the op of that thread that made it
+        self._unnamed_syncs: dict[int, Site] = {}
         self._explicit = threading.local()  # .name: the explicit sync API running on this thread (cuda model)
         self.forward_sites = ForwardSites()  # the sites of forward ops by the autograd number of their node
         self._forward_seq = threading.local()  # .seq: the autograd number this thread's last forward op saw
@@ -386,67 +387,72 @@ class AccessTracker(TorchDispatchMode):
         watched, names, last_writer = self.watched, self.names, self.last_writer
         streams, redirect = self.capture_streams, self.redirect
         for record in records:
-            try:
-                kind = record[0]
-                if kind == "watch":  # a storage first seen by the op before (host memory): its free is learnt from now
-                    if watched.get(record[1]) is None:
-                        self._watch(record[1], record[2])
-                    continue
-                if kind == "free":
-                    self._freed(record[1], Site("free", Captured(record[2]) if record[2] is not None else ()))
-                    continue
-                if kind == "event_record":  # the GPU trace's, taken in C++ (models.cuda, TraceShortcut)
-                    self.hb.record_event(record[1], record[2])
-                    continue
-                if kind == "event_wait":
-                    self.hb.wait_event(record[2], record[1])
-                    continue
-                if kind == "queued":
-                    name, overload, args, out, phase, stream, captured = record[1]
-                    self._queued(name, overload, args, out, phase, streams[stream] if streams is not None else stream,
-                                 captured)
-                    continue
-                _, name, stream, in_node, spans, fresh, captured, seq, node, synced, arguments = record
-                if streams is not None:
-                    stream = streams[stream]
-                if redirect:  # a gradient's add the engine runs on its consumer's stream (virtual autograd)
-                    for span in spans:
-                        if span[0] in redirect:
-                            stream = redirect.pop(span[0])
-                            break
-                accesses: list[tuple] = []
-                for key, start, end, write, shape, dtype in spans:
-                    if key not in watched:
-                        watched[key] = None
-                    if write:
-                        last_writer[key] = stream
-                    elif self.engine_records_streams and in_node and last_writer.get(key, stream) != stream:
-                        self.hb.record_stream(key, stream)  # read inside a node: one of its incoming gradients
-                    accesses.append((key, start, end, write, (shape, dtype, names.get(key))))
-                allocs: list[tuple] = []
-                for key, start, end, write, shape, dtype, nbytes in fresh:
-                    desc = (shape, dtype, None)
-                    if key not in watched:
-                        watched[key] = None
-                        allocs.append((key, nbytes, desc))
-                    if write:
-                        last_writer[key] = stream
-                        accesses.append((key, start, end, True, desc))
-                if self._unnamed_sync is not None:
-                    self._name_sync(name)
-                if in_node:  # the engine's threads have no frames of the program's: name the node's forward op
-                    site = Site(name, self.forward_sites.backward(Captured(captured), seq, node))
-                else:
-                    site = Site(name, Captured(captured))
-                    if seq >= 0:
-                        self.forward_sites.forward(seq, site)
-                _, races = self.hb.record(stream, site, accesses, allocs)
-                if races:
-                    self._report(races)
-                self._captured_sync(name, stream, synced, captured, arguments, bool(spans) or streams is not None)
-            except Exception as exc:  # never inside the user's test: this op goes unchecked, said once
-                self.note(f"{record[1] if record[0] == 'op' else record[0]} is not checked: "
-                          f"{type(exc).__name__}: {exc}")
+            if record[0] == "watch":  # a storage first seen by the op before (host memory): its free is learnt from now
+                if watched.get(record[1]) is None:
+                    self._watch(record[1], record[2])
+                continue
+            with self.hb.acting_for(record[-1]):  # the recording thread's host clock (capture.cpp's Feed does too)
+                self._apply_record(record, watched, names, last_writer, streams, redirect)
+
+    def _apply_record(self, record: tuple, watched, names, last_writer, streams, redirect) -> None:
+        """One drained record (not a "watch"), for the thread that recorded it."""
+        try:
+            kind = record[0]
+            if kind == "free":
+                self._freed(record[1], Site("free", Captured(record[2]) if record[2] is not None else ()))
+                return
+            if kind == "event_record":  # the GPU trace's, taken in C++ (models.cuda, TraceShortcut)
+                self.hb.record_event(record[1], record[2])
+                return
+            if kind == "event_wait":
+                self.hb.wait_event(record[2], record[1])
+                return
+            if kind == "queued":
+                name, overload, args, out, phase, stream, captured = record[1]
+                self._queued(name, overload, args, out, phase, streams[stream] if streams is not None else stream,
+                             captured)
+                return
+            _, name, stream, in_node, spans, fresh, captured, seq, node, synced, arguments, _ = record
+            if streams is not None:
+                stream = streams[stream]
+            if redirect:  # a gradient's add the engine runs on its consumer's stream (virtual autograd)
+                for span in spans:
+                    if span[0] in redirect:
+                        stream = redirect.pop(span[0])
+                        break
+            accesses: list[tuple] = []
+            for key, start, end, write, shape, dtype in spans:
+                if key not in watched:
+                    watched[key] = None
+                if write:
+                    last_writer[key] = stream
+                elif self.engine_records_streams and in_node and last_writer.get(key, stream) != stream:
+                    self.hb.record_stream(key, stream)  # read inside a node: one of its incoming gradients
+                accesses.append((key, start, end, write, (shape, dtype, names.get(key))))
+            allocs: list[tuple] = []
+            for key, start, end, write, shape, dtype, nbytes in fresh:
+                desc = (shape, dtype, None)
+                if key not in watched:
+                    watched[key] = None
+                    allocs.append((key, nbytes, desc))
+                if write:
+                    last_writer[key] = stream
+                    accesses.append((key, start, end, True, desc))
+            if self._unnamed_syncs:
+                self._name_sync(name, record[-1])
+            if in_node:  # the engine's threads have no frames of the program's: name the node's forward op
+                site = Site(name, self.forward_sites.backward(Captured(captured), seq, node))
+            else:
+                site = Site(name, Captured(captured))
+                if seq >= 0:
+                    self.forward_sites.forward(seq, site)
+            _, races = self.hb.record(stream, site, accesses, allocs)
+            if races:
+                self._report(races)
+            self._captured_sync(name, stream, synced, captured, arguments, bool(spans) or streams is not None)
+        except Exception as exc:  # never inside the user's test: this op goes unchecked, said once
+            self.note(f"{record[1] if record[0] == 'op' else record[0]} is not checked: "
+                      f"{type(exc).__name__}: {exc}")
 
     def _captured_sync(self, name: str, stream, synced: int | None, captured, arguments, touched: bool) -> None:
         """The host sync a captured op made, if any. On a GPU no arguments come along: a conditional sync (a copy to
@@ -517,9 +523,10 @@ class AccessTracker(TorchDispatchMode):
 
     def _apply_capture(self) -> None:
         if self._feed is not None:
-            first = self._feed.apply(self.capture_streams, self.engine_records_streams, self._unnamed_sync is not None)
-            if first is not None and self._unnamed_sync is not None:
-                self._name_sync(first)
+            firsts = self._feed.apply(self.capture_streams, self.engine_records_streams,
+                                      set(self._unnamed_syncs) if self._unnamed_syncs else None)
+            for thread, first in firsts.items():
+                self._name_sync(first, thread)
             return
         records = self._capture.drain()
         while records:
@@ -674,8 +681,8 @@ class AccessTracker(TorchDispatchMode):
                          for t in _tensors(value) if on_device(t)]
         if not touched and not fresh:
             return
-        if self._unnamed_sync is not None:
-            self._name_sync(name)
+        if self._unnamed_syncs:
+            self._name_sync(name, threading.get_ident())
         stream = self.current_stream()
         if self.redirect:
             for t, _ in touched:
@@ -757,21 +764,28 @@ class AccessTracker(TorchDispatchMode):
             self._explicit.name = outer
 
     def sync_callback_site(self) -> Site | None:
-        """What the cuda model's sync callbacks pass hb as `implicit`. Inside an explicit API (``explicitly``): None,
-        or its Site when made from an incidental file. Else the program did not ask for it by name (a read-back's
-        copy, a data-dependent size): an implicit sync, named after the op that made it once that op lands."""
+        """What the cuda model's sync callbacks pass hb as `implicit`. Inside an explicit API (``explicitly``), or
+        outside every captured op: None, or its Site when made from an incidental file. Else the program did not ask
+        for it by name (a read-back's copy, a data-dependent size): an implicit sync, named after this thread's op
+        that made it once that op lands."""
         name = getattr(self._explicit, "name", None)
+        if name is None and self._capture is not None and not self._capture.in_op():
+            # outside every captured op: an API the program called (torch.Stream's and torch.Event's synchronize,
+            # which cannot be patched to say so); a read-back's sync comes from inside its op
+            name = "a host synchronize"
         if name is not None:
             return self.explicit_sync(name)
         if not self.latent:
             return None
-        site = self._unnamed_sync = Site(host_sync.IMPLICIT, stack())
+        site = self._unnamed_syncs[threading.get_ident()] = Site(host_sync.IMPLICIT, stack())
         return site
 
-    def _name_sync(self, op: str) -> None:
-        """The op that ends after an unnamed implicit sync made it (a read-back ends after its wait): the sync is
-        named after that op's host-sync entry, else after the op."""
-        site, self._unnamed_sync = self._unnamed_sync, None
+    def _name_sync(self, op: str, thread: int) -> None:
+        """The op of `thread` that ends after an unnamed implicit sync it made (a read-back ends after its wait): the
+        sync is named after that op's host-sync entry, else after the op. Another thread's op never names it."""
+        site = self._unnamed_syncs.pop(thread, None)
+        if site is None:
+            return
         sync = self.host_syncs.get(op)
         site.op = sync.name if sync is not None else op
 

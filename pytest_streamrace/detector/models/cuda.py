@@ -35,6 +35,15 @@ def EXPLICIT() -> list[tuple[object, str, str]]:  # noqa: N802 (a table, built o
            (torch.cuda.Stream, "synchronize", "Stream.synchronize()"),
            (torch.cuda.Event, "synchronize", "Event.synchronize()"),
            (torch.cuda.Event, "elapsed_time", "Event.elapsed_time()")]
+    # the device-generic API (torch.Stream, torch.Event, torch.accelerator), where this torch has it
+    for owner, attribute, name in (("Stream", "synchronize", "torch.Stream.synchronize()"),
+                                   ("Event", "synchronize", "torch.Event.synchronize()"),
+                                   ("Event", "elapsed_time", "torch.Event.elapsed_time()")):
+        if hasattr(getattr(torch, owner, None), attribute):
+            out.append((getattr(torch, owner), attribute, name))
+    accelerator = getattr(torch, "accelerator", None)
+    if hasattr(accelerator, "synchronize"):
+        out.append((accelerator, "synchronize", "torch.accelerator.synchronize()"))
     return out  # Work.wait(): the collectives model marks it (it wraps Work.wait itself)
 
 
