@@ -2,7 +2,9 @@
 
 A program (seeded) mixes launches with several accesses over overlapping byte ranges, allocations in the same op,
 accesses by ops launched earlier, stream waits, events (names, ints, weakly referenced objects that die), host
-syncs explicit and implicit (stream, event, device), allocs, frees and record_stream, on a few streams and storages.
+syncs explicit and implicit (stream, event, device), allocs, frees and record_stream, on a few streams and storages,
+each step on one of a few host threads, which own a clock of their own or share the main one and hand off what they
+know through a few sync objects.
 After every call the two cores must have returned the same new races; at the end the same races and latent races
 (kind, both accesses, counts, hiding sync, allocation site), the same history sizes (pruning), stream counts and
 timeline.
@@ -73,8 +75,13 @@ def run_program(seed: int, steps: int, make_native, trace: bool = False):
         start = rng.randrange(0, 256, 16)
         return start, start + rng.choice([0, 16, 32, 64, 128, 256])
 
+    thread = None  # the thread each step acts for (None: the calling one, the main host's)
+
     def both(name, *args, **kwargs):
-        results = [getattr(core, name)(*args, **kwargs) for core in cores]
+        results = []
+        for core in cores:
+            with core.acting_for(thread):
+                results.append(getattr(core, name)(*args, **kwargs))
         return results
 
     def same_new(results, what):
@@ -82,6 +89,18 @@ def run_program(seed: int, steps: int, make_native, trace: bool = False):
         assert a == b, f"seed {seed}: {what}: new races differ"
 
     for step in range(steps):
+        thread = rng.choice([None, None, 101, 102])
+        if rng.random() < 0.08:  # a host thread's own clock, and handoffs between threads
+            what, key = rng.random(), rng.choice(["queue", "lock", 5])
+            if what < 0.2:
+                both("own_host")
+            elif what < 0.3:
+                both("drop_host")
+            elif what < 0.65:
+                both("release", key)
+            else:
+                both("acquire", key)
+            continue
         roll = rng.random()
         stream = rng.choice(streams)
         if roll < 0.52:

@@ -248,3 +248,61 @@ def test_another_threads_sync_is_named_in_the_race(pytester):
         f"*earlier*write*aten::mul_*at test_handoffs.py:{write}*",
         f"*later*write*aten::add_*on default stream*at test_handoffs.py:{read}*",
     ])
+
+
+LIBRARY_THREADS = '''
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+
+def test_pool_race(streamrace_device):
+    x = torch.ones(1024, device=streamrace_device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x.mul_(2)
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="stager") as pool:
+        pool.submit(torch.Tensor.add_, x, 1).result()               # SUBMIT
+
+
+def test_thread_race(streamrace_device):
+    x = torch.ones(1024, device=streamrace_device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        x.mul_(2)
+    thread = threading.Thread(target=torch.Tensor.add_, args=(x, 1), name="copier")
+    thread.start()                                                  # START
+    thread.join()
+'''
+
+
+def test_races_on_library_threads_name_a_frame_and_the_thread(pytester):
+    """No frame of the test's runs on these threads: the report names the innermost frame it has (a library's, else
+    the standard library's) and the thread, with the call that started it or submitted its work."""
+    pytester.makepyfile(test_library_threads=LIBRARY_THREADS)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "-p", "no:cacheprovider",
+                                           "--streamrace-json", "races.json")
+    result.assert_outcomes(failed=2)
+    source = pytester.path.joinpath("test_library_threads.py").read_text().splitlines()
+    submit = next(i for i, text in enumerate(source, 1) if "SUBMIT" in text)
+    start = next(i for i, text in enumerate(source, 1) if "# START" in text)
+    result.stdout.fnmatch_lines([
+        "*later*write*aten::add_*on default stream*at *concurrent*futures*thread.py:* (run)",
+        f"*on thread 'stager_0', work submitted at test_library_threads.py:{submit} (test_pool_race)",
+    ])
+    result.stdout.fnmatch_lines([
+        "*later*write*aten::add_*on default stream*at *threading.py:* (run)",
+        f"*on thread 'copier', started at test_library_threads.py:{start} (test_thread_race)",
+    ])
+    assert "<unknown>" not in result.stdout.str()
+    import json
+
+    races = json.loads(pytester.path.joinpath("races.json").read_text())["races"]
+    threads = {r["later"]["thread"]["name"]: r["later"]["thread"] for r in races if "thread" in r["later"]}
+    assert threads["stager_0"]["how"] == "work submitted"
+    assert threads["stager_0"]["frames"][0]["line"] == submit
+    assert threads["copier"]["how"] == "started" and threads["copier"]["frames"][0]["line"] == start
+    assert all("thread" not in r["earlier"] for r in races)  # the main thread is not named

@@ -1046,7 +1046,8 @@ using streamrace_hb::NativePayload;
 using streamrace_hb::Payload;
 using streamrace_hb::PyCore;
 
-py::object* site_factory = nullptr;  // backward_sites.site_of: (op, stack or None, forward site or None, node or None)
+// backward_sites.site_of: (op, stack or None, forward site or None, node or None, thread)
+py::object* site_factory = nullptr;
 
 // An op's site: named (a Python Site) only when a report or a trace reads it.
 struct Site : NativePayload, streamrace_hb::Pooled<Site> {
@@ -1054,12 +1055,13 @@ struct Site : NativePayload, streamrace_hb::Pooled<Site> {
   std::shared_ptr<Stack> stack;
   Payload forward;  // inside an autograd node: the site of the forward op that created it (may be empty)
   std::string node;  // inside an autograd node: its name
+  int64_t thread = 0;  // the recording thread's ident
   py::object named;
   py::object to_python() override {
     if (!named) {
       py::object frames = stack ? py::cast(stack) : py::object(py::none());
       py::object node_name = node.empty() ? py::object(py::none()) : py::object(py::str(node));
-      named = (*site_factory)(py::str(op), frames, forward.to_python(), node_name);
+      named = (*site_factory)(py::str(op), frames, forward.to_python(), node_name, thread);
     }
     return named;
   }
@@ -1334,6 +1336,7 @@ class Feed {
     Payload payload = Payload::native(made);
     made->op = r.what == What::kFree ? "free" : r.op;
     made->stack = r.stack;
+    made->thread = r.thread;
     if (r.in_node) {
       made->node = r.node.empty() ? std::string("a backward node") : std::move(r.node);
       made->forward = forward_.backward(r.seq);

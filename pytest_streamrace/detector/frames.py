@@ -72,8 +72,11 @@ def _kind(filename: str) -> int:
 
 
 def _user_only(frames, limit: int) -> tuple[tuple[str, int, str], ...]:
-    """The innermost `limit` of (file, line, function) frames, innermost first, that are user code."""
+    """The innermost `limit` of (file, line, function) frames, innermost first, that are user code; where none is
+    (a library's own thread: torch's checkpoint stager), the innermost library frame (else the standard library's), so
+    a report still says where."""
     out = []
+    library = stdlib = None
     for filename, lineno, function in frames:
         kind = _kind(filename)
         if kind == _USER:
@@ -82,7 +85,21 @@ def _user_only(frames, limit: int) -> tuple[tuple[str, int, str], ...]:
                 break
         elif kind == _HARNESS:
             break
+        elif library is None and not filename.startswith((_OURS, "<")):
+            if not _in_stdlib(filename):
+                library = (filename, lineno, function)
+            elif stdlib is None:
+                stdlib = (filename, lineno, function)
+    if not out and (library or stdlib) is not None:
+        return (library or stdlib,)
     return tuple(out)
+
+
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _in_stdlib(filename: str) -> bool:
+    return filename.startswith(_STDLIB) and "site-packages" not in filename and "dist-packages" not in filename
 
 
 def _walk(frame):
@@ -153,6 +170,22 @@ def use_capture(extension) -> None:
     """Take stacks with the capture extension's taker from now on (``capture.load`` calls this)."""
     global _taken_natively
     _taken_natively = extension.stack
+
+
+_origins: dict = {}  # thread ident -> hb.ThreadOrigin, for the threads the session follows (models.host_handoffs)
+
+
+def thread_origin(ident: int):
+    """The ThreadOrigin of a followed thread (its name, where its current work came from), else None."""
+    return _origins.get(ident) if _origins else None
+
+
+def set_thread_origin(ident: int, origin) -> None:
+    """Name a followed thread's work from now on (None: forget it, the thread ends)."""
+    if origin is None:
+        _origins.pop(ident, None)
+    else:
+        _origins[ident] = origin
 
 
 def created_at() -> str:

@@ -47,11 +47,12 @@ class Site:
     them: the tracker captures a stack per op but names its frames only when something reads them (a race, a trace).
     """
 
-    __slots__ = ("op", "_frames")
+    __slots__ = ("op", "_frames", "thread")
 
-    def __init__(self, op: str, frames=()):
+    def __init__(self, op: str, frames=(), thread: "ThreadOrigin | None" = None):
         self.op = op
         self._frames = frames
+        self.thread = thread  # the thread it ran on, where that is not the program's main one (not in its identity)
 
     @property
     def frames(self) -> tuple[Frame, ...]:
@@ -74,6 +75,16 @@ class Site:
 
     def __repr__(self) -> str:
         return f"Site({self.op!r}, {self.frames!r})"
+
+
+@dataclass(frozen=True, eq=False)
+class ThreadOrigin:
+    """A thread other than the main one, for reports: its name and where its work came from (`how` the call at
+    `site` gave it: "started" by Thread.start(), or "work submitted" to a pool)."""
+
+    name: str
+    how: str
+    site: Site
 
 
 @dataclass(frozen=True)

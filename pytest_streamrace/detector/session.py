@@ -174,8 +174,12 @@ class Detector:
     # what tests and reports read
 
     def stream_name(self, key: Hashable) -> str:
-        """The human name of a stream by its hb key ("default stream", "stream created at test_x.py:12")."""
-        return self.hb.stream_name(key)
+        """The human name of a stream by its hb key ("default stream", "stream created at test_x.py:12"); one made in
+        an earlier session keeps the name it got then."""
+        name = self.hb.stream_name(key)
+        if name == str(key) and hasattr(self.streams, "name_of"):
+            return self.streams.name_of(key)
+        return name
 
     @property
     def timeline(self):

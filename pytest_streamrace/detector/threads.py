@@ -14,10 +14,8 @@ backend's sees every thread already.
 Streams: the current stream is per thread (the virtual model keeps it thread-local; CUDA does too), and a new thread
 starts on the default stream. ``start`` / ``join`` / ``Future.result`` order the host, never the device: nothing here
 orders a stream, so a side stream's work enqueued by a worker is ordered with the joining thread's later work only by
-a stream wait, an event or a synchronize, as on a GPU. The host clock (hb) stays one for the process: it stands for
-what any thread has learnt completed *so far*, which is true of every later launch whichever thread makes it. A clock
-per thread joined only at start/join would report correct code that hands work over through what it does not see —
-a queue, a lock, a threading.Event, the threaded process group's own conditions — after a synchronize.
+a stream wait, an event or a synchronize, as on a GPU. What a thread's synchronize taught it reaches another thread
+only through a handoff (``models.host_handoffs``: each followed thread has a host clock of its own in hb).
 """
 
 from __future__ import annotations

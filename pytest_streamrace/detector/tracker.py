@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from ..patching import skip_in_dynamo
 from . import host_sync
 from .backward_sites import ForwardSites
-from .frames import Captured, stack
+from .frames import Captured, stack, thread_origin
 from .hb import HappensBefore, Race, Site
 
 READ, WRITE = 1, 2  # a launched kernel's argument roles, as bits (Tracker.launch; the capture's record_kernel)
@@ -440,10 +440,11 @@ class AccessTracker(TorchDispatchMode):
                     accesses.append((key, start, end, True, desc))
             if self._unnamed_syncs:
                 self._name_sync(name, record[-1])
+            thread = thread_origin(record[-1])
             if in_node:  # the engine's threads have no frames of the program's: name the node's forward op
-                site = Site(name, self.forward_sites.backward(Captured(captured), seq, node))
+                site = Site(name, self.forward_sites.backward(Captured(captured), seq, node), thread)
             else:
-                site = Site(name, Captured(captured))
+                site = Site(name, Captured(captured), thread)
                 if seq >= 0:
                     self.forward_sites.forward(seq, site)
             _, races = self.hb.record(stream, site, accesses, allocs)
@@ -725,9 +726,10 @@ class AccessTracker(TorchDispatchMode):
         node's autograd kernel numbers it just before its op reaches this mode: the first op to see a new number
         created the node before it)."""
         node = _current_autograd_node()
+        thread = thread_origin(threading.get_ident())
         if node is not None:
-            return Site(name, self.forward_sites.backward(stack(), node._sequence_nr(), node.name()))
-        site = Site(name, stack())
+            return Site(name, self.forward_sites.backward(stack(), node._sequence_nr(), node.name()), thread)
+        site = Site(name, stack(), thread)
         seq, seen = _get_sequence_nr(), self._forward_seq  # autograd numbers nodes per thread
         last = getattr(seen, "seq", -1)
         if seq != last:

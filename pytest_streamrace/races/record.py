@@ -15,7 +15,7 @@ import os
 import textwrap
 from typing import Callable, Iterable, Sequence, TypedDict
 
-from ..detector.hb import FREE, RAW, WAR, WAW, Access, Op, Race, Site, TensorInfo, identity
+from ..detector.hb import FREE, RAW, WAR, WAW, Access, Op, Race, Site, TensorInfo, ThreadOrigin, identity
 
 SCHEMA_VERSION = 1
 FRAMES_SHOWN = 3  # user frames per access in the text report
@@ -46,7 +46,14 @@ class TensorRecord(TypedDict):
     dtype: str
 
 
-class AccessRecord(TypedDict):
+class ThreadRecord(TypedDict):
+    name: str  # the thread's name ("ThreadPoolExecutor-0_0")
+    how: str  # "started" | "work submitted": what the call at `frames` did
+    frames: list[FrameRecord]
+
+
+class AccessRecord(TypedDict, total=False):
+    thread: ThreadRecord  # only for a thread other than the program's main one
     op: str
     stream: str
     rw: str  # "read" | "write" | "free"
@@ -88,6 +95,14 @@ def _tensor_to_json(t: TensorInfo) -> TensorRecord:
 
 
 def _access_to_json(access: Access, stream_name: StreamName, free: bool) -> AccessRecord:
+    out = _access_fields(access, stream_name, free)
+    thread = access.op.site.thread
+    if thread is not None:
+        out["thread"] = {"name": thread.name, "how": thread.how, "frames": _frames_to_json(thread.site)}
+    return out
+
+
+def _access_fields(access: Access, stream_name: StreamName, free: bool) -> AccessRecord:
     return {
         "op": access.op.site.op,
         "stream": stream_name(access.op.stream),
@@ -128,7 +143,11 @@ def _tensor_from_json(t: dict) -> TensorInfo:
 
 
 def _access_from_json(a: dict) -> Access:
-    op = Op(a["stream"], 0, int(a.get("seq", 0)), _site_from_json(a["op"], a.get("frames", [])))
+    site = _site_from_json(a["op"], a.get("frames", []))
+    thread = a.get("thread")
+    if thread is not None:
+        site.thread = ThreadOrigin(str(thread["name"]), str(thread["how"]), _site_from_json("", thread["frames"]))
+    op = Op(a["stream"], 0, int(a.get("seq", 0)), site)
     return Access(op, None, int(a.get("start", 0)), int(a.get("end", 0)), a["rw"] != "read",
                   _tensor_from_json(a["tensor"]))
 
@@ -321,6 +340,11 @@ def format_race(race: Race, stream_name: StreamName = str, ranks: Sequence[int] 
         indent = " " * (2 + 8 + 1 + 6 + 1)  # under the op column
         for filename, lineno, function in frames[1:FRAMES_SHOWN]:
             lines.append(f"{indent}from {short_path(filename)}:{lineno} ({function})")
+        thread = access.op.site.thread
+        if thread is not None:
+            origin = thread.site.frames
+            at = f", {thread.how} at {location(origin)} ({origin[0][2]})" if origin else ""
+            lines.append(f"{indent}on thread '{thread.name}'{at}")
     hint = _hint(race, stream_name(race.earlier.op.stream), stream_name(race.later.op.stream))
     lines.extend(textwrap.wrap(hint, WIDTH, initial_indent="  ", subsequent_indent="  ", break_on_hyphens=False))
     if race.count > 1:

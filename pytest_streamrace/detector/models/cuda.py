@@ -28,6 +28,9 @@ from ..frames import created_at, stack
 from ..hb import Site
 
 
+NAMES: dict[int, str] = {}  # stream handle -> its name, for the process's life: a stream outlives its session
+
+
 def EXPLICIT() -> list[tuple[object, str, str]]:  # noqa: N802 (a table, built once torch.cuda is there)
     """(owner, attribute, name) of the APIs that synchronize because the program asked to: their syncs order the
     host in both views (``wait_stream`` and ``wait_event`` order streams, not the host: no callback to classify)."""
@@ -73,7 +76,20 @@ class CudaStreams:
     # callbacks (they run inside torch calls: keep them small; hb serializes itself)
 
     def _stream_created(self, handle: int) -> None:
-        self.hb.add_stream(handle, f"pooled CUDA stream (pool created at {created_at()})")
+        self._name(handle, f"pooled CUDA stream (pool created at {created_at()})")
+
+    def _name(self, handle: int, name: str) -> None:
+        NAMES[handle] = name
+        self.hb.add_stream(handle, name)
+
+    @staticmethod
+    def name_of(handle) -> str:
+        """A stream's name where this session's core never saw it named: the name it got when made, in an earlier
+        session of this process (torch never destroys a CUDA stream), else its handle."""
+        known = NAMES.get(handle)
+        if known is not None:
+            return known
+        return f"CUDA stream {handle:#x}" if isinstance(handle, int) else str(handle)
 
     def _event_record(self, event: int, stream: int) -> None:
         self.tracker.drain()
@@ -130,7 +146,7 @@ class CudaStreams:
         def stream_new(cls, *args, **kwargs):
             stream = original_new(cls, *args, **kwargs)
             if "stream_id" not in kwargs and "stream_ptr" not in kwargs:  # a new stream, not a view of a known one
-                self.hb.add_stream(stream.cuda_stream, f"stream created at {created_at()}")
+                self._name(stream.cuda_stream, f"stream created at {created_at()}")
             return stream
 
         def _sleep(cycles):

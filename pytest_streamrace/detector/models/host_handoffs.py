@@ -32,6 +32,8 @@ from concurrent import futures
 from concurrent.futures import thread as pool
 
 from ...patching import AttrPatch, WrapPatch
+from ..frames import set_thread_origin, stack
+from ..hb import Site, ThreadOrigin
 
 _session = None  # (hb, tracker) of the active session, or None: every edge is then a no-op
 _inside = threading.local()  # .busy: this thread is applying an edge (a drain's own locks are not handoffs)
@@ -63,12 +65,14 @@ def acquire(key) -> None:
 
 
 def thread_started(thread) -> None:
-    """On a thread the session follows, before its first step: a host clock of its own, with what its starter knew."""
+    """On a thread the session follows, before its first step: a host clock of its own, with what its starter knew,
+    and its name and start for reports."""
     session = _session
     if session is None:
         return
     try:
         session[0].own_host()
+        set_thread_origin(threading.get_ident(), ThreadOrigin(thread.name, "started", _origin(thread)))
     except Exception:
         return
     acquire(thread)
@@ -77,6 +81,7 @@ def thread_started(thread) -> None:
 def thread_ending(thread) -> None:
     """Its last step: what it knew goes to whoever joins it; its ident goes back to the shared clock."""
     release(thread)
+    set_thread_origin(threading.get_ident(), None)
     session = _session
     if session is not None:
         try:
@@ -92,9 +97,26 @@ def work_item_starting(item) -> None:
     if session is not None:
         try:
             session[0].own_host()
+            set_thread_origin(threading.get_ident(),
+                              ThreadOrigin(threading.current_thread().name, "work submitted", _origin(item)))
         except Exception:
             return
     acquire(item)
+
+
+_ORIGIN = "_streamrace_origin"  # where a thread was started or a work item submitted (a Site), on the object
+
+
+def _origin(obj) -> Site:
+    return getattr(obj, _ORIGIN, None) or Site("")
+
+
+def _mark_origin(obj, op: str) -> None:
+    if _session is not None:
+        try:
+            setattr(obj, _ORIGIN, Site(op, stack()))
+        except Exception:
+            pass
 
 
 # the patched methods: the original, with the edge on the side where it holds
@@ -193,8 +215,17 @@ def _done_callback(add_done_callback):
 def _submitted(work_item_init):
     def init(self, *args, **kwargs):
         work_item_init(self, *args, **kwargs)
+        _mark_origin(self, "submit")
         release(self)
     return _named(init, work_item_init)
+
+
+def _started(start):
+    def call(self, *args, **kwargs):
+        _mark_origin(self, "Thread.start")
+        release(self)
+        return start(self, *args, **kwargs)
+    return _named(call, start)
 
 
 # the C objects, as modelled twins made while a session runs
@@ -298,7 +329,7 @@ class HostHandoffs:
         T, C, E, S, B, Q, F = (threading.Thread, threading.Condition, threading.Event, threading.Semaphore,
                                threading.Barrier, queue.Queue, futures.Future)
         out = [
-            WrapPatch(T, "start", _releasing_before),
+            WrapPatch(T, "start", _started),
             WrapPatch(T, "join", _joined),
             WrapPatch(T, "_bootstrap_inner", _followed),
             AttrPatch(threading, "Lock", _ModelledLock),
