@@ -1,0 +1,38 @@
+"""The thread twins of tests/test_thread_handoffs.py on real CUDA streams (cuda backend): a synchronize orders only
+the thread that made it, each modelled handoff carries it, and a race on a library's thread names a frame and the
+thread."""
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _cpu_twins():
+    path = os.path.join(os.path.dirname(os.path.dirname(__file__)), "test_thread_handoffs.py")
+    spec = importlib.util.spec_from_file_location("thread_handoff_cases", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+TWINS = _cpu_twins()
+
+
+@pytest.mark.parametrize("latent", ["report", "fail"])
+def test_syncs_and_handoffs_on_threads_on_real_streams(pytester, latent):
+    pytester.makepyfile(test_handoffs=TWINS.CASES)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=cuda",
+                                           f"--streamrace-latent={latent}", "-p", "no:cacheprovider", "-q")
+    result.assert_outcomes(passed=6 + 1 + 11 * 3 + 5 + 1)
+
+
+def test_races_on_library_threads_name_a_frame_and_the_thread_on_real_streams(pytester):
+    pytester.makepyfile(test_library_threads=TWINS.LIBRARY_THREADS)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=cuda", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines(["*on thread 'stager_0', work submitted at test_library_threads.py:*"])
+    result.stdout.fnmatch_lines(["*on thread 'copier', started at test_library_threads.py:*"])
