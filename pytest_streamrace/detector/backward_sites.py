@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from itertools import islice
 
-from .frames import Captured, thread_origin
+from .frames import Captured, LibraryFrame, thread_origin
 from .hb import Site
 
 
@@ -60,9 +60,9 @@ class _InBackward:
 
     def resolve(self, limit: int = 5) -> tuple[tuple[str, int, str], ...]:
         own = self.own
-        frames = tuple(own.resolve() if hasattr(own, "resolve") else own)
-        if frames or self.forward is None or not self.forward.frames:
-            return frames
+        frames = own.resolve() if hasattr(own, "resolve") else own
+        if (frames and not isinstance(frames, LibraryFrame)) or self.forward is None or not self.forward.frames:
+            return tuple(frames)
         (filename, lineno, function), *rest = self.forward.frames
         return ((filename, lineno, f"backward of {self.node}, created by {self.forward.op} in {function}"),
                 *rest)[:limit]

@@ -91,8 +91,15 @@ def _user_only(frames, limit: int) -> tuple[tuple[str, int, str], ...]:
             elif stdlib is None:
                 stdlib = (filename, lineno, function)
     if not out and (library or stdlib) is not None:
-        return (library or stdlib,)
+        return LibraryFrame((library or stdlib,))
     return tuple(out)
+
+
+class LibraryFrame(tuple):
+    """The one frame `_user_only` gives where no frame is the user's: a backward's access prefers its forward op's
+    user frames to it (``backward_sites``)."""
+
+    __slots__ = ()
 
 
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep

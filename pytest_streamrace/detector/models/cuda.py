@@ -38,12 +38,8 @@ def EXPLICIT() -> list[tuple[object, str, str]]:  # noqa: N802 (a table, built o
            (torch.cuda.Stream, "synchronize", "Stream.synchronize()"),
            (torch.cuda.Event, "synchronize", "Event.synchronize()"),
            (torch.cuda.Event, "elapsed_time", "Event.elapsed_time()")]
-    # the device-generic API (torch.Stream, torch.Event, torch.accelerator), where this torch has it
-    for owner, attribute, name in (("Stream", "synchronize", "torch.Stream.synchronize()"),
-                                   ("Event", "synchronize", "torch.Event.synchronize()"),
-                                   ("Event", "elapsed_time", "torch.Event.elapsed_time()")):
-        if hasattr(getattr(torch, owner, None), attribute):
-            out.append((getattr(torch, owner), attribute, name))
+    # torch.accelerator's, where this torch has it (torch.Stream's and torch.Event's are C types' methods, which
+    # cannot be patched: a sync outside every captured op counts as explicit, tracker.sync_callback_site)
     accelerator = getattr(torch, "accelerator", None)
     if hasattr(accelerator, "synchronize"):
         out.append((accelerator, "synchronize", "torch.accelerator.synchronize()"))
