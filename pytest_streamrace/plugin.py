@@ -8,9 +8,11 @@ their phase); ``roles`` says which process this is. This module only wires them 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from . import env, options, roles
+from . import checks, env, options, roles
 from .races import plugin as races
 
 MARKERS = (
@@ -31,10 +33,31 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
         from .launcher import torchrun
 
         torchrun.leave_files_to_rank_0(config)  # before junitxml configures itself
+    return check_input(config, role)
+
+
+def check_input(config: pytest.Config, role: roles.Role) -> int | None:
+    """Everything the user gave, before anything runs: every setting, every ``STREAMRACE_*`` variable, and under
+    --streamrace the files it reads (suppressions, baseline) and writes (JSON, trace: folders created). Bad input is
+    one line on stderr (in a torchrun session, rank 0's) and exit status 4, pytest's usage error."""
+    if getattr(config.option, "help", False) or getattr(config.option, "version", False):
+        return None
     from .races import policy
 
-    # bad suppressions / baseline: one line, exit 2, before anything runs
-    return policy.validate(config, says_why=role.speaks_for_torchrun)
+    try:
+        checks.environment()
+        streamrace = options.value(config, options.setting("streamrace"))
+        # every torchrun rank checks the files rank 0 writes: all stop alike, none waits for a rank that stopped
+        writes = role.writes_session_files or role.kind == roles.TORCHRUN_RANK
+        options.check(config, files=bool(streamrace) and writes)
+        if streamrace:
+            policy.load(config)
+    except checks.BadInput as exc:
+        if role.speaks_for_torchrun:
+            sys.stderr.write(f"ERROR: streamrace: {exc}\n")
+            sys.stderr.flush()
+        return pytest.ExitCode.USAGE_ERROR
+    return None
 
 
 @pytest.hookimpl(trylast=True)

@@ -98,7 +98,7 @@ class RaceChecks:
         from . import policy, tally
 
         try:
-            self.policy = policy.load(self.config)  # checked at the command line already (exit 2 there)
+            self.policy = policy.load(self.config)  # checked at the command line already (exit 4 there)
         except policy.BadInput as exc:
             raise pytest.UsageError(f"streamrace: {exc}") from None
         self.tally = tally.Tally(self.policy)
