@@ -13,6 +13,8 @@ import sys
 import pytest
 
 from . import checks, env, options, roles
+from .forcing import fixtures as forcing
+from .launcher import marker
 from .races import plugin as races
 
 MARKERS = (
@@ -20,6 +22,9 @@ MARKERS = (
     "torch.distributed initialized (backend auto: nccl with >= N GPUs, else gloo)",
     races.MARKER,
 )
+# Each marker of ours (registered here or by a part) and the check of its arguments: raises checks.BadInput.
+MARKER_CHECKS = {"distributed": marker.parse, "streamrace": races.check_marker,
+                 "streamrace_compile": forcing.compile_marker}
 _backend_key = pytest.StashKey[str]()
 
 
@@ -65,12 +70,11 @@ def pytest_configure(config: pytest.Config) -> None:
     for marker in MARKERS:
         config.addinivalue_line("markers", marker)
     from . import launcher
-    from .forcing import fixtures as forcing
     from .lifetime import fixtures as lifetime
 
     config.pluginmanager.register(forcing, "streamrace-forcing")
     config.pluginmanager.register(lifetime, "streamrace-lifetime")
-    launcher.install(config)
+    launcher.install(config, marker_problem)
     if options.get(config, "streamrace"):
         from .children import child
         from .children.parent import Children
@@ -82,6 +86,27 @@ def pytest_configure(config: pytest.Config) -> None:
         from .races import hints
 
         config.pluginmanager.register(hints.StreamHints(config), "streamrace-hints")
+
+
+def marker_problem(item: pytest.Item) -> str | None:
+    """The one line saying what is wrong with the item's markers of ours, or None."""
+    for name, check in MARKER_CHECKS.items():
+        mark = item.get_closest_marker(name)
+        if mark is not None:
+            try:
+                check(mark)
+            except checks.BadInput as exc:
+                return str(exc)
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A marker misuse is one error for its test, before any fixture or check runs (a ``distributed`` item's
+    parent reports it before starting a rank)."""
+    problem = marker_problem(item)
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

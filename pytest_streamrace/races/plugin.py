@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from .. import StreamRaceError, env, options, roles
+from .. import StreamRaceError, checks, env, options, roles
 from .record import AFTER, RACES, TRACE
 
 EXPECT = ("race", "clean")
@@ -46,12 +46,37 @@ def resolve_backend(config: pytest.Config) -> str:
 
 
 def expected(item: pytest.Item) -> str | None:
-    marker = item.get_closest_marker("streamrace")
-    if marker is None:
+    """What the item's ``streamrace`` marker expects (None: no marker, or a bad one, which fails its setup)."""
+    try:
+        return check_marker(item.get_closest_marker("streamrace"))
+    except checks.BadInput:
         return None
-    expect = marker.kwargs.get("expect", marker.args[0] if marker.args else None)
+
+
+def _bad_marker(item: pytest.Item) -> bool:
+    try:
+        check_marker(item.get_closest_marker("streamrace"))
+    except checks.BadInput:
+        return True
+    return False
+
+
+def check_marker(mark) -> str | None:
+    """The ``streamrace(expect=...)`` marker's value (None without a marker); ``checks.BadInput`` for bad
+    arguments."""
+    if mark is None:
+        return None
+    what = "@pytest.mark.streamrace"
+    if len(mark.args) > 1 or (mark.args and "expect" in mark.kwargs):
+        raise checks.BadInput(f"{what} takes one argument (expect), got {len(mark.args) + len(mark.kwargs)}")
+    unknown = sorted(set(mark.kwargs) - {"expect"})
+    if unknown:
+        raise checks.BadInput(f"{what}: unknown argument {unknown[0]!r} (expected expect='race' or 'clean')")
+    if not mark.args and "expect" not in mark.kwargs:
+        raise checks.BadInput(f"{what}: expect is required: streamrace(expect='race') or streamrace(expect='clean')")
+    expect = mark.kwargs.get("expect", mark.args[0] if mark.args else None)
     if expect not in EXPECT:
-        raise pytest.UsageError(f"{item.nodeid}: streamrace(expect=...) takes 'race' or 'clean', got {expect!r}")
+        raise checks.BadInput(f"{what}: expect must be 'race' or 'clean', got {expect!r}")
     return expect
 
 
@@ -113,7 +138,8 @@ class RaceChecks:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item):
-        expected(item)  # a bad marker is a usage error before anything runs
+        if _bad_marker(item):  # its setup fails with one line (``plugin.marker_problem``): nothing to check
+            return (yield)
         self.children.begin(item.nodeid)
         from ..detector.session import Detector
 
