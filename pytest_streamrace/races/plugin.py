@@ -111,6 +111,7 @@ class RaceChecks:
         self.policy = self.tally = None  # at session start (`--help` configures, and starts no session)
         self.children = children
         self.after: list[dict] = []  # children's races judged after their test had finished
+        self.unwritten: list[str] = []  # warning lines: session files that could not be written
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         if self.children.problem:
@@ -323,14 +324,28 @@ class RaceChecks:
         if self.json_path:
             from .record import write_document
 
-            write_document(self.json_path, [{"test": nodeid, **race} for nodeid, race in self.races] +
-                           [dict(race, after_test=True) for race in self.after])
+            records = ([{"test": nodeid, **race} for nodeid, race in self.races] +
+                       [dict(race, after_test=True) for race in self.after])
+            self._write("--streamrace-json", self.json_path, lambda: write_document(self.json_path, records))
         if self.trace_path:
             from .trace import write_trace
 
-            write_trace(self.trace_path, _one_process_per_test(self.traces + self.children.after_traces))
+            events = _one_process_per_test(self.traces + self.children.after_traces)
+            self._write("--streamrace-trace", self.trace_path, lambda: write_trace(self.trace_path, events))
         if self.policy.update:
-            self.tally.write_baseline()
+            self._write("--streamrace-baseline", self.policy.baseline_path, self.tally.write_baseline)
+
+    def _write(self, option: str, path: str, write) -> None:
+        """Write a session file; one that cannot be written at the end (a full disk, a folder removed during the
+        run) is one warning line, and pytest's report and exit status stay as they are."""
+        try:
+            write()
+        except OSError as exc:
+            line = f"streamrace: WARNING: could not write {option} {path}: {exc.strerror or exc}"
+            if self.config.pluginmanager.get_plugin("terminalreporter") is None:
+                sys.stderr.write(line + "\n")
+            else:
+                self.unwritten.append(line)
 
     @pytest.hookimpl(trylast=True)
     def pytest_terminal_summary(self, terminalreporter) -> None:
@@ -342,6 +357,8 @@ class RaceChecks:
         terminalreporter.section("streamrace")
         for line in self.tally.summary():
             terminalreporter.line(line)
+        for line in self.unwritten:
+            terminalreporter.line(line, yellow=True)
         if self.after:
             from .record import format_after
 
