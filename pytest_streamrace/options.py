@@ -7,6 +7,8 @@ from typing import Any
 
 import pytest
 
+from . import checks
+
 BACKENDS = ("auto", "cuda", "virtual")
 DEFAULT_TIMEOUT = 300.0
 LATENT = ("report", "fail", "off")
@@ -20,6 +22,7 @@ class Setting:
     kind: str = "string"  # "bool" | "string" | "float" | "int" | "choice" | "path" | "paths"
     choices: tuple = ()
     option: str = ""  # the flag, where it is not the ini key's name
+    file: str = ""  # "write": a file written at the end of the session (its folder is created up front)
 
     @property
     def flag(self) -> str:
@@ -33,9 +36,10 @@ SETTINGS = (
     Setting("streamrace_timeout", "seconds a distributed test may run before its ranks' stacks are dumped and the "
             f"ranks are stopped (default {DEFAULT_TIMEOUT:g}; the distributed marker's timeout= wins)",
             DEFAULT_TIMEOUT, "float"),
-    Setting("streamrace_json", "write every race found (all tests, all ranks) to this JSON file"),
+    Setting("streamrace_json", "write every race found (all tests, all ranks) to this JSON file (its folder is "
+            "created)", file="write"),
     Setting("streamrace_trace", "write a Chrome-trace timeline of the tested ops and their races to this file "
-            "(opens in Perfetto)"),
+            "(opens in Perfetto; its folder is created)", file="write"),
     Setting("streamrace_schedules", "run each test that uses injected_delays under N delay schedules (each side "
             "stream slow in turn, then seeded random ones) and report which schedules failed", None, "int"),
     Setting("streamrace_nondefault_stream", "run each test body on a fresh non-default stream (needs a GPU or "
@@ -58,31 +62,13 @@ SETTINGS = (
 _BY_NAME = {s.name: s for s in SETTINGS}
 
 
-def _positive_float(text: str) -> float:
-    import argparse
-
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number of seconds, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
-
-
-def positive_int(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}")
-    return value
+def setting(name: str) -> Setting:
+    return _BY_NAME[name]
 
 
 def register(parser: pytest.Parser) -> None:
+    """Every option takes its value as text: `check`, not argparse, judges it, so a bad value is one line naming the
+    option, the value and what is expected, alike on the command line and in an ini file."""
     group = parser.getgroup("streamrace", "CUDA stream race detection (pytest-streamrace)")
     for s in SETTINGS:
         if s.kind == "bool":
@@ -94,44 +80,69 @@ def register(parser: pytest.Parser) -> None:
             group.addoption(s.flag, action="append", metavar="FILE", **kwargs)
             parser.addini(s.name, s.help, type="linelist", default=[])
             continue
-        if s.kind == "path":
+        if s.kind == "path" or s.file:
             kwargs["metavar"] = "FILE"
-        if s.kind == "choice":
-            kwargs["choices"] = s.choices
-        elif s.kind == "float":
-            kwargs["type"] = _positive_float
-        elif s.kind == "int":
-            kwargs["type"] = positive_int
+        elif s.kind == "choice":
+            kwargs["metavar"] = "{" + ",".join(s.choices) + "}"
         group.addoption(s.flag, **kwargs)
         parser.addini(s.name, s.help, default=None)
 
 
 def get(config: pytest.Config, name: str) -> Any:
-    """The effective value of a setting: command line, else ini, else default. Bad ini values exit with a usage error."""
-    s = _BY_NAME[name]
-    value = config.getoption(s.name)
+    """The effective value of a setting: command line, else ini, else default. A bad value is a usage error."""
+    try:
+        return value(config, _BY_NAME[name])
+    except checks.BadInput as exc:
+        raise pytest.UsageError(f"streamrace: {exc}") from None
+
+
+def value(config: pytest.Config, s: Setting) -> Any:
+    """`s`'s effective value, checked (``checks.BadInput`` when it is bad)."""
+    given = config.getoption(s.name)
     if s.kind in ("path", "paths"):
-        return _paths(config, s, value)
-    if value is not None:
-        return value
-    raw = config.getini(s.name)
+        return _paths(config, s, given)
+    if given is not None:
+        return _checked(s, given, s.flag)
+    return _from_ini(config, s)
+
+
+def _from_ini(config: pytest.Config, s: Setting) -> Any:
+    where = f"ini {s.name}"
+    try:
+        raw = config.getini(s.name)
+    except (ValueError, pytest.UsageError) as exc:  # a bool ini value pytest cannot read: "invalid truth value 'x'"
+        raise checks.BadInput(f"{where}: {exc}; expected true or false") from None
+    if s.kind != "bool" and raw in (None, ""):
+        return s.default
+    return _checked(s, raw, where)
+
+
+def _checked(s: Setting, raw, where: str) -> Any:
     if s.kind == "bool":
         return bool(raw)
-    if raw in (None, ""):
-        return s.default
-    if s.kind == "choice" and raw not in s.choices:
-        raise pytest.UsageError(f"ini {s.name} = {raw!r}: expected one of {', '.join(s.choices)}")
+    if s.kind == "choice":
+        return checks.choice(raw, where, s.choices)
     if s.kind == "float":
-        try:
-            return _positive_float(raw)
-        except Exception as exc:
-            raise pytest.UsageError(f"ini {s.name}: {exc}") from None
+        return checks.seconds(raw, where)
     if s.kind == "int":
-        try:
-            return positive_int(raw)
-        except Exception as exc:
-            raise pytest.UsageError(f"ini {s.name}: {exc}") from None
+        return checks.count(raw, where)
     return raw
+
+
+def check(config: pytest.Config, files: bool) -> None:
+    """Every setting's value, the ini file's included where the command line overrides it; with `files` (the process
+    that writes the session's files, under --streamrace), the folders of the files written at the end are created
+    and must be writable. Raises ``checks.BadInput``."""
+    for s in SETTINGS:
+        got = value(config, s)
+        if s.kind not in ("path", "paths"):
+            _from_ini(config, s)
+        if files and s.file == "write" and got is not None:
+            given = config.getoption(s.name)
+            checks.output_file(got, s.flag if given is not None else f"ini {s.name}")
+    baseline = value(config, setting("streamrace_baseline"))
+    if files and baseline and value(config, setting("streamrace_baseline_update")):
+        checks.output_file(baseline, "--streamrace-baseline")  # rewritten at the end
 
 
 def _paths(config: pytest.Config, s: Setting, value) -> Any:

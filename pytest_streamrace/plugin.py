@@ -8,9 +8,13 @@ their phase); ``roles`` says which process this is. This module only wires them 
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from . import env, options, roles
+from . import checks, env, options, roles
+from .forcing import fixtures as forcing
+from .launcher import marker
 from .races import plugin as races
 
 MARKERS = (
@@ -18,6 +22,9 @@ MARKERS = (
     "torch.distributed initialized (backend auto: nccl with >= N GPUs, else gloo)",
     races.MARKER,
 )
+# Each marker of ours (registered here or by a part) and the check of its arguments: raises checks.BadInput.
+MARKER_CHECKS = {"distributed": marker.parse, "streamrace": races.check_marker,
+                 "streamrace_compile": forcing.compile_marker}
 _backend_key = pytest.StashKey[str]()
 
 
@@ -31,10 +38,31 @@ def pytest_cmdline_main(config: pytest.Config) -> int | None:
         from .launcher import torchrun
 
         torchrun.leave_files_to_rank_0(config)  # before junitxml configures itself
+    return check_input(config, role)
+
+
+def check_input(config: pytest.Config, role: roles.Role) -> int | None:
+    """Everything the user gave, before anything runs: every setting, every ``STREAMRACE_*`` variable, and under
+    --streamrace the files it reads (suppressions, baseline) and writes (JSON, trace: folders created). Bad input is
+    one line on stderr (in a torchrun session, rank 0's) and exit status 4, pytest's usage error."""
+    if getattr(config.option, "help", False) or getattr(config.option, "version", False):
+        return None
     from .races import policy
 
-    # bad suppressions / baseline: one line, exit 2, before anything runs
-    return policy.validate(config, says_why=role.speaks_for_torchrun)
+    try:
+        checks.environment()
+        streamrace = options.value(config, options.setting("streamrace"))
+        # every torchrun rank checks the files rank 0 writes: all stop alike, none waits for a rank that stopped
+        writes = role.writes_session_files or role.kind == roles.TORCHRUN_RANK
+        options.check(config, files=bool(streamrace) and writes)
+        if streamrace:
+            policy.load(config)
+    except checks.BadInput as exc:
+        if role.speaks_for_torchrun:
+            sys.stderr.write(f"ERROR: streamrace: {exc}\n")
+            sys.stderr.flush()
+        return pytest.ExitCode.USAGE_ERROR
+    return None
 
 
 @pytest.hookimpl(trylast=True)
@@ -42,12 +70,11 @@ def pytest_configure(config: pytest.Config) -> None:
     for marker in MARKERS:
         config.addinivalue_line("markers", marker)
     from . import launcher
-    from .forcing import fixtures as forcing
     from .lifetime import fixtures as lifetime
 
     config.pluginmanager.register(forcing, "streamrace-forcing")
     config.pluginmanager.register(lifetime, "streamrace-lifetime")
-    launcher.install(config)
+    launcher.install(config, marker_problem)
     if options.get(config, "streamrace"):
         from .children import child
         from .children.parent import Children
@@ -59,6 +86,27 @@ def pytest_configure(config: pytest.Config) -> None:
         from .races import hints
 
         config.pluginmanager.register(hints.StreamHints(config), "streamrace-hints")
+
+
+def marker_problem(item: pytest.Item) -> str | None:
+    """The one line saying what is wrong with the item's markers of ours, or None."""
+    for name, check in MARKER_CHECKS.items():
+        mark = item.get_closest_marker(name)
+        if mark is not None:
+            try:
+                check(mark)
+            except checks.BadInput as exc:
+                return str(exc)
+    return None
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A marker misuse is one error for its test, before any fixture or check runs (a ``distributed`` item's
+    parent reports it before starting a rank)."""
+    problem = marker_problem(item)
+    if problem is not None:
+        pytest.fail(problem, pytrace=False)
 
 
 def pytest_report_header(config: pytest.Config) -> list[str]:

@@ -347,7 +347,7 @@ def test_torchrun_session_applies_the_levers_on_every_rank_and_rank_0_counts_all
     assert counts == {"test_upstream_race": ["1"], "test_known_on_rank_1": ["1"], "test_new_race": ["1"]}
 
 
-# bad input: one line, exit 2, no traceback
+# bad input: one line, exit 4 (a usage error), no traceback
 
 
 @pytest.mark.parametrize("files, args, message", [
@@ -377,12 +377,12 @@ def test_torchrun_session_applies_the_levers_on_every_rank_and_rank_0_counts_all
      "ERROR: streamrace: --streamrace-baseline-update needs --streamrace-baseline FILE (the file to write)"),
 ], ids=["bad-kind", "bad-key", "no-colon", "empty-glob", "missing-ini-file", "missing-baseline", "not-json",
         "not-a-baseline", "newer-schema", "newer-schema-update", "update-without-file"])
-def test_bad_input_is_one_line_and_exit_2(pytester, files, args, message):
+def test_bad_input_is_one_line_and_exit_4(pytester, files, args, message):
     pytester.makepyfile(test_plain="def test_ok():\n    pass\n")
     for name, text in files.items():
         pytester.path.joinpath(name).write_text(text)
     result = _run(pytester, *args)
-    assert result.ret == 2
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert len(result.errlines) == 1, result.errlines
     result.stderr.fnmatch_lines([message])
     assert "Traceback" not in result.stdout.str() + result.stderr.str()

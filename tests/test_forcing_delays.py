@@ -85,4 +85,4 @@ def test_bad_schedule_count_is_a_usage_error(pytester):
     pytester.makepyfile("def test_ok(): pass")
     result = pytester.runpytest_subprocess("--streamrace-schedules", "0", "-p", "no:cacheprovider")
     assert result.ret == 4
-    result.stderr.fnmatch_lines(["*--streamrace-schedules: expected a positive whole number, got '0'"])
+    result.stderr.fnmatch_lines(["ERROR: streamrace: --streamrace-schedules = '0': expected a positive whole number"])

@@ -177,7 +177,7 @@ def test_bad_incidental_rule_is_a_usage_error(pytester):
     pytester.makepyfile(test_cases=CASES, timer=TIMER)
     pytester.path.joinpath("s.supp").write_text("incidental-sync:timer.py kind:raw\n")
     result = pytester.runpytest_subprocess("--streamrace", "--streamrace-suppress", "s.supp", "-p", "no:cacheprovider")
-    assert result.ret == 2
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
     assert "s.supp:1: bad rule 'incidental-sync:timer.py kind:raw'" in result.stderr.str()
 
 

@@ -15,8 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-MODES = ("eager", "compile", "compiled_autograd")
-BACKENDS = ("aot_eager", "inductor", "eager")
+from . import COMPILE_BACKENDS as BACKENDS, COMPILE_MODES as MODES
 
 
 @dataclass

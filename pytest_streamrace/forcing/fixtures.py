@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from .. import env, options
+from .. import checks, env, options
 from ..races.record import COMPILE, SCHEDULE  # user_properties keys (SCHEDULE is also the parameter's name)
+from . import COMPILE_BACKENDS, COMPILE_MODES
 
 COMPILE_MARKER = ("streamrace_compile(modes=('eager', 'compile', 'compiled_autograd'), backend='aot_eager'): the "
                   "compile modes (and torch.compile backend) the compile_mode fixture runs a test under")
@@ -35,20 +36,33 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize(SCHEDULE, range(schedules), ids=[f"schedule{k}" for k in range(schedules)],
                              indirect=True)
     if "compile_mode" in metafunc.fixturenames:
-        from .compile_modes import BACKENDS, MODES
-
         marker = metafunc.definition.get_closest_marker("streamrace_compile")
-        kwargs = marker.kwargs if marker else {}
-        modes = tuple(kwargs.get("modes", MODES))
-        backend = kwargs.get("backend", "aot_eager")
-        where = metafunc.definition.nodeid
-        if not modes or any(m not in MODES for m in modes):
-            raise pytest.UsageError(f"{where}: streamrace_compile(modes=...) takes some of {', '.join(MODES)}, "
-                                    f"got {modes!r}")
-        if backend not in BACKENDS:
-            raise pytest.UsageError(f"{where}: streamrace_compile(backend=...) takes one of {', '.join(BACKENDS)}, "
-                                    f"got {backend!r}")
+        try:
+            modes, backend = compile_marker(marker)
+        except checks.BadInput:
+            return  # one error for the test, at its setup (``plugin.marker_problem``), not the module's collection
         metafunc.parametrize("compile_mode", [(m, backend) for m in modes], ids=list(modes), indirect=True)
+
+
+def compile_marker(mark) -> tuple[tuple, str]:
+    """The modes and torch.compile backend a ``streamrace_compile`` marker (or None) asks for; ``checks.BadInput``
+    for bad arguments."""
+    if mark is None:
+        return COMPILE_MODES, "aot_eager"
+    what = "@pytest.mark.streamrace_compile"
+    if mark.args:
+        raise checks.BadInput(f"{what} takes keyword arguments only (modes=, backend=), got {mark.args[0]!r}")
+    unknown = sorted(set(mark.kwargs) - {"modes", "backend"})
+    if unknown:
+        raise checks.BadInput(f"{what}: unknown argument {unknown[0]!r} (expected modes, backend)")
+    modes = mark.kwargs.get("modes", COMPILE_MODES)
+    if isinstance(modes, str) or not isinstance(modes, (tuple, list)) or not modes or \
+            any(m not in COMPILE_MODES for m in modes):
+        raise checks.BadInput(f"{what}: modes must be a tuple of some of {', '.join(COMPILE_MODES)}, got {modes!r}")
+    backend = mark.kwargs.get("backend", "aot_eager")
+    if backend not in COMPILE_BACKENDS:
+        raise checks.BadInput(f"{what}: backend must be one of {', '.join(COMPILE_BACKENDS)}, got {backend!r}")
+    return tuple(modes), backend
 
 
 def _fail_without_streams(what: str) -> None:

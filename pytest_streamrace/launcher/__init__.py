@@ -11,8 +11,9 @@ from __future__ import annotations
 from .. import env
 
 
-def install(config) -> None:
-    """Register the launcher behaviour this process needs."""
+def install(config, marker_problem) -> None:
+    """Register the launcher behaviour this process needs. `marker_problem(item)`: what is wrong with an item's
+    markers (one line), or None; a parent reports it before starting any rank."""
     from . import child, parent, torchrun
 
     if env.torchrun_env() is not None:
@@ -20,4 +21,4 @@ def install(config) -> None:
     elif child.spec_from_env() is not None:
         child.install(config)
     else:
-        parent.install(config)
+        parent.install(config, marker_problem)

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .. import checks
+
 PG_BACKENDS = (None, "auto", "gloo", "nccl")  # the process group's backend (the marker's backend=)
 
 
-class MarkerError(ValueError):
+class MarkerError(checks.BadInput):
     """Bad marker arguments; the message is one line meant for the user."""
 
 

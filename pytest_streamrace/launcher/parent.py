@@ -21,14 +21,15 @@ from .spec import RankSpec
 from .supervise import RankRun, reap, supervise
 
 
-def install(config: pytest.Config) -> None:
-    config.pluginmanager.register(ParentPlugin(config), "streamrace-parent")
+def install(config: pytest.Config, marker_problem) -> None:
+    config.pluginmanager.register(ParentPlugin(config, marker_problem), "streamrace-parent")
 
 
 class ParentPlugin:
-    def __init__(self, config: pytest.Config):
+    def __init__(self, config: pytest.Config, marker_problem):
         self.config = config
         self.server = shared()
+        self.marker_problem = marker_problem  # item -> one line, or None
 
     def pytest_collection_finish(self, session: pytest.Session) -> None:
         # Start importing torch in the fork server now, while the other tests run.
@@ -49,6 +50,9 @@ class ParentPlugin:
         return True
 
     def _run(self, item: pytest.Item, mark) -> list[pytest.TestReport]:
+        problem = self.marker_problem(item)
+        if problem is not None:
+            return report.setup_outcome(item, "failed", problem)
         try:
             request = marker.parse(mark)
             where = placement.place(request.world_size, request.pg_backend)

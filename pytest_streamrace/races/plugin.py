@@ -17,7 +17,7 @@ import sys
 
 import pytest
 
-from .. import StreamRaceError, env, options, roles
+from .. import StreamRaceError, checks, env, options, roles
 from .record import AFTER, RACES, TRACE
 
 EXPECT = ("race", "clean")
@@ -46,12 +46,37 @@ def resolve_backend(config: pytest.Config) -> str:
 
 
 def expected(item: pytest.Item) -> str | None:
-    marker = item.get_closest_marker("streamrace")
-    if marker is None:
+    """What the item's ``streamrace`` marker expects (None: no marker, or a bad one, which fails its setup)."""
+    try:
+        return check_marker(item.get_closest_marker("streamrace"))
+    except checks.BadInput:
         return None
-    expect = marker.kwargs.get("expect", marker.args[0] if marker.args else None)
+
+
+def _bad_marker(item: pytest.Item) -> bool:
+    try:
+        check_marker(item.get_closest_marker("streamrace"))
+    except checks.BadInput:
+        return True
+    return False
+
+
+def check_marker(mark) -> str | None:
+    """The ``streamrace(expect=...)`` marker's value (None without a marker); ``checks.BadInput`` for bad
+    arguments."""
+    if mark is None:
+        return None
+    what = "@pytest.mark.streamrace"
+    if len(mark.args) > 1 or (mark.args and "expect" in mark.kwargs):
+        raise checks.BadInput(f"{what} takes one argument (expect), got {len(mark.args) + len(mark.kwargs)}")
+    unknown = sorted(set(mark.kwargs) - {"expect"})
+    if unknown:
+        raise checks.BadInput(f"{what}: unknown argument {unknown[0]!r} (expected expect='race' or 'clean')")
+    if not mark.args and "expect" not in mark.kwargs:
+        raise checks.BadInput(f"{what}: expect is required: streamrace(expect='race') or streamrace(expect='clean')")
+    expect = mark.kwargs.get("expect", mark.args[0] if mark.args else None)
     if expect not in EXPECT:
-        raise pytest.UsageError(f"{item.nodeid}: streamrace(expect=...) takes 'race' or 'clean', got {expect!r}")
+        raise checks.BadInput(f"{what}: expect must be 'race' or 'clean', got {expect!r}")
     return expect
 
 
@@ -86,6 +111,7 @@ class RaceChecks:
         self.policy = self.tally = None  # at session start (`--help` configures, and starts no session)
         self.children = children
         self.after: list[dict] = []  # children's races judged after their test had finished
+        self.unwritten: list[str] = []  # warning lines: session files that could not be written
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         if self.children.problem:
@@ -98,7 +124,7 @@ class RaceChecks:
         from . import policy, tally
 
         try:
-            self.policy = policy.load(self.config)  # checked at the command line already (exit 2 there)
+            self.policy = policy.load(self.config)  # checked at the command line already (exit 4 there)
         except policy.BadInput as exc:
             raise pytest.UsageError(f"streamrace: {exc}") from None
         self.tally = tally.Tally(self.policy)
@@ -113,7 +139,8 @@ class RaceChecks:
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item):
-        expected(item)  # a bad marker is a usage error before anything runs
+        if _bad_marker(item):  # its setup fails with one line (``plugin.marker_problem``): nothing to check
+            return (yield)
         self.children.begin(item.nodeid)
         from ..detector.session import Detector
 
@@ -297,14 +324,28 @@ class RaceChecks:
         if self.json_path:
             from .record import write_document
 
-            write_document(self.json_path, [{"test": nodeid, **race} for nodeid, race in self.races] +
-                           [dict(race, after_test=True) for race in self.after])
+            records = ([{"test": nodeid, **race} for nodeid, race in self.races] +
+                       [dict(race, after_test=True) for race in self.after])
+            self._write("--streamrace-json", self.json_path, lambda: write_document(self.json_path, records))
         if self.trace_path:
             from .trace import write_trace
 
-            write_trace(self.trace_path, _one_process_per_test(self.traces + self.children.after_traces))
+            events = _one_process_per_test(self.traces + self.children.after_traces)
+            self._write("--streamrace-trace", self.trace_path, lambda: write_trace(self.trace_path, events))
         if self.policy.update:
-            self.tally.write_baseline()
+            self._write("--streamrace-baseline", self.policy.baseline_path, self.tally.write_baseline)
+
+    def _write(self, option: str, path: str, write) -> None:
+        """Write a session file; one that cannot be written at the end (a full disk, a folder removed during the
+        run) is one warning line, and pytest's report and exit status stay as they are."""
+        try:
+            write()
+        except OSError as exc:
+            line = f"streamrace: WARNING: could not write {option} {path}: {exc.strerror or exc}"
+            if self.config.pluginmanager.get_plugin("terminalreporter") is None:
+                sys.stderr.write(line + "\n")
+            else:
+                self.unwritten.append(line)
 
     @pytest.hookimpl(trylast=True)
     def pytest_terminal_summary(self, terminalreporter) -> None:
@@ -316,6 +357,8 @@ class RaceChecks:
         terminalreporter.section("streamrace")
         for line in self.tally.summary():
             terminalreporter.line(line)
+        for line in self.unwritten:
+            terminalreporter.line(line, yellow=True)
         if self.after:
             from .record import format_after
 

@@ -55,7 +55,7 @@ from fnmatch import fnmatchcase
 
 import pytest
 
-from .. import options
+from .. import checks, options
 from ..detector.host_sync import path_matches
 
 NEW, SUPPRESSED, BASELINE, EXPECTED = "new", "suppressed", "baseline", "expected"
@@ -112,24 +112,6 @@ def load(config: pytest.Config) -> Policy:
     return policy
 
 
-def validate(config: pytest.Config, says_why: bool) -> int | None:
-    """At the command line (before configuration): bad suppressions or baseline → one line on stderr (where
-    `says_why`: one process of a torchrun session speaks for all), exit 2."""
-    if not options.get(config, "streamrace") or getattr(config.option, "help", False) or \
-            getattr(config.option, "version", False):
-        return None
-    try:
-        load(config)
-    except BadInput as exc:
-        if says_why:
-            import sys
-
-            sys.stderr.write(f"ERROR: streamrace: {exc}\n")
-            sys.stderr.flush()
-        return 2
-    return None
-
-
 # suppression rules
 
 KINDS = {"raw": "read-after-write", "war": "write-after-read", "waw": "write-after-write",
@@ -138,7 +120,7 @@ INCIDENTAL = "incidental-sync"  # a line of its own: explicit syncs from these f
 KEYS = ("kind", "file", "function", "tensor")
 
 
-class BadInput(Exception):
+class BadInput(checks.BadInput):
     """A suppression file or baseline that cannot be used: the message is the one line shown to the user."""
 
 

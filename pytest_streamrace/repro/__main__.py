@@ -11,10 +11,16 @@ import json
 import sys
 from collections import Counter
 
-from .. import env
-from ..options import positive_int
+from .. import checks, env
 from ..races.record import location
 from .registry import ReproError, discover, get
+
+
+def _count(text: str) -> int:
+    try:
+        return checks.count(text, "")
+    except checks.BadInput:
+        raise argparse.ArgumentTypeError(f"expected a positive whole number, got {text!r}") from None
 
 
 class _Parser(argparse.ArgumentParser):
@@ -31,9 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--backend", choices=("auto", "cuda", "virtual"), default="auto",
                         help="cuda: real GPUs and NCCL; virtual: CPU, gloo and the virtual stream model; "
                              "auto: cuda when there are enough GPUs")
-    parser.add_argument("--world-size", type=positive_int, help="number of ranks (default: the repro's)")
-    parser.add_argument("--steps", type=positive_int, help="training steps per run (default: the repro's)")
-    parser.add_argument("--repeat", type=positive_int, default=1,
+    parser.add_argument("--world-size", type=_count, help="number of ranks (default: the repro's)")
+    parser.add_argument("--steps", type=_count, help="training steps per run (default: the repro's)")
+    parser.add_argument("--repeat", type=_count, default=1,
                         help="runs per variant (in the same rank processes, one launch per variant)")
     parser.add_argument("--json", metavar="PATH", help="write every run's verdict and evidence to PATH")
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome-trace timeline of the last run to PATH")
@@ -74,6 +80,9 @@ def run(args) -> int:
     from .runner import run_variant
 
     repro = get(args.command)
+    for option, path in (("--json", args.json), ("--trace", args.trace)):
+        if path is not None:
+            checks.output_file(path, option)  # before the first rank: its folder created, writable
     if repro.framework is not None and (problem := repro.framework.problem()):
         raise ReproError(problem)
     world_size = args.world_size or repro.world_size
@@ -97,9 +106,12 @@ def run(args) -> int:
             total = sum(counts.values())
             print(f"{repro.name}/{variant}: " + ", ".join(f"{k} {n}/{total}" for k, n in counts.most_common()))
     if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            json.dump({"repro": repro.name, "framework": framework, "backend": backend, "world_size": world_size,
-                       "runs": [vars(o) | {"expected": o.expected} for o in outcomes]}, f, indent=1)
+        try:
+            with open(args.json, "w", encoding="utf-8") as f:
+                json.dump({"repro": repro.name, "framework": framework, "backend": backend, "world_size": world_size,
+                           "runs": [vars(o) | {"expected": o.expected} for o in outcomes]}, f, indent=1)
+        except OSError as exc:  # checked before the first rank; lost since (a full disk): the verdict stands
+            print(f"warning: could not write --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
     ok = all(o.expected for o in outcomes)
     print(f"{repro.name}: {'every variant got its expected verdict' if ok else 'NOT every variant got its expected verdict'}")
     return 0 if ok else 1
@@ -108,6 +120,7 @@ def run(args) -> int:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = _parser().parse_args(argv)
+        checks.environment()
         if args.command == "list":
             repros = discover()
             if not repros:
@@ -123,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.name:
             raise ReproError(f"unexpected argument {args.name!r}")
         return run(args)
-    except ReproError as exc:
+    except (ReproError, checks.BadInput) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
