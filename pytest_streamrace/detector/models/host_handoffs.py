@@ -138,24 +138,6 @@ def _acquiring_after(original, when=None):
     return _named(call, original)
 
 
-def _around(original):
-    """Release before and acquire after (a condition's wait, a barrier's)."""
-    def call(self, *args, **kwargs):
-        release(self)
-        try:
-            return original(self, *args, **kwargs)
-        finally:
-            acquire(self)
-    return _named(call, original)
-
-
-def _exit_releasing(original):
-    def call(self, *args):
-        release(self)
-        return original(self, *args)
-    return _named(call, original)
-
-
 def _named(call, original):
     call.__name__ = getattr(original, "__name__", call.__name__)
     call.__qualname__ = getattr(original, "__qualname__", call.__qualname__)
@@ -176,6 +158,11 @@ def _acquiring_finally(original):
         finally:
             acquire(self)
     return _named(call, original)
+
+
+def _around(original):
+    """Release before and acquire after (a condition's wait, a barrier's)."""
+    return _acquiring_finally(_releasing_before(original))
 
 
 def _followed(bootstrap_inner):
@@ -335,7 +322,7 @@ class HostHandoffs:
             AttrPatch(threading, "Lock", _ModelledLock),
             AttrPatch(threading, "RLock", _ModelledRLock),
             WrapPatch(C, "__enter__", _acquiring_after),
-            WrapPatch(C, "__exit__", _exit_releasing),
+            WrapPatch(C, "__exit__", _releasing_before),
             WrapPatch(C, "wait", _around),
             WrapPatch(C, "wait_for", _around),
             WrapPatch(C, "notify", _releasing_before),
