@@ -214,8 +214,11 @@ def test_accelerator_queries_answer_as_torch_does_on_this_machine():
     with Detector(backend="virtual"):
         assert (acc.is_available(), acc.device_count(), acc.current_accelerator()) == answers
         assert acc.current_stream() is torch.cuda.default_stream() and acc.current_device_index() == 0
-        with pytest.raises(RuntimeError, match="invalid device ordinal"):
-            acc.set_device_index(1)
+        for device in (0, -1, "cuda", "cuda:0", torch.device("cuda", 0)):
+            acc.set_device_index(device)
+        for device in (1, "cuda:1", torch.device("cuda", 1)):
+            with pytest.raises(RuntimeError, match="invalid device ordinal"):
+                acc.set_device_index(device)
         assert torch.get_device_module("cuda").Stream is torch.Stream is torch.cuda.Stream
     assert {name: getattr(acc, name) for name in before} == before
     assert (torch.Stream, torch.Event) == (stream, event)

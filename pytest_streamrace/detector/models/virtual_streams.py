@@ -235,9 +235,9 @@ def current_device_idx() -> int:
 
 def _one_device(device) -> None:
     """The virtual streams are device 0's; another index fails as it does on a one-GPU machine."""
-    index = getattr(device, "index", device)
-    if isinstance(index, str):
-        index = torch.device(index).index
+    if isinstance(device, str):
+        device = torch.device(device)
+    index = device.index if isinstance(device, torch.device) else device
     if index not in (None, 0, -1):
         raise RuntimeError(f"CUDA error: invalid device ordinal (streamrace virtual streams have one device; "
                            f"got device {device!r})")
