@@ -143,7 +143,8 @@ def test_user_tests_of_dcp_staging_orders(pytester, backend):
     step_line, stager_line = (next(i for i, text in enumerate(source, 1) if text.endswith(tag))
                               for tag in ("# STEP", "# STAGER"))
     first = [r for r in races if r["test"].endswith("::test_staging_right_after_the_step")]
-    assert first and {r["kind"] for r in first} == {"read-after-write"}
+    # the dispatch-mode fallback also counts the stager's set_ as a write (write-after-write on the same pair)
+    assert first and "read-after-write" in {r["kind"] for r in first}
     if backend == "virtual":  # the line of the CPU branch; on GPUs the stager is made on the next line
         assert {r["later"]["stream"] for r in first} == {f"stream created at test_dcp.py:{stager_line}"}
     assert any(f"test_dcp.py:{step_line}" == f"{f['file'].rsplit('/', 1)[-1]}:{f['line']}"
