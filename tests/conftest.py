@@ -15,5 +15,5 @@ def _warm_sessions(request):
 def pytest_configure(config):
     config.addinivalue_line("markers", "cold_start: run pytester's sessions as fresh interpreters (what a fresh "
                                        "interpreter imports is the test's subject)")
-    config.addinivalue_line("markers", "gpu: needs CUDA GPUs (tests/gpu/: `pytest -m gpu tests/gpu` on a GPU host); "
-                                       "skipped without them")
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one); `pytest -m gpu tests` runs them "
+                                       "on a GPU host")

@@ -13,6 +13,11 @@ A stream or device sync callback is an explicit sync only while one of the expli
 patched to say so per thread, and ``Work.wait``, which the collectives model marks); any other — a read-back's copy, a
 data-dependent size — is an implicit one for the latent view (``hb``), named after the op that made it. A stream or
 event ``query()`` that returns True orders the host as explicitly, though no callback reports it (``_query_patches``).
+torch's device-generic ``torch.Stream`` / ``torch.Event`` reach the same callbacks (their CUDA implementation reports
+records, waits and synchronizes); torch does not let their methods be patched, so while the session runs those names
+are subclasses that mark their synchronizes explicit, learn from a query that returns True and name a new stream where
+Python made it (``device_generic``). Streams and events torch hands out itself (``torch.accelerator.current_stream()``)
+are the plain types: their synchronize counts as an implicit sync, their query orders nothing.
 Allocations, frees and event creation and deletion, a hundred a launch-bound step, stay out of Python while nobody
 else listens to them (``TraceShortcut``; the trace's own interpreter in C++, ``native_trace``, where it builds), and
 between sessions too: torch cannot switch its trace off once on.
@@ -38,8 +43,8 @@ def EXPLICIT() -> list[tuple[object, str, str]]:  # noqa: N802 (a table, built o
            (torch.cuda.Stream, "synchronize", "Stream.synchronize()"),
            (torch.cuda.Event, "synchronize", "Event.synchronize()"),
            (torch.cuda.Event, "elapsed_time", "Event.elapsed_time()")]
-    # torch.accelerator's, where this torch has it (torch.Stream's and torch.Event's are C types' methods, which
-    # cannot be patched: a sync outside every captured op counts as explicit, tracker.sync_callback_site)
+    # torch.accelerator's, where this torch has it (a torch.Stream or torch.Event torch made itself,
+    # whose C methods cannot be patched: a sync outside every captured op counts as explicit, tracker.sync_callback_site)
     accelerator = getattr(torch, "accelerator", None)
     if hasattr(accelerator, "synchronize"):
         out.append((accelerator, "synchronize", "torch.accelerator.synchronize()"))
@@ -159,7 +164,16 @@ class CudaStreams:
 
         return [AttrPatch(torch.cuda, "_sleep", _sleep), AttrPatch(torch.Tensor, "record_stream", record_stream),
                 AttrPatch(torch.cuda.Stream, "__new__", staticmethod(stream_new)),
-                *self._explicit_patches(), *self._query_patches(), self, *self._shortcuts()]
+                *self._explicit_patches(), *self._query_patches(), *self._device_generic_patches(), self,
+                *self._shortcuts()]
+
+    def _learnt(self, name: str, learn, obj) -> None:
+        """A query returned True: the host has seen that work finish; `learn(obj)` tells hb, marked explicit."""
+        try:
+            with self.tracker.explicitly(name):
+                learn(obj)
+        except Exception as exc:  # never inside the user's test
+            self.tracker.note(f"{name} is not modelled: {type(exc).__name__}: {exc}")
 
     def _query_patches(self) -> list:
         """``Event.query()`` / ``Stream.query()`` returning True: the host has seen that work finish, an ordering as
@@ -170,21 +184,27 @@ class CudaStreams:
             def patched(obj):
                 done = original(obj)
                 if done:
-                    try:
-                        with self.tracker.explicitly(name):
-                            learn(obj)
-                    except Exception as exc:  # never inside the user's test
-                        self.tracker.note(f"{name} is not modelled: {type(exc).__name__}: {exc}")
+                    self._learnt(name, learn, obj)
                 return done
             return patched
 
-        def event_done(event):
-            if event.cuda_event:  # a never-recorded event is done without ordering anything
-                self._event_sync(event.cuda_event)
-
-        return [AttrPatch(torch.cuda.Event, "query", query(torch.cuda.Event.query, "Event.query()", event_done)),
+        return [AttrPatch(torch.cuda.Event, "query", query(torch.cuda.Event.query, "Event.query()",
+                                                           self._event_done)),
                 AttrPatch(torch.cuda.Stream, "query", query(torch.cuda.Stream.query, "Stream.query()",
-                                                            lambda stream: self._stream_sync(stream.cuda_stream)))]
+                                                            self._stream_done))]
+
+    def _event_done(self, event) -> None:
+        handle = event.cuda_event if isinstance(event, torch.cuda.Event) else event.event_id
+        if handle:  # a never-recorded event is done without ordering anything
+            self._event_sync(handle)
+
+    def _stream_done(self, stream) -> None:
+        self._stream_sync(self.key(stream))
+
+    def _device_generic_patches(self) -> list:
+        """``torch.Stream`` / ``torch.Event`` as `device_generic` subclasses while the session runs."""
+        stream, event = device_generic(self)
+        return [AttrPatch(torch, "Stream", stream), AttrPatch(torch, "Event", event)]
 
     def _shortcuts(self) -> list:
         """The allocator's frees (`_dealloc`), event records and waits (`_event_record`, `_event_wait`: a dozen a
@@ -240,6 +260,64 @@ class CudaStreams:
             if callback in registry.callback_list:
                 registry.callback_list.remove(callback)
         self._registered.clear()
+
+
+class _SameType(type):
+    """Every instance of the torch type counts as one of the subclass (``isinstance(s, torch.Stream)`` stays true for
+    the streams torch hands out), and the subclass as that type for ``issubclass``."""
+
+    def __instancecheck__(cls, obj) -> bool:
+        return isinstance(obj, cls.torch_type)
+
+    def __subclasscheck__(cls, sub) -> bool:
+        return issubclass(sub, cls.torch_type)
+
+
+def device_generic(model) -> tuple[type, type]:
+    """``torch.Stream`` and ``torch.Event`` subclasses whose objects `model` (a CudaStreams) observes: a new stream is
+    named after the user line that made it, ``synchronize`` / ``elapsed_time`` are explicit syncs, and a ``query``
+    that returns True orders the host after that work, as torch.cuda's own types do under the model."""
+    base_stream, base_event = torch.Stream, torch.Event
+
+    class Stream(base_stream, metaclass=_SameType):
+        torch_type = base_stream
+
+        def __new__(cls, *args, **kwargs):
+            stream = base_stream.__new__(cls, *args, **kwargs)
+            if "stream_id" not in kwargs and stream.device.type == "cuda":
+                model.hb.add_stream(model.key(stream), f"stream created at {created_at()}")
+            return stream
+
+        def synchronize(self) -> None:
+            with model.tracker.explicitly("Stream.synchronize()"):
+                return base_stream.synchronize(self)
+
+        def query(self) -> bool:
+            done = base_stream.query(self)
+            if done:
+                model._learnt("Stream.query()", model._stream_done, self)
+            return done
+
+    class Event(base_event, metaclass=_SameType):
+        torch_type = base_event
+
+        def synchronize(self) -> None:
+            with model.tracker.explicitly("Event.synchronize()"):
+                return base_event.synchronize(self)
+
+        def elapsed_time(self, end_event) -> float:
+            with model.tracker.explicitly("Event.elapsed_time()"):
+                return base_event.elapsed_time(self, end_event)
+
+        def query(self) -> bool:
+            done = base_event.query(self)
+            if done:
+                model._learnt("Event.query()", model._event_done, self)
+            return done
+
+    Stream.__module__ = Event.__module__ = "torch"
+    Stream.__qualname__, Event.__qualname__ = "Stream", "Event"
+    return Stream, Event
 
 
 def native_trace(native, extension) -> CallPatch:

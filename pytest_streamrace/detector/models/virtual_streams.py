@@ -6,6 +6,13 @@ that every op is attributed to the stream that would run it. While a Detector wi
 ``torch.cuda.Stream``, ``Event``, ``stream()``, ``current_stream`` & co. are these classes and functions; the
 originals come back when it exits. ``torch.cuda.is_available()`` stays False: code that branches on it for
 devices keeps allocating on CPU.
+
+torch's device-generic API is the same model, as on a one-GPU machine: ``torch.Stream`` and ``torch.Event`` are these
+classes (so a ``torch.Stream()`` works with ``torch.cuda.stream``, ``wait_stream``, events, ``with stream:``), and
+``torch.accelerator``'s stream calls (``current_stream``, ``set_stream``, ``synchronize``, ``current_device_index``,
+``set_device_index``, ``device_index``) act on the virtual streams of device 0. Its device queries answer as torch
+does on this machine (``is_available()`` False, ``device_count()`` 0, ``current_accelerator()`` the build's), for the
+same reason as ``torch.cuda.is_available()``.
 """
 
 from __future__ import annotations
@@ -53,6 +60,20 @@ class Stream:
     def stream_id(self) -> int:
         return self.cuda_stream
 
+    @property
+    def native_handle(self) -> int:
+        return self.cuda_stream
+
+    def __enter__(self) -> "Stream":
+        """``with stream:`` (torch.Stream's context): current in this thread inside, the previous one after."""
+        _model().enter(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        model = _session_model()
+        if model is not None:
+            model.leave(self)
+
     def wait_event(self, event: "Event") -> None:
         event.wait(self)
 
@@ -77,7 +98,7 @@ class Stream:
         model.hb.synchronize_stream(self, implicit=model.tracker.explicit_sync(api))
 
     def __repr__(self) -> str:
-        return f"<virtual torch.cuda.Stream: {self.name}>"
+        return f"<virtual torch.Stream: {self.name}>"
 
 
 def _active_default():
@@ -93,9 +114,12 @@ def _check(stream) -> Stream:
 
 class Event:
     """A virtual CUDA event: a snapshot of a stream's progress in hb. Its time is the host's at record: a virtual
-    stream's work runs when it is issued."""
+    stream's work runs when it is issued. Both ``torch.cuda.Event(enable_timing, blocking, interprocess)`` and
+    ``torch.Event(device, *, enable_timing, ...)``: a virtual event keeps none of their flags."""
 
-    def __init__(self, enable_timing=False, blocking=False, interprocess=False, **kwargs):
+    device = torch.device("cpu")
+
+    def __init__(self, *args, **kwargs):
         _model()
         self._recorded_at: float | None = None
 
@@ -174,8 +198,74 @@ def set_stream(stream: Stream | None) -> None:
 
 def synchronize(device=None) -> None:
     """Explicit: it orders the host in both views, unless made from a file of the ``incidental-sync`` rule."""
+    _synchronize_device("torch.cuda.synchronize()")
+
+
+def _synchronize_device(api: str) -> None:
     model = _model()
-    model.hb.synchronize_device(implicit=model.tracker.explicit_sync("torch.cuda.synchronize()"))
+    model.hb.synchronize_device(implicit=model.tracker.explicit_sync(api))
+
+
+# torch.accelerator's stream calls, on device 0 of a one-GPU machine
+
+# functions of their own, not torch.cuda's: dynamo keeps one handler per function and registers both modules' names
+
+def accelerator_current_stream(device=None, /) -> Stream:
+    return _model().current()
+
+
+def accelerator_set_stream(stream: Stream) -> None:
+    _model().set_current(_check(stream))
+
+
+def accelerator_synchronize(device=None, /) -> None:
+    _synchronize_device("torch.accelerator.synchronize()")
+
+
+def current_device_index() -> int:
+    return 0
+
+
+def current_device_idx() -> int:
+    import warnings
+
+    warnings.warn("Use `current_device_index` instead.", FutureWarning, stacklevel=2)
+    return 0
+
+
+def _one_device(device) -> None:
+    """The virtual streams are device 0's; another index fails as it does on a one-GPU machine."""
+    if isinstance(device, str):
+        device = torch.device(device)
+    index = device.index if isinstance(device, torch.device) else device
+    if index not in (None, 0, -1):
+        raise RuntimeError(f"CUDA error: invalid device ordinal (streamrace virtual streams have one device; "
+                           f"got device {device!r})")
+
+
+def set_device_index(device, /) -> None:
+    _one_device(device)
+
+
+def set_device_idx(device, /) -> None:
+    import warnings
+
+    warnings.warn("Use `set_device_index` instead.", FutureWarning, stacklevel=2)
+    _one_device(device)
+
+
+class device_index:  # noqa: N801 (torch.accelerator's name)
+    """``with torch.accelerator.device_index(i):`` — device 0 is the only one: nothing to switch."""
+
+    def __init__(self, device, /):
+        if device is not None:
+            _one_device(device)
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc) -> None:
+        return None
 
 
 def _sleep(cycles: int) -> None:
@@ -195,7 +285,10 @@ def record_stream(self: torch.Tensor, stream: Stream) -> None:
         model.hb.record_stream(key, stream)
 
 
-_API = ("stream", "current_stream", "default_stream", "set_stream", "synchronize", "_sleep", "record_stream")
+_API = ("stream", "current_stream", "default_stream", "set_stream", "synchronize", "_sleep", "record_stream",
+        "accelerator_current_stream", "accelerator_set_stream", "accelerator_synchronize")
+_OWNERS = {"record_stream": ("Tensor", "record_stream"),  # where each is patched in, when not torch.cuda
+           **{f"accelerator_{name}": ("accelerator", name) for name in ("current_stream", "set_stream", "synchronize")}}
 _opaque = False
 
 
@@ -214,7 +307,8 @@ def _opaque_to_dynamo(_dynamo=None) -> None:
         except TypeError:  # a torch without `reason`
             return torch.compiler.disable(fn)
 
-    for cls, names in ((Stream, ("__init__", "wait_event", "wait_stream", "record_event", "query", "synchronize")),
+    for cls, names in ((Stream, ("__init__", "__enter__", "__exit__", "wait_event", "wait_stream", "record_event",
+                                 "query", "synchronize")),
                        (Event, ("__init__", "record", "wait", "query", "synchronize")),
                        (StreamContext, ("__enter__", "__exit__"))):
         for name in names:
@@ -224,9 +318,10 @@ def _opaque_to_dynamo(_dynamo=None) -> None:
         original = module[name]
         module[name] = disabled(original)
         if _session_model() is not None:  # dynamo arrived during a session: what it patched in becomes the opaque one
-            owner = torch.Tensor if name == "record_stream" else torch.cuda
-            if getattr(owner, name, None) is original:
-                setattr(owner, name, module[name])
+            owner, attr = _OWNERS.get(name, ("cuda", name))
+            owner = getattr(torch, owner)
+            if getattr(owner, attr, None) is original:
+                setattr(owner, attr, module[name])
 
 
 class VirtualStreams:
@@ -258,6 +353,18 @@ class VirtualStreams:
         if self.tracker.capturing:
             self.tracker.capture_stream(self.index(stream))
 
+    def enter(self, stream: Stream) -> None:
+        """``with stream:``: `stream` current in this thread until the matching `leave`."""
+        _check(stream)
+        entered = self._tls.__dict__.setdefault("entered", [])
+        entered.append(self.current())
+        self.set_current(stream)
+
+    def leave(self, stream: Stream) -> None:
+        entered = self._tls.__dict__.get("entered")
+        if entered:
+            self.set_current(entered.pop())
+
     def index(self, stream: Stream) -> int:
         """The capture's small int for `stream` (given on first use)."""
         index = self._indices.get(stream)
@@ -278,6 +385,13 @@ class VirtualStreams:
                         "set_stream": set_stream, "synchronize": synchronize, "_sleep": _sleep}
         out = [AttrPatch(torch.cuda, name, value) for name, value in replacements.items()]
         out += [AttrPatch(torch.cuda.streams, "Stream", Stream), AttrPatch(torch.cuda.streams, "Event", Event),
-                AttrPatch(torch.Tensor, "record_stream", record_stream),
-                WhenImported("torch._dynamo", _opaque_to_dynamo)]
+                AttrPatch(torch, "Stream", Stream), AttrPatch(torch, "Event", Event),
+                AttrPatch(torch.Tensor, "record_stream", record_stream)]
+        accelerator = {"current_stream": accelerator_current_stream, "set_stream": accelerator_set_stream,
+                       "synchronize": accelerator_synchronize, "current_device_index": current_device_index,
+                       "current_device_idx": current_device_idx, "set_device_index": set_device_index,
+                       "set_device_idx": set_device_idx, "device_index": device_index}
+        out += [AttrPatch(torch.accelerator, name, value) for name, value in accelerator.items()
+                if hasattr(torch.accelerator, name)]  # older torch lacks some
+        out.append(WhenImported("torch._dynamo", _opaque_to_dynamo))
         return out
