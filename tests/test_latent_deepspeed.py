@@ -1,4 +1,4 @@
-"""DeepSpeed 0.19.8 ZeRO-3's parameter gather after a step (docs/zero3-param-gather.md) in the stock configuration —
+"""DeepSpeed 0.19.8 ZeRO-3's parameter gather after a step (docs/upstream/zero3-param-gather.md) in the stock configuration —
 default timers, no gradient accumulation — as a latent race: today only host syncs order the next all-gather after
 the step's copy into the partitions. On CPU (virtual streams, 2 gloo ranks) under ``pytest --streamrace``:
 

@@ -1,7 +1,7 @@
 """Ops captured in C++ (both stream models): what the dispatch mode hands the tracker, without entering Python per op.
 
-A TorchDispatchMode costs a launch-bound training step 1.6-1.7x before it does anything (measured on H200 hosts,
-docs/gpu-validation.md). This extension takes ops in C++ instead and records, per op that reaches a kernel below
+A TorchDispatchMode costs a launch-bound training step 1.9-2.1x before it does anything (the "empty mode" column of
+benchmarks/overhead.py on H200 hosts, docs/validation.md). This extension takes ops in C++ instead and records, per op that reaches a kernel below
 autograd (composite ops decompose first, as they do before the dispatch mode; ops nested in a recorded op are its own
 business, as under the mode), the byte ranges of the storages it reads and writes, its fresh outputs, the current
 stream, whether it runs inside an autograd node, and the Python stack (torch's C++ capture, named later). Which
@@ -157,7 +157,7 @@ def _build(prefix: str, code: list[str]):
 
 
 def _say_building(prefix: str, version: str, directory: str) -> None:
-    """One line on stderr before a build: otherwise the first session with this torch sits silent for a minute."""
+    """One line on stderr before a build: otherwise the first pytest session with this torch sits silent for a minute."""
     import sys
 
     what = "C++ op capture and happens-before core" if prefix == "streamrace_capture" else "GPU trace interpreter"
