@@ -6,8 +6,8 @@ not fit it reduces the bucket on ``reduction_stream`` (``average_tensor``) and s
 correct while every hook runs on one stream. Binding the parameters' AccumulateGrad nodes to two side streams — what
 torch.compile and multi-stream autograd do — makes the hooks copy from two streams, which exposes two races:
 
-- DeepSpeed #8061 (fixed by DeepSpeed #8080 in 0.19.3): the reduction waits only on the current stream, not on every stream that copied
-  into the bucket;
+- DeepSpeed #8061 (fixed by DeepSpeed #8080 in 0.19.3): the reduction waits only on the current stream, not on every
+  stream that copied into the bucket;
 - bucket reuse (0.19.8 still): only the stream that triggers a flush waits for the reduction afterwards; another
   producer stream later copies into the buffer an earlier reduction still reads.
 
@@ -37,7 +37,8 @@ def copy_into_buffer_under_reduction(race: dict) -> bool:
 
 
 def has_producer_fix() -> bool:
-    """Whether the installed DeepSpeed has DeepSpeed #8080 (the reduction waits on every stream that copied into the bucket)."""
+    """Whether the installed DeepSpeed has DeepSpeed #8080 (the reduction waits on every stream that copied into the
+    bucket)."""
     from deepspeed.runtime.zero.stage_1_and_2 import IPGBucket
 
     return "copy_streams" in getattr(IPGBucket, "__dataclass_fields__", {})
@@ -45,7 +46,8 @@ def has_producer_fix() -> bool:
 
 @contextlib.contextmanager
 def zero_fixes(producer_fix: bool, reuse_fix: bool):
-    """Run ZeRO with DeepSpeed #8080 on or off, and the bucket-reuse fix on or off, whatever DeepSpeed version is installed."""
+    """Run ZeRO with DeepSpeed #8080 on or off, and the bucket-reuse fix on or off, whatever DeepSpeed version is
+    installed."""
     import torch
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero
 

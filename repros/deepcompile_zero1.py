@@ -12,7 +12,8 @@ _cache: dict = {}  # the compiled engine of this rank process, reused by --repea
 
 
 def has_native_fix() -> bool:
-    """Whether the installed DeepSpeed has DeepSpeed #8036 (ZeRO's step releases DeepCompile's pre-flattened gradients)."""
+    """Whether the installed DeepSpeed has DeepSpeed #8036 (ZeRO's step releases DeepCompile's pre-flattened
+    gradients)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     return hasattr(DeepSpeedZeroOptimizer, "_release_preflattened_grad_buffers")
@@ -51,9 +52,9 @@ def deepcompile_fix(fixed: bool):
 
 
 def _remove_fix(init):
-    """DeepSpeed #8036 removed (>= 0.19.2): ZeRO-1 gets persistent cloned per-parameter targets, registered with the native op
-    once and handed to the optimizer as plain lists — what ZeRO-1 did up to 0.19.1, and what the ZeRO-2 branch of
-    the same init still does. The reduce pass stays ZeRO-1's."""
+    """DeepSpeed #8036 removed (>= 0.19.2): ZeRO-1 gets persistent cloned per-parameter targets, registered with the
+    native op once and handed to the optimizer as plain lists — what ZeRO-1 did up to 0.19.1, and what the ZeRO-2 branch
+    of the same init still does. The reduce pass stays ZeRO-1's."""
     def init_without_fix(engine, backend, compile_config, compile_kwargs, schedule=None, use_z2=False):
         if use_z2:
             return init(engine, backend, compile_config, compile_kwargs, schedule, use_z2)
@@ -72,11 +73,11 @@ def _z1_reduce_pass():
 
 
 def _apply_fix(init):
-    """DeepSpeed #8036 applied (<= 0.19.1). The native op of these versions cannot rebind a parameter's target (registration
-    keeps the first), so the targets it holds are moved into one flat partition buffer per group, whose memory is
-    allocated when backward starts and released (storage resized to zero) as soon as the fp32 partition is built —
-    the same lifetime as the fix's step-local buffer. ZeRO's step uses that buffer as the flat partition, as the fix
-    does, instead of flattening a copy."""
+    """DeepSpeed #8036 applied (<= 0.19.1). The native op of these versions cannot rebind a parameter's target
+    (registration keeps the first), so the targets it holds are moved into one flat partition buffer per group, whose
+    memory is allocated when backward starts and released (storage resized to zero) as soon as the fp32 partition is
+    built — the same lifetime as the fix's step-local buffer. ZeRO's step uses that buffer as the flat partition, as the
+    fix does, instead of flattening a copy."""
     def init_with_fix(engine, backend, compile_config, compile_kwargs, schedule=None, use_z2=False):
         out = init(engine, backend, compile_config, compile_kwargs, schedule, use_z2)
         if not use_z2:
@@ -86,7 +87,8 @@ def _apply_fix(init):
 
 
 class _Partition(list):
-    """One group's gradient targets, views of `flat_partition` (the name ZeRO's step looks for since DeepSpeed #8036)."""
+    """One group's gradient targets, views of `flat_partition` (the name ZeRO's step looks for since
+    DeepSpeed #8036)."""
 
     def __init__(self, targets, flat):
         super().__init__(targets)
@@ -119,12 +121,13 @@ def _step_local_targets(optimizer) -> None:
     hook = util.pre_backward_hooks[-1] if util.pre_backward_hooks else None
     names = getattr(getattr(hook, "__code__", None), "co_freevars", ())
     if "grad_buffer" not in names:
-        raise RuntimeError("streamrace: cannot apply DeepSpeed #8036 to this DeepSpeed: its ZeRO-1 init did not leave the "
-                           "expected set_grad_buffer hook")
+        raise RuntimeError("streamrace: cannot apply DeepSpeed #8036 to this DeepSpeed: its ZeRO-1 init did not "
+                           "leave the expected set_grad_buffer hook")
     grad_buffer = hook.__closure__[names.index("grad_buffer")].cell_contents  # {group: [registered targets]}
     if any(t.dtype == torch.float32 for targets in grad_buffer.values() for t in targets):
         # ZeRO's step would alias an fp32 flat partition as the fp32 gradient, and releasing it would lose them
-        raise RuntimeError("streamrace: the DeepSpeed #8036 harness patch expects 16-bit gradient targets (bf16 or fp16)")
+        raise RuntimeError("streamrace: the DeepSpeed #8036 harness patch expects 16-bit gradient targets (bf16 or "
+                           "fp16)")
     partitions = {}
     with torch.no_grad():
         for group, targets in grad_buffer.items():
@@ -262,7 +265,8 @@ expected to differ by about partition_mib). CUDA only: DeepCompile JIT-builds it
     framework=Framework("deepspeed", ">=0.19.1", extra="deepspeed"),
     variants=(
         Variant("unpatched", "reproduced", "persistent cloned gradient targets (as <= 0.19.1)"),
-        Variant("patched", "clean", "step-local flat gradient partition, released after the fp32 partition (DeepSpeed #8036)"),
+        Variant("patched", "clean", "step-local flat gradient partition, released after the fp32 partition "
+                "(DeepSpeed #8036)"),
     ),
     run=run,
     backends=("cuda",),

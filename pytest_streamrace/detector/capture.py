@@ -1,13 +1,13 @@
 """Ops captured in C++ (both stream models): what the dispatch mode hands the tracker, without entering Python per op.
 
 A TorchDispatchMode costs a launch-bound training step 1.9-2.1x before it does anything (the "empty mode" column of
-benchmarks/overhead.py on H200 hosts, docs/validation.md). This extension takes ops in C++ instead and records, per op that reaches a kernel below
-autograd (composite ops decompose first, as they do before the dispatch mode; ops nested in a recorded op are its own
-business, as under the mode), the byte ranges of the storages it reads and writes, its fresh outputs, the current
-stream, whether it runs inside an autograd node, and the Python stack (torch's C++ capture, named later). Which
-arguments are read or written is the tracker's own plan (``tracker._plan``), asked once per op. The ops come from a
-kernel of ours at the BackendSelect dispatch key, which sees only the calls that reach a kernel (``kernel_entry.cpp``),
-not from RecordFunction callbacks, which box every dispatcher call's arguments.
+benchmarks/overhead.py on H200 hosts, docs/validation.md). This extension takes ops in C++ instead and records, per op
+that reaches a kernel below autograd (composite ops decompose first, as they do before the dispatch mode; ops nested in
+a recorded op are its own business, as under the mode), the byte ranges of the storages it reads and writes, its fresh
+outputs, the current stream, whether it runs inside an autograd node, and the Python stack (torch's C++ capture, named
+later). Which arguments are read or written is the tracker's own plan (``tracker._plan``), asked once per op. The ops
+come from a kernel of ours at the BackendSelect dispatch key, which sees only the calls that reach a kernel
+(``kernel_entry.cpp``), not from RecordFunction callbacks, which box every dispatcher call's arguments.
 
 The tracker drains the records in order at every point where order matters (stream and event calls, frees, waits,
 reading races); frees, and on a GPU the trace's event records and waits, arrive as markers in the same buffer. The
@@ -157,7 +157,7 @@ def _build(prefix: str, code: list[str]):
 
 
 def _say_building(prefix: str, version: str, directory: str) -> None:
-    """One line on stderr before a build: otherwise the first pytest session with this torch sits silent for a minute."""
+    """One line on stderr before a build: otherwise a first pytest session with this torch sits silent for a minute."""
     import sys
 
     what = "C++ op capture and happens-before core" if prefix == "streamrace_capture" else "GPU trace interpreter"

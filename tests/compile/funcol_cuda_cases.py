@@ -1,7 +1,7 @@
 """Functional collectives in compiled graphs on CUDA + NCCL (cuda backend): Inductor emits
 ``_c10d_functional`` ops and their ``wait_tensor`` in its generated wrapper, and with
-``reorder_for_compute_comm_overlap`` moves the waits as late as it can. Run by scripts/device/collectives_syncs.sh on 2 GPUs (1 GPU: one NCCL rank, the
-collective still runs on its own stream):
+``reorder_for_compute_comm_overlap`` moves the waits as late as it can. Run by scripts/device/collectives_syncs.sh on 2
+GPUs (1 GPU: one NCCL rank, the collective still runs on its own stream):
 
     python -m pytest tests/compile/funcol_cuda_cases.py --streamrace --streamrace-backend=cuda -rA
 
