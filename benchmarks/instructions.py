@@ -5,7 +5,7 @@
 Each configuration runs in its own process under callgrind with instrumentation off until the warm-up is done; then
 `steps` steps are counted. Instructions are not time (a cache miss or a contended lock costs none here), but they do
 not move with the machine's load, so a change of a few percent in the detector's own work shows where paired timing
-cannot see it (docs/performance.md, thirteenth session). Rows: plain; torch's floor under any RecordFunction-based
+cannot see it. Rows: plain; torch's floor under any RecordFunction-based
 capture (an empty global callback with boxed arguments, as in paired_overhead.py); the capture floor (the C++ capture
 as the virtual detector runs it, through its kernel entry, kernel_entry.cpp, its records dropped unread each step:
 what the capture costs apart from applying its records); the virtual detector. ``--top N`` also lists the N functions

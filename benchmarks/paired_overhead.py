@@ -13,8 +13,8 @@ over rounds of each round's ratio to the plain round next to it.
 The cuda backend, paired the same way (wall time, synchronized per round). torch's GPU trace, which the cuda model's
 stream and event callbacks need, cannot be switched off once on; between sessions the model leaves its own C++
 interpreter there with the events nobody listens to kept out of Python (``models.cuda``), so the plain rounds after
-the first session run as plain (where that interpreter does not build, they pay torch's: about 1.2x on an H200, and
-"cuda" is then against a plain step slowed by it). "python-apply" rows force the Python path (the feed unset) on the
+the first detector session run as plain (where that interpreter does not build, they pay torch's: about 1.2x on an H200,
+and "cuda" is then against a plain step slowed by it). "python-apply" rows force the Python path (the feed unset) on the
 same core;
 "python-trace" leaves every GPU trace callback in Python (no `TraceShortcut`), "events-in-python" only the event
 records and waits (a drain each: a dozen a DDP step); "in-place trace" takes the trace's
@@ -282,7 +282,7 @@ def main() -> None:
         cpu_x = statistics.median(t[0] / f[0] for t, f in pairs)
         wall_x = statistics.median(t[1] / f[1] for t, f in pairs)
         show(f"{args.backend} over the capture floor, median over rounds: cpu {cpu_x:.2f}x, wall {wall_x:.2f}x")
-    if cuda:  # what torch's trace, on from the first session, leaves on the plain step after it
+    if cuda:  # what torch's trace, on from the first detector session, leaves on the plain step after it
         show(f"plain: first round (before any session) wall {plain[0][1]:.3f} ms/step; the later rounds' median "
              f"{statistics.median(t[1] for t in plain[1:]):.3f}")
 

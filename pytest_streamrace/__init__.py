@@ -3,7 +3,7 @@
 Importing this package must stay cheap: pytest loads the plugin in every session, so nothing here imports torch.
 """
 
-__version__ = "0.1.0.dev0"
+__version__ = "0.1.0"
 
 
 class StreamRaceError(Exception):

@@ -44,7 +44,7 @@ SETTINGS = (
             "stream slow in turn, then seeded random ones) and report which schedules failed", None, "int"),
     Setting("streamrace_nondefault_stream", "run each test body on a fresh non-default stream (needs a GPU or "
             "--streamrace)", False, "bool"),
-    # adopting --streamrace in an existing suite (docs/adopting.md)
+    # adopting --streamrace in an existing suite (docs/how-to/adopting.md)
     Setting("streamrace_suppressions", "suppression file: races matching one of its rules (KEY:GLOB terms; keys "
             "kind, file, function, tensor) do not fail tests; repeatable, adds to the ini's files (ini paths are "
             "relative to the rootdir, one a line)", None, "paths", option="--streamrace-suppress"),

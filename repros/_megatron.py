@@ -4,8 +4,8 @@ Megatron's DDP with ``overlap_grad_reduce`` and ``num_distributed_optimizer_inst
 its last gradient hook: ``start_grad_sync`` scales the bucket on the hook's stream, then makes its communication
 stream wait and runs the reduce-scatter and the inter-instance all-reduce there; ``finish_grad_sync`` makes the
 compute stream wait for the communication stream. Up to 0.16.1 both waits name ``torch.cuda.default_stream()``;
-from 0.17 (#3693) ``torch.cuda.current_stream()``. They differ only when the hooks run on a side stream — which they
-do under Megatron's training script, which builds DDP inside ``torch.cuda.stream(torch.cuda.Stream())``.
+from 0.17 (Megatron-LM #3693) ``torch.cuda.current_stream()``. They differ only when the hooks run on a side stream —
+which they do under Megatron's training script, which builds DDP inside ``torch.cuda.stream(torch.cuda.Stream())``.
 
 The switch: ``stream_waits(which)`` finds those two wait lines in the installed megatron-core's source and, for the
 run, redirects the ``torch.cuda.<native>_stream()`` call made *on exactly those lines* to the other function (a
@@ -96,8 +96,8 @@ def stream_waits(which: str):
 
 
 def collective_reads_hook_write(race: dict) -> bool:
-    """#3670: the later access is start_grad_sync's collective (on the communication stream), the earlier one a
-    write made from DDP's gradient hook (main_grad accumulation or the bucket's scaling) on the hook's stream."""
+    """Megatron-LM #3670: the later access is start_grad_sync's collective (on the communication stream), the earlier
+    one a write made from DDP's gradient hook (main_grad accumulation or the bucket's scaling) on the hook's stream."""
     later, earlier = race["later"], race["earlier"]
     collective = later["op"].startswith(("reduce_scatter", "all_reduce"))
     return collective and in_frames(later, "start_grad_sync", PGB_FILE) and in_frames(earlier, "hook", DDP_FILE)

@@ -6,13 +6,13 @@ not fit it reduces the bucket on ``reduction_stream`` (``average_tensor``) and s
 correct while every hook runs on one stream. Binding the parameters' AccumulateGrad nodes to two side streams — what
 torch.compile and multi-stream autograd do — makes the hooks copy from two streams, which exposes two races:
 
-- #8061 (fixed by #8080 in 0.19.3): the reduction waits only on the current stream, not on every stream that copied
-  into the bucket;
+- DeepSpeed #8061 (fixed by DeepSpeed #8080 in 0.19.3): the reduction waits only on the current stream, not on every
+  stream that copied into the bucket;
 - bucket reuse (0.19.8 still): only the stream that triggers a flush waits for the reduction afterwards; another
   producer stream later copies into the buffer an earlier reduction still reads.
 
 The fixes are applied or removed by wrapping two methods of ``DeepSpeedZeroOptimizer`` for one run, so both repros
-work on whichever DeepSpeed is installed (0.19.2 lacks the #8080 fix; 0.19.3+ have it).
+work on whichever DeepSpeed is installed (0.19.2 lacks the DeepSpeed #8080 fix; 0.19.3+ have it).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ ZERO_FILE = "stage_1_and_2.py"
 
 
 def reduction_reads_unfinished_copy(race: dict) -> bool:
-    """#8061: the earlier access is a bucket copy on a producer stream, the later one the reduction's."""
+    """DeepSpeed #8061: the earlier access is a bucket copy on a producer stream, the later one the reduction's."""
     return in_frames(race["earlier"], FILL, ZERO_FILE) and not in_frames(race["later"], FILL, ZERO_FILE)
 
 
@@ -37,7 +37,8 @@ def copy_into_buffer_under_reduction(race: dict) -> bool:
 
 
 def has_producer_fix() -> bool:
-    """Whether the installed DeepSpeed has #8080 (the reduction waits on every stream that copied into the bucket)."""
+    """Whether the installed DeepSpeed has DeepSpeed #8080 (the reduction waits on every stream that copied into the
+    bucket)."""
     from deepspeed.runtime.zero.stage_1_and_2 import IPGBucket
 
     return "copy_streams" in getattr(IPGBucket, "__dataclass_fields__", {})
@@ -45,7 +46,8 @@ def has_producer_fix() -> bool:
 
 @contextlib.contextmanager
 def zero_fixes(producer_fix: bool, reuse_fix: bool):
-    """Run ZeRO with #8080 on or off, and the bucket-reuse fix on or off, whatever DeepSpeed version is installed."""
+    """Run ZeRO with DeepSpeed #8080 on or off, and the bucket-reuse fix on or off, whatever DeepSpeed version is
+    installed."""
     import torch
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer as Zero
 
@@ -66,10 +68,10 @@ def zero_fixes(producer_fix: bool, reuse_fix: bool):
     def average_patched(self, tensor, communication_data_type):
         if self.overlap_comm:
             bucket = self.ipg_buckets[communication_data_type]
-            if producer_fix and not native:  # #8080, applied: wait on every producer stream
+            if producer_fix and not native:  # DeepSpeed #8080, applied: wait on every producer stream
                 for stream in bucket.__dict__.pop("streamrace_producers", ()):
                     self.reduction_stream.wait_stream(stream)
-            if not producer_fix and native:  # #8080, removed: wait on the current stream only, as <= 0.19.2
+            if not producer_fix and native:  # DeepSpeed #8080, removed: wait on the current stream only, as <= 0.19.2
                 bucket.copy_streams.clear()
         return average(self, tensor, communication_data_type)
 
@@ -166,7 +168,7 @@ def referee_run(ctx, train) -> dict | None:
 
 
 def run(ctx, producer_fix: bool, reuse_fix: bool) -> dict | None:
-    """ZeRO-2 with the hooks forced onto two streams, with #8080 and the bucket-reuse fix on or off."""
+    """ZeRO-2 with the hooks forced onto two streams, with DeepSpeed #8080 and the bucket-reuse fix on or off."""
 
     def train(overlap: bool, forced: bool) -> dict:
         if not forced:

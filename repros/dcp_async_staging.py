@@ -143,9 +143,9 @@ its staging stream (made by torch.Stream() in __init__) and StateDictStager copi
 non_blocking=True there (_state_dict_stager.py _stage_untyped_storage), then synchronizes the staging stream. Nothing
 orders the staging stream after the stream that produced the state dict: an optimizer step still queued on the
 default stream when stage() is called is read by the copies before it ran, and the checkpoint holds pre-step values
-(docs/dcp-async-staging.md). The repro runs AdamW steps, each followed by async_save and waiting for staging and
+(docs/upstream/dcp-async-staging.md). The repro runs AdamW steps, each followed by async_save and waiting for staging and
 upload; the patched variant makes the staging stream wait for the stream current at stage().""",
-    references=("docs/dcp-async-staging.md (write-up for upstream, torchtitan's exposure)",),
+    references=("docs/upstream/dcp-async-staging.md (write-up for upstream, torchtitan's exposure)",),
     affected="torch 2.11, 2.13 (DefaultStager with use_async_staging and use_non_blocking_copy)",
     fixed="not fixed upstream as of torch 2.13",
     framework=None,

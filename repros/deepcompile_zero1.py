@@ -12,13 +12,14 @@ _cache: dict = {}  # the compiled engine of this rank process, reused by --repea
 
 
 def has_native_fix() -> bool:
-    """Whether the installed DeepSpeed has #8036 (ZeRO's step releases DeepCompile's pre-flattened gradients)."""
+    """Whether the installed DeepSpeed has DeepSpeed #8036 (ZeRO's step releases DeepCompile's pre-flattened
+    gradients)."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     return hasattr(DeepSpeedZeroOptimizer, "_release_preflattened_grad_buffers")
 
 
-# The harness patches: engine.compile() with #8036 on or off, whatever version is installed.
+# The harness patches: engine.compile() with DeepSpeed #8036 on or off, whatever version is installed.
 
 def _init_functions():
     """(module, attribute) of each place DeepCompile's ZeRO-1/2 init is looked up from."""
@@ -39,7 +40,7 @@ def _init_functions():
 
 @contextlib.contextmanager
 def deepcompile_fix(fixed: bool):
-    """Inside, engine.compile() sets DeepCompile ZeRO-1 up with #8036 (fixed=True) or without it."""
+    """Inside, engine.compile() sets DeepCompile ZeRO-1 up with DeepSpeed #8036 (fixed=True) or without it."""
     if fixed == has_native_fix():
         yield
         return
@@ -51,9 +52,9 @@ def deepcompile_fix(fixed: bool):
 
 
 def _remove_fix(init):
-    """#8036 removed (>= 0.19.2): ZeRO-1 gets persistent cloned per-parameter targets, registered with the native op
-    once and handed to the optimizer as plain lists — what ZeRO-1 did up to 0.19.1, and what the ZeRO-2 branch of
-    the same init still does. The reduce pass stays ZeRO-1's."""
+    """DeepSpeed #8036 removed (>= 0.19.2): ZeRO-1 gets persistent cloned per-parameter targets, registered with the
+    native op once and handed to the optimizer as plain lists — what ZeRO-1 did up to 0.19.1, and what the ZeRO-2 branch
+    of the same init still does. The reduce pass stays ZeRO-1's."""
     def init_without_fix(engine, backend, compile_config, compile_kwargs, schedule=None, use_z2=False):
         if use_z2:
             return init(engine, backend, compile_config, compile_kwargs, schedule, use_z2)
@@ -72,11 +73,11 @@ def _z1_reduce_pass():
 
 
 def _apply_fix(init):
-    """#8036 applied (<= 0.19.1). The native op of these versions cannot rebind a parameter's target (registration
-    keeps the first), so the targets it holds are moved into one flat partition buffer per group, whose memory is
-    allocated when backward starts and released (storage resized to zero) as soon as the fp32 partition is built —
-    the same lifetime as the fix's step-local buffer. ZeRO's step uses that buffer as the flat partition, as the fix
-    does, instead of flattening a copy."""
+    """DeepSpeed #8036 applied (<= 0.19.1). The native op of these versions cannot rebind a parameter's target
+    (registration keeps the first), so the targets it holds are moved into one flat partition buffer per group, whose
+    memory is allocated when backward starts and released (storage resized to zero) as soon as the fp32 partition is
+    built — the same lifetime as the fix's step-local buffer. ZeRO's step uses that buffer as the flat partition, as the
+    fix does, instead of flattening a copy."""
     def init_with_fix(engine, backend, compile_config, compile_kwargs, schedule=None, use_z2=False):
         out = init(engine, backend, compile_config, compile_kwargs, schedule, use_z2)
         if not use_z2:
@@ -86,7 +87,8 @@ def _apply_fix(init):
 
 
 class _Partition(list):
-    """One group's gradient targets, views of `flat_partition` (the name ZeRO's step looks for since #8036)."""
+    """One group's gradient targets, views of `flat_partition` (the name ZeRO's step looks for since
+    DeepSpeed #8036)."""
 
     def __init__(self, targets, flat):
         super().__init__(targets)
@@ -119,12 +121,13 @@ def _step_local_targets(optimizer) -> None:
     hook = util.pre_backward_hooks[-1] if util.pre_backward_hooks else None
     names = getattr(getattr(hook, "__code__", None), "co_freevars", ())
     if "grad_buffer" not in names:
-        raise RuntimeError("streamrace: cannot apply #8036 to this DeepSpeed: its ZeRO-1 init did not leave the "
-                           "expected set_grad_buffer hook")
+        raise RuntimeError("streamrace: cannot apply DeepSpeed #8036 to this DeepSpeed: its ZeRO-1 init did not "
+                           "leave the expected set_grad_buffer hook")
     grad_buffer = hook.__closure__[names.index("grad_buffer")].cell_contents  # {group: [registered targets]}
     if any(t.dtype == torch.float32 for targets in grad_buffer.values() for t in targets):
         # ZeRO's step would alias an fp32 flat partition as the fp32 gradient, and releasing it would lose them
-        raise RuntimeError("streamrace: the #8036 harness patch expects 16-bit gradient targets (bf16 or fp16)")
+        raise RuntimeError("streamrace: the DeepSpeed #8036 harness patch expects 16-bit gradient targets (bf16 or "
+                           "fp16)")
     partitions = {}
     with torch.no_grad():
         for group, targets in grad_buffer.items():
@@ -241,13 +244,13 @@ def run(ctx) -> dict:
 
 REPRO = Repro(
     name="deepcompile_zero1",
-    title="DeepSpeed DeepCompile ZeRO-1: gradient targets alive through the optimizer step (#8036)",
+    title="DeepSpeed DeepCompile ZeRO-1: gradient targets alive through the optimizer step (DeepSpeed #8036)",
     description="""
 DeepCompile ZeRO-1 reduces gradients inside the compiled backward graph (the native `dc` op) into gradient targets
 registered per parameter. Up to 0.19.1 those targets were clones made once at compile time, held by the native op's
 registry and by the init's closure for the life of the engine; ZeRO's step flattened a copy of them into the fp32
 partition, so during the optimizer step one bf16 gradient partition stayed allocated for nothing — peak memory one
-partition higher on every step. #8036 binds the targets to a flat partition buffer built when backward starts,
+partition higher on every step. DeepSpeed #8036 binds the targets to a flat partition buffer built when backward starts,
 lets ZeRO's step use it as the flat partition, and releases it (and the registry's references) right after the fp32
 partition is built. The repro runs DeepCompile ZeRO-1 (bf16, AdamW, 8 x Linear(4096)) and tracks every gradient
 target with the lifetime checker: each must be gone when the inner optimizer steps. On 0.19.8 the harness
@@ -256,13 +259,14 @@ does); on 0.19.1 it applies the fix (the registered targets moved into one flat 
 allocated at backward and resized to zero after the fp32 partition, since that native op cannot rebind a target).
 Evidence: targets still alive at the optimizer step, and the step's peak (compare step_peak_mib across variants:
 expected to differ by about partition_mib). CUDA only: DeepCompile JIT-builds its native op with nvcc.""",
-    references=("https://github.com/deepspeedai/DeepSpeed/pull/8036", "docs/lifetime.md"),
+    references=("https://github.com/deepspeedai/DeepSpeed/pull/8036", "docs/how-to/buffer-lifetimes.md"),
     affected="deepspeed <= 0.19.1",
     fixed="deepspeed >= 0.19.2",
     framework=Framework("deepspeed", ">=0.19.1", extra="deepspeed"),
     variants=(
         Variant("unpatched", "reproduced", "persistent cloned gradient targets (as <= 0.19.1)"),
-        Variant("patched", "clean", "step-local flat gradient partition, released after the fp32 partition (#8036)"),
+        Variant("patched", "clean", "step-local flat gradient partition, released after the fp32 partition "
+                "(DeepSpeed #8036)"),
     ),
     run=run,
     backends=("cuda",),

@@ -99,11 +99,11 @@ torch.cat in partition_parameters.py _all_gather_dtype reads those partitions. N
 for the step's stream: only incidental host syncs order them (the module-trace check while the trace is recorded, and
 the throughput timer's synchronize from global step 2 with timers.throughput.synchronized, the default). With
 gradient accumulation the first step is exposed; with synchronized: false every step is. On the device the prefetch
-then gathers pre-step values and the next micro-batch computes with them (docs/zero3-param-gather.md). Found by
+then gathers pre-step values and the next micro-batch computes with them (docs/upstream/zero3-param-gather.md). Found by
 pytest --streamrace in DeepSpeed's own test_zero.py::TestZeroToFP32::test_2_param_groups. The repro runs stock
 ZeRO-3 (overlap_comm, accumulation 2, synchronized: false); the patched variant makes every all-gather wait for the
 stream that issues it.""",
-    references=("docs/zero3-param-gather.md (measurements on 2xH200, write-up for upstream)",),
+    references=("docs/upstream/zero3-param-gather.md (measurements on 2xH200, write-up for upstream)",),
     affected="deepspeed 0.19.8 (older releases not checked)",
     fixed="not fixed upstream as of 0.19.8",
     framework=Framework("deepspeed", "==0.19.8", extra="deepspeed"),

@@ -6,7 +6,7 @@ from . import _zero
 
 
 def run(ctx):
-    # both variants carry #8080 (the reduction waits on every producer), so that only this race is judged
+    # both variants carry DeepSpeed #8080 (the reduction waits on every producer), so that only this race is judged
     return _zero.run(ctx, producer_fix=True, reuse_fix=ctx.variant == "patched")
 
 
@@ -21,10 +21,10 @@ streams, another producer stream is never ordered after that reduction: two flus
 into the buffer while the earlier reduction may still read it (copy_grads_in_partition, the division and the
 all-reduce / reduce-scatter, the copy back), so that reduction sends a mix of two steps' gradients. DeepSpeed 0.19.8
 has per-buffer reuse events that make every producer wait, but only on its CPU-offload gradient-safety path. The
-repro runs stock ZeRO-2 (with #8080) with the hooks bound to two streams; the patched variant makes every producer
-stream wait for the reduction stream before it copies into the bucket.""",
+repro runs stock ZeRO-2 (with DeepSpeed #8080) with the hooks bound to two streams; the patched variant makes every
+producer stream wait for the reduction stream before it copies into the bucket.""",
     references=("https://github.com/deepspeedai/DeepSpeed/issues/8061 (same buffers; this race is not that one)",
-                "docs/zero-bucket-reuse.md (write-up for upstream)"),
+                "docs/upstream/zero-bucket-reuse.md (write-up for upstream)"),
     affected="deepspeed 0.19.2 .. 0.19.8 (every release with the double-buffered IPG bucket; outside CPU offload)",
     fixed="not fixed upstream as of 0.19.8",
     framework=Framework("deepspeed", ">=0.19.2", extra="deepspeed"),

@@ -1,8 +1,9 @@
 """DeepSpeed's real ZeRO-2 ``overlap_comm`` stream logic on CPU: 2 gloo ranks, virtual streams, the race detector.
 
-The #8061 race (fixed upstream by #8080 in 0.19.3): gradient hooks bound to two streams copy into the IPG bucket, and
-a reduction that waits only on the current stream reads copies the other stream has not finished. Binding each
-parameter's AccumulateGrad node to a side stream puts its post-accumulate-grad hook there (what torch.compile does).
+The DeepSpeed #8061 race (fixed upstream by DeepSpeed #8080 in 0.19.3): gradient hooks bound to two streams copy into
+the IPG bucket, and a reduction that waits only on the current stream reads copies the other stream has not finished.
+Binding each parameter's AccumulateGrad node to a side stream puts its post-accumulate-grad hook there (what
+torch.compile does).
 """
 
 import importlib.util
@@ -74,7 +75,7 @@ def check_hooks_on_one_stream_are_race_free():
 
 
 def check_reduction_waiting_on_the_current_stream_only_races_with_bucket_copies(monkeypatch):
-    """The #8080 fix removed (as <= 0.19.2 behaved): average_tensor waits on the current stream only."""
+    """The DeepSpeed #8080 fix removed (as <= 0.19.2 behaved): average_tensor waits on the current stream only."""
     from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
     average_tensor = DeepSpeedZeroOptimizer.average_tensor
@@ -97,9 +98,9 @@ def check_reduction_waiting_on_the_current_stream_only_races_with_bucket_copies(
 
 
 def check_stock_release_waits_on_every_producer_but_buffer_reuse_still_races():
-    """0.19.8 as released: no bucket copy races with the reduction (#8080 works). But only the stream that triggers
-    a flush waits on the reduction stream: the other producer stream later copies into the double buffer that an
-    earlier reduction still reads (copy_grads_in_partition) or writes (the in-place all-reduce, the copy back)."""
+    """0.19.8 as released: no bucket copy races with the reduction (DeepSpeed #8080 works). But only the stream that
+    triggers a flush waits on the reduction stream: the other producer stream later copies into the double buffer that
+    an earlier reduction still reads (copy_grads_in_partition) or writes (the in-place all-reduce, the copy back)."""
     detector, optimizer = train_zero2(hooks_on_two_streams=True)
     races = detector.races
     assert not [r for r in races if frame(r.earlier) == (ZERO, FILL)], text(detector, races)

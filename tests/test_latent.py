@@ -1,4 +1,4 @@
-"""Latent races (issue 22): accesses that today's run orders only through a host sync the program did not ask for —
+"""Latent races: accesses that today's run orders only through a host sync the program did not ask for —
 a value read back (``.item()``, ``.cpu()``) or an explicit sync made from a file of an ``incidental-sync`` rule (a
 framework's timer). Run as users run them: a pytest subprocess under ``--streamrace`` on the virtual backend."""
 

@@ -77,7 +77,7 @@ def test_the_installed_waits_are_found_and_read_from_the_code():
     assert filename.endswith("megatron/core/distributed/param_and_grad_buffer.py")
     assert len(sites) == 2  # start_grad_sync's and finish_grad_sync's
     version = tuple(int(x) for x in metadata.version("megatron-core").split(".")[:2])
-    assert _megatron.native_wait() == ("default" if version < (0, 17) else "current")  # 0.17: the fix, #3693
+    assert _megatron.native_wait() == ("default" if version < (0, 17) else "current")  # 0.17: Megatron-LM #3693
 
 
 @pytest.mark.parametrize("which", ["default", "current"])

@@ -1,4 +1,4 @@
-"""A race is a test failure like any other: pytest's xfail and skip handling applies to it (issue 21)."""
+"""A race is a test failure like any other: pytest's xfail and skip handling applies to it."""
 
 TWINS = """
 import pytest, torch

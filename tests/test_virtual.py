@@ -291,7 +291,7 @@ def test_a_node_hook_registered_while_one_stream_existed_runs_on_the_node_stream
     end. (The function-mode fallback registers it at the first backward after a second stream appears.)"""
     with Detector() as d:
         if d.op_source != "capture":
-            pytest.skip("the function-mode binding's known gap (docs/performance.md)")
+            pytest.skip("the function-mode fallback binds nodes at the next backward, not at the op's end")
         x = torch.randn(4, requires_grad=True)
         y = x * 2  # the default stream is the only one yet
         seen = []

@@ -82,7 +82,7 @@ class WarmSession:
 
 
 class Server:
-    """One per xdist worker, started on its first session; it exits when this process closes its end."""
+    """One per xdist worker, started with its first pytest session; it exits when this process closes its end."""
 
     def __init__(self):
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)  # one message per send

@@ -1,13 +1,13 @@
 """Ops captured in C++ (both stream models): what the dispatch mode hands the tracker, without entering Python per op.
 
-A TorchDispatchMode costs a launch-bound training step 1.6-1.7x before it does anything (measured on H200 hosts,
-docs/gpu-validation.md). This extension takes ops in C++ instead and records, per op that reaches a kernel below
-autograd (composite ops decompose first, as they do before the dispatch mode; ops nested in a recorded op are its own
-business, as under the mode), the byte ranges of the storages it reads and writes, its fresh outputs, the current
-stream, whether it runs inside an autograd node, and the Python stack (torch's C++ capture, named later). Which
-arguments are read or written is the tracker's own plan (``tracker._plan``), asked once per op. The ops come from a
-kernel of ours at the BackendSelect dispatch key, which sees only the calls that reach a kernel (``kernel_entry.cpp``),
-not from RecordFunction callbacks, which box every dispatcher call's arguments.
+A TorchDispatchMode costs a launch-bound training step 1.9-2.1x before it does anything (the "empty mode" column of
+benchmarks/overhead.py on H200 hosts, docs/validation.md). This extension takes ops in C++ instead and records, per op
+that reaches a kernel below autograd (composite ops decompose first, as they do before the dispatch mode; ops nested in
+a recorded op are its own business, as under the mode), the byte ranges of the storages it reads and writes, its fresh
+outputs, the current stream, whether it runs inside an autograd node, and the Python stack (torch's C++ capture, named
+later). Which arguments are read or written is the tracker's own plan (``tracker._plan``), asked once per op. The ops
+come from a kernel of ours at the BackendSelect dispatch key, which sees only the calls that reach a kernel
+(``kernel_entry.cpp``), not from RecordFunction callbacks, which box every dispatcher call's arguments.
 
 The tracker drains the records in order at every point where order matters (stream and event calls, frees, waits,
 reading races); frees, and on a GPU the trace's event records and waits, arrive as markers in the same buffer. The
@@ -22,10 +22,10 @@ until drained, and a watched storage's free is queued in order (``mark_free``), 
 drain is never taken for the old storage; the arguments of ops whose host sync depends on them come along.
 
 The C++ is ``capture.cpp`` and ``kernel_entry.cpp`` beside this module, shipped as package data and built on first use
-with torch's C++ extension loader (a compiler is needed; about 20-40 s, cached). The same module holds the
-happens-before core in C++ (``hb_core.cpp``, submodule ``hb``; ``hb_native``), and the capture feeds it without Python
-per op (``Feed``: the tracker's ``_apply_captured`` in C++, over the tracker's own tables; Python is entered for host
-syncs, races and notes, and on host memory to watch the storages first seen).
+with torch's C++ extension loader (a compiler is needed; about a minute, cached), saying so on stderr. The same module
+holds the happens-before core in C++ (``hb_core.cpp``, submodule ``hb``; ``hb_native``), and the capture feeds it
+without Python per op (``Feed``: the tracker's ``_apply_captured`` in C++, over the tracker's own tables; Python is
+entered for host syncs, races and notes, and on host memory to watch the storages first seen).
 
 ``gpu_trace.cpp`` (``load_trace``, a module of its own) is the GPU trace's interpreter in C++ for the cuda model: it
 keeps the allocator's frees, event records and waits, and the events nobody needs out of Python
@@ -152,7 +152,20 @@ def _build(prefix: str, code: list[str]):
     from torch.utils.cpp_extension import load
 
     _clear_stale_lock(directory)
+    _say_building(prefix, torch.__version__, directory)
     return load(name, [path], extra_cflags=_CFLAGS, build_directory=directory)
+
+
+def _say_building(prefix: str, version: str, directory: str) -> None:
+    """One line on stderr before a build: otherwise a first pytest session with this torch sits silent for a minute."""
+    import sys
+
+    what = "C++ op capture and happens-before core" if prefix == "streamrace_capture" else "GPU trace interpreter"
+    try:
+        print(f"streamrace: compiling its {what} for torch {version} (first use; about a minute, once: cached in "
+              f"{directory})", file=sys.stderr, flush=True)
+    except (OSError, ValueError):  # a closed or broken stderr must not stop the build
+        pass
 
 
 _STALE_LOCK_S = 600  # a build takes one to three minutes on a loaded 2-core machine

@@ -3,17 +3,18 @@
 // Once the trace is on, torch's CUDA code calls the interpreter in `c10::impl::GPUTrace::gpuTraceState` for every
 // caching-allocator allocation and free and every event created or destroyed, and torch's own interpreter takes the
 // GIL, imports torch.cuda._gpu_trace and calls a Python method each time: about 0.2 ms of a launch-bound step on an
-// H200 (docs/gpu-validation.md). For the session this module puts an interpreter of its own there, which hands each
-// event either to torch's (`route(kind, False)`, the default: Python's registries see it as before) or, for the four
-// kinds above and event records and waits, takes it in C++ (`route(kind, True)`): a free, an event record or wait goes
-// to the capture's queue, in order with the ops (the feed applies records and waits to the C++ core, with no Python
-// per event: a dozen a DDP step); the rest is dropped. Stream, event and device synchronizations always go to torch's.
+// H200 (benchmarks/paired_overhead.py --backend cuda). For the session this module puts an interpreter of its own
+// there, which hands each event either to torch's (`route(kind, False)`, the default: Python's registries see it as
+// before) or, for the four kinds above and event records and waits, takes it in C++ (`route(kind, True)`): a free, an
+// event record or wait goes to the capture's queue, in order with the ops (the feed applies records and waits to the
+// C++ core, with no Python per event: a dozen a DDP step); the rest is dropped. Stream, event and device
+// synchronizations always go to torch's.
 //
 // The trace cannot be switched off again once on, and torch's interpreter would cost every allocation and free that
-// trip through Python for the rest of the process: 1.2x on a launch-bound step after the first session (paired on an
-// H200, docs/performance.md). So the interpreter stays in the trace between sessions (`uninstall` only stops the
-// frees reaching the capture); the model keeps there only the kinds nobody listens to, and gives a kind back to
-// torch's interpreter when someone registers for it (``models.cuda.native_trace``).
+// trip through Python for the rest of the process: 1.2x on a launch-bound step after the first detector session (paired
+// on an H200, benchmarks/paired_overhead.py). So the interpreter stays in the trace between sessions (`uninstall` only
+// stops the frees reaching the capture); the model keeps there only the kinds nobody listens to, and gives a kind back
+// to torch's interpreter when someone registers for it (``models.cuda.native_trace``).
 //
 // PyInterpreterVTable's pure virtual methods differ between torch versions. Only the trace methods are ever called on
 // the trace's interpreter; the others are generated from the installed header (capture.load_trace, at `STUBS`) and

@@ -135,7 +135,7 @@ METHODS: dict[str, HostSync] = {
 
 # Explicit syncs a program makes for another purpose — a framework's timers synchronize the device to time a step —
 # order its streams today as incidentally as a read-back does. A user names the files they come from (the
-# ``incidental-sync:`` rule, docs/adopting.md); syncs made from there count as implicit in the latent view.
+# ``incidental-sync:`` rule, docs/how-to/adopting.md); syncs made from there count as implicit in the latent view.
 
 IMPLICIT = "an implicit host sync"  # the name of a sync the cuda model could not tie to an op
 

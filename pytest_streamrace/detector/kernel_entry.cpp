@@ -3,7 +3,7 @@
 //
 // Why not RecordFunction callbacks: RecordFunction boxes the arguments and outputs of every dispatcher call (composite
 // ops before they decompose, every op nested inside a kernel, views): on the launch-bound step ~400 calls for the ~150
-// ops the capture records, most of what the capture cost (docs/performance.md). BackendSelect is the last
+// ops the capture records, most of what the capture cost (benchmarks/instructions.py). BackendSelect is the last
 // functionality key before the backend's kernel, in every call's key set (torch's default-included keys), and torch
 // registers a fallthrough there for every op but factories. So a kernel of ours there sees exactly the calls that reach
 // a kernel, below autograd and below any tensor subclass's or mode's handling, as a dispatch mode sees them, and it

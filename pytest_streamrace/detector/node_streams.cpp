@@ -2,7 +2,7 @@
 // capture's module: before each backward, every node of the graph behind its roots is bound to the virtual stream that
 // was current on its thread when it was made (`bind_graph`), and carries two hooks of ours that run the model's Python
 // (`enter`, `leave`) when the node runs, once the session has seen two streams. The fallback binds in Python with a
-// function mode, which costs a Python frame per torch call (docs/performance.md).
+// function mode, which costs a Python frame per torch call (benchmarks/paired_overhead.py).
 //
 // Which stream was current when a node was made comes from its own autograd number: each thread's stream switches are
 // logged with the number its next node gets (`stream_set`), so nothing is done per op, no op's outputs are read, and a

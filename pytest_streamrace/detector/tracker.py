@@ -658,7 +658,7 @@ class AccessTracker(TorchDispatchMode):
 
     def _record(self, plan, args, kwargs, out) -> None:
         # The hottest code of the detector: every op that touches memory passes here. Kept flat on purpose: a helper
-        # call or a list per tensor shows in a launch-bound step (docs/performance.md).
+        # call or a list per tensor shows in a launch-bound step (benchmarks/instructions.py).
         name, inputs, fresh_returns, writes_output = plan
         if name == "aten::copy_" and _onto_itself(args):
             return  # ATen returns before launching anything: no access

@@ -3,9 +3,9 @@
 torch >= 2.10 warns "The AccumulateGrad node's stream does not match the stream of the node that produced the
 incoming gradient" when a parameter's AccumulateGrad node — and so every gradient hook on it — runs on another
 stream than the backward that feeds it. That is exactly the setup of the hook-stream races (Megatron's DDP built on a
-side stream, #3670; ZeRO's hooks under torch.compile, #8061), and it costs nothing to notice. The virtual backend's
-autograd model raises the same warning on CPU (``detector.models.virtual_autograd``). A hint is not a failure: it says
-where to look; the detector's races say what is wrong.
+side stream, Megatron-LM #3670; ZeRO's hooks under torch.compile, DeepSpeed #8061), and it costs nothing to notice. The
+virtual backend's autograd model raises the same warning on CPU (``detector.models.virtual_autograd``). A hint is not a
+failure: it says where to look; the detector's races say what is wrong.
 
 Each test phase runs inside ``warnings.catch_warnings``; every warning caught is re-issued after the phase, so
 pytest's own warning summary and the user's filters are unchanged (an ignored warning is still a hint). torch issues

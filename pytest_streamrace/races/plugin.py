@@ -258,7 +258,7 @@ class RaceChecks:
                 statuses.append(status)
                 if self.policy.fails(status):
                     failing.append(race)
-            for data in children:  # races in processes the test started (issue 12)
+            for data in children:  # races in processes the test started
                 latent = bool(data.get("latent"))
                 if self.policy.fails(self.policy.classify(item.nodeid, data, race_expected and not latent), latent):
                     failing_children.append(data)

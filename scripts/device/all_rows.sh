@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Issue 23's "done when": benchmarks/overhead.py's four rows side by side in one run (plain, the empty dispatch mode,
+# The cost table's GPU rows (docs/validation.md): benchmarks/overhead.py's four rows side by side in one run (plain, the empty dispatch mode,
 # the capture floor, the cuda backend and PyTorch's sanitizer, a process per configuration), on two H200s: the DDP row
 # needs a GPU a rank. REPEAT times (default 4) a fresh process per configuration, all of a row's at once, before any
-# measures (a process kept for every repeat biased its whole row: the twenty-second session's first run); in each, 8
+# measures (a process kept for every repeat biased its whole row); in each, 8
 # cycles of one round per configuration, each ratio taken against plain's round of the same cycle (a step's time drifts
-# by 10-30% over seconds on these hosts: twenty-fourth session, larger_probe.sh). Rows print as they
+# by 10-30% over seconds on these hosts: larger_probe.sh). Rows print as they
 # are measured (line-buffered all the way), so a run cut short keeps the rows it finished.
 # MODELS="launch-bound larger" picks rows. The four rows took 530-590 s with five repeats on H200 pairs, near one device
 # command's 600 (each row prints its seconds): on a slower host, split them over two calls (MODELS="launch-bound

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# GPU part of issue 13: compiled code under --streamrace on the cuda backend. Run on one GPU (nvidia-h100-x1 or
+# Compiled code under --streamrace on the cuda backend. Run on one GPU (nvidia-h100-x1 or
 # nvidia-h200):
 #   bash scripts/device/compile.sh
 # Racy/clean twins of compiled code (Inductor's Triton kernels, a triton_op user kernel, a CUDA-graph replay,
 # max-autotune-no-cudagraphs, backward and a compiled-autograd hook), tests/test_cuda_backend.py (stream names), the
-# #8061 hook-stream experiment, and the overhead benchmark with its compiled training step. Logs land in $OUT; a
+# DeepSpeed #8061 hook-stream experiment, and the overhead benchmark with its compiled training step. Logs land in $OUT; a
 # compact table closes the output.
 # PART=cases (the twins and the hook experiment, ~5 min) or PART=bench (the benchmark, ~5 min) splits it in two runs
 # under the 10-minute limit of one device command; default: both.
@@ -19,7 +19,7 @@ timeout 420 $pt tests/compile/cuda_cases.py --streamrace --streamrace-backend=cu
 grep -E "^(FAILED|ERROR) " "$OUT/cases.log" | cut -c1-200 | head -20
 echo "== cuda backend: streams named where Python constructs them (pooled streams, NCCL first)"
 timeout 120 $pt tests/test_cuda_backend.py -q > "$OUT/cuda_backend.log" 2>&1; echo "exit $?"; tail -15 "$OUT/cuda_backend.log"
-echo "== #8061: which stream gradient hooks run on"
+echo "== DeepSpeed #8061: which stream gradient hooks run on"
 timeout 180 python3 scripts/device/hook_streams.py 2>&1 | grep -v Warning | tee "$OUT/hook_streams.log" | tail -5
 echo "== table"
 python3 scripts/device/compile_table.py "$OUT/ours.xml" "$OUT/races.json" | tee "$OUT/table.md"

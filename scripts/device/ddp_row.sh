@@ -4,7 +4,7 @@
 # at issue): the cuda unit tests; the row paired, with the events in Python beside it in the same rounds; where rank
 # 0's detector time goes by thread; the stock stacks on NCCL and the zero_overlap repro, whose verdicts must not move.
 # OVERHEAD=1 adds overhead.py's DDP row (a process per configuration, as the issue measures it).
-# With the wheels under .whl/ (docs/gpu-validation.md says how):
+# With the wheels under .whl/ (docs/validation.md says how):
 #   device run (kind nvidia-h200-x2, carry .whl): bash scripts/device/ddp_row.sh
 set -u
 . "$(dirname "$0")/setup.sh" ddp

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# deepcompile_zero1 (#8036) on 2 GPUs, on deepspeed 0.19.1 (bug native, patched variant applies the fix) and 0.19.8
+# deepcompile_zero1 (DeepSpeed #8036) on 2 GPUs, on deepspeed 0.19.1 (bug native, patched variant applies the fix) and 0.19.8
 # (fix native, unpatched variant re-introduces the bug): REPEAT runs per variant, then a compact table. Needs under
 # .whl/: deepspeed-0.19.1-*.whl (pip wheel --no-deps --no-build-isolation deepspeed==0.19.1 -w .whl),
-# deepspeed-0.19.8-*.whl and the hjson/pydantic wheels (docs/gpu-validation.md). DeepCompile JIT-builds its native op
+# deepspeed-0.19.8-*.whl and the hjson/pydantic wheels (docs/validation.md). DeepCompile JIT-builds its native op
 # with nvcc on first use (about 30 s per version, kept under /tmp/tex-VERSION).
 #   device run (kind nvidia-h200-x2, carry .whl): bash scripts/device/deepcompile.sh [REPEAT [VERSION...]]
 set -u

@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# GPU part of issue 4: forcing turns stock DeepSpeed 0.19.2 ZeRO-2 (bit-identical) and megatron-core 0.15.2 DDP
+# Forcing turns stock DeepSpeed 0.19.2 ZeRO-2 (bit-identical) and megatron-core 0.15.2 DDP
 # (nDOI=2, 0/N wrong iterations) wrong, over >= 10 repeats each. Run on a 2-GPU machine (nvidia-h200-x2):
 #   bash scripts/device/forcing.sh            (REPEATS=10 by default)
 # Needs wheels under .whl/ (see ../shared/notes/gpu-recipes.md): .whl/deepspeed-0.19.2-*.whl,
 # .whl/{hjson,pydantic,pydantic_core,annotated_types,typing_inspection,typing_extensions}*.whl, .whl/megatron_core-0.15.2-*.whl.
-# Logs and the tables land in $OUT; docs/gpu-validation.md records what they said.
+# Logs and the tables land in $OUT; docs/validation.md lists the results.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=/tmp/tex

@@ -1,4 +1,4 @@
-"""GPU driver for issue 4: stock frameworks are correct until forced, then wrong — with the forcing plain API.
+"""GPU driver for forcing: stock frameworks are correct until forced, then wrong — with the forcing plain API.
 
 Run by ``scripts/device/forcing.sh`` under ``torchrun --nproc_per_node 2``:
   deepspeed: ZeRO-2 overlap_comm, 12 x Linear(512), 2 SGD steps, params compared exactly with an overlap_comm=False

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Detection in rank processes that other harnesses start (issue 12), on GPUs (cuda backend, NCCL, one GPU per rank):
+# Detection in rank processes that other harnesses start, on GPUs (cuda backend, NCCL, one GPU per rank):
 #   mptc      PyTorch's MultiProcessTestCase and torch.multiprocessing.spawn, racy/clean twins
 #             (scripts/device/harness_cases.py), without and with --streamrace;
 #   coalesce  DeepSpeed's own tests/unit/v1/zero/test_zero_coalesce_grad_reduction.py, without and with --streamrace

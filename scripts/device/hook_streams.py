@@ -1,6 +1,6 @@
-"""#8061 as reported: on which stream do gradient hooks run when torch itself — compile, compiled autograd, forward
-work on several streams — decides, with no stream_bound_accumulators? Prints, per mode, the stream each parameter's
-post-accumulate-grad hook saw.
+"""DeepSpeed #8061 as reported: on which stream do gradient hooks run when torch itself — compile, compiled autograd,
+forward work on several streams — decides, with no stream_bound_accumulators? Prints, per mode, the stream each
+parameter's post-accumulate-grad hook saw.
 
     python scripts/device/hook_streams.py          # GPU: real streams; CPU: the virtual backend's model of them
 

@@ -1,7 +1,7 @@
 """Host-synchronizing read-backs on a GPU (cuda backend), the twins of tests/test_host_sync.py plus what only a GPU
 has: pinned memory, a non-blocking copy into pageable memory (synchronous in CUDA, though torch's GPU trace reports no
 synchronize for it: the capture orders the host after it itself), and read-backs on the legacy default stream, whose
-handle is 0. Run by scripts/device/issue21.sh:
+handle is 0. Run by scripts/device/collectives_syncs.sh:
 
     python -m pytest scripts/device/host_sync_cases.py --streamrace --streamrace-backend=cuda -rA
 """

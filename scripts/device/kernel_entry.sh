@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# The cuda backend's ops through the capture's kernel entry (detector/kernel_entry.cpp, twenty-third session) instead of
+# The cuda backend's ops through the capture's kernel entry (detector/kernel_entry.cpp) instead of
 # RecordFunction callbacks: what it could have broken, then what it costs. PART picks:
 #   verdicts (default): the cuda unit tests; the corpus on the cuda backend; the stock stacks on NCCL; the zero_overlap
 #     repro. Nothing may move.
 #   repros: zero_bucket_reuse, zero3_param_gather (DeepSpeed 0.19.8) and megatron_instances (megatron-core 0.15.2),
 #     two runs per variant.
 #   paired: the launch-bound and DDP rows in paired rounds, RecordFunction's own cost beside the capture floor.
-# With the wheels under .whl/ (docs/gpu-validation.md says how):
+# With the wheels under .whl/ (docs/validation.md says how):
 #   device run (kind nvidia-h200-x2, carry .whl): PART=verdicts bash scripts/device/kernel_entry.sh
 set -u
 . "$(dirname "$0")/setup.sh" kernel-entry

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The larger row taken apart (twenty-fourth session; larger_probe.py: wall, CPU, kernel time, runtime calls and
+# The larger row taken apart (larger_probe.py: wall, CPU, kernel time, runtime calls and
 # allocator counters a step, plain / capture floor / cuda, a fresh process each). PART picks:
 #   split (default): the larger and launch-bound rows through larger_probe.py, then overhead.py's larger row twice:
 #     as it runs, and with every process on the same two cores (taskset);

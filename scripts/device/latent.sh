@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Latent races on real streams (issue 22), cuda backend, one GPU:
+# Latent races on real streams, cuda backend, one GPU:
 #   device run (kind nvidia-h200 or nvidia-h100-x1): bash scripts/device/latent.sh
 # Cases, each a test under --streamrace --streamrace-backend=cuda:
 #   item / cpu / nonzero: produced on a side stream, read back there, then used on the default stream with no wait

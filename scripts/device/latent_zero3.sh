@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# DeepSpeed 0.19.8 ZeRO-3's parameter gather after a step (docs/zero3-param-gather.md) as a latent race on real
-# streams (issue 22): the stock configuration and default timers, cuda backend, NCCL, one rank per GPU (1 on one GPU,
+# DeepSpeed 0.19.8 ZeRO-3's parameter gather after a step (docs/upstream/zero3-param-gather.md) as a latent race on real
+# streams: the stock configuration and default timers, cuda backend, NCCL, one rank per GPU (1 on one GPU,
 # 2 on nvidia-h200-x2; at world size 1 DeepSpeed forms no such pair — on CPU neither — so only 2 GPUs check it). The
 # partition copy of the step (stage3.py) and the next all-gather's read of the partition
 # (partition_parameters.py, on the all-gather stream) are ordered only by host syncs; expected: no race, a latent

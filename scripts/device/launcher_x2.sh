@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The launcher and the test harness on a 2-GPU machine (NCCL, one GPU a rank), after changes to how rank processes
 # and pytester's sessions start (the shared fork server, its warm-up ordering, warm sessions); with the wheels under
-# .whl/ (docs/gpu-validation.md says how they are made):
+# .whl/ (docs/validation.md says how they are made):
 #   device run (kind nvidia-h200-x2, carry .whl): bash scripts/device/launcher_x2.sh
 # Then the repro CLI's two variants in one process on cuda (both launches from one fork server), and the compiled
 # twins with the cuda unit tests (single_gpu.sh compile: the capture rebuilt against this machine's torch).

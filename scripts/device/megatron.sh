@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The megatron_instances repro (#3670) on GPUs (cuda backend, NCCL, numeric referee) on megatron-core 0.15.2 (the bug
+# The megatron_instances repro (Megatron-LM #3670) on GPUs (cuda backend, NCCL, numeric referee) on megatron-core 0.15.2 (the bug
 # native; the harness applies the fix) and 0.19.2 (the fix native; the harness re-introduces the bug), world size 2,
 # and 4 when there are 4 GPUs. Expected: every line "unpatched: reproduced N/N" and "patched: clean N/N".
 #   device run (kind nvidia-h200-x2 or nvidia-h200-x4, carry .whl): bash scripts/device/megatron.sh [REPEAT [VERSION...]]

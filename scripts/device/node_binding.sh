@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Twenty-fourth session: the virtual model's nodes bound by autograd number before a backward (node_streams.cpp) and
+# The virtual model's nodes bound by autograd number before a backward (node_streams.cpp) and
 # the virtual backend's ops through the kernel entry. The extension rebuilt against this machine's torch (its
 # custom-Function node handle differs from torch 2.13's), then the virtual model's tests (GradientEdge roots included)
 # and the cuda unit tests (the capture's shared code), on one GPU.

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The DeepSpeed repros on GPUs (cuda backend, NCCL, numeric referee), on deepspeed 0.19.8 and 0.19.2; run on the lent
-# 2-GPU machine with the wheels under .whl/ (see docs/gpu-validation.md for how they are made):
+# 2-GPU machine with the wheels under .whl/ (see docs/validation.md for how they are made):
 #   device run (kind nvidia-h200-x2, carry .whl): bash scripts/device/repros.sh [REPEAT]
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

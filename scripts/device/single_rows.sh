@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 23's single-GPU rows as the issue measures them (benchmarks/overhead.py: a process per configuration, side by
+# The cost table's single-GPU rows as docs/validation.md measures them (benchmarks/overhead.py: a process per configuration, side by
 # side with plain, the empty dispatch mode, the capture floor and PyTorch's sanitizer), then the launch-bound and
 # larger rows in paired rounds (benchmarks/paired_overhead.py), which a slower or busier host moves less.
 #   device run (kind nvidia-h200): bash scripts/device/single_rows.sh [compiled]

@@ -2,7 +2,7 @@
 # The stock-stack suite (tests/stacks) on GPUs — cuda backend, NCCL, one GPU per rank — under --streamrace; with
 # `plain`, without the plugin (each item starts NCCL, ~8-10 s: the two passes do not fit one 10-minute command); with
 # `regress`, the corpus and the repros (DeepSpeed's and Megatron's) again (nothing may regress; the overhead is
-# all_rows.sh's). On the lent 2-GPU machine, with the wheels under .whl/ (docs/gpu-validation.md says how they are made):
+# all_rows.sh's). On the lent 2-GPU machine, with the wheels under .whl/ (docs/validation.md says how they are made):
 #   device run (kind nvidia-h200-x2, carry .whl): bash scripts/device/stacks.sh [plain|regress]
 # STACKS=... picks stack modules (default: all of tests/stacks/stack_*.py); LIMIT=... caps a stacks pass (s, default 540).
 set -u

@@ -1,4 +1,4 @@
-"""Threads on real streams (issue 21, cuda backend): tests/test_threads.py's user-thread cases, which take the
+"""Threads on real streams (cuda backend): tests/test_threads.py's user-thread cases, which take the
 device from `streamrace_device`, run on a GPU under --streamrace. Prints one line per case and exits non-zero if a
 racy case passed or a clean one failed. Run by scripts/device/single_gpu.sh:
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU validation of the launcher's NCCL path and the detector's cuda backend; run on the lent 2-GPU machine:
 #   device run (kind nvidia-h200-x2): bash scripts/device/validate.sh
-# Logs and tables land in $OUT; docs/gpu-validation.md records what they said.
+# Logs and tables land in $OUT; docs/validation.md lists the results.
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/streamrace-validate}; mkdir -p "$OUT"

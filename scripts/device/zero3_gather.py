@@ -1,5 +1,5 @@
 """Does ZeRO-3's next all-gather read the partition before the optimizer step's copy into it finished? (deepspeed
-0.19.8; docs/zero3-param-gather.md). Run under torchrun with 2 GPUs: scripts/device/zero3_gather.sh.
+0.19.8; docs/upstream/zero3-param-gather.md). Run under torchrun with 2 GPUs: scripts/device/zero3_gather.sh.
 
 A sleep on the default stream just before `_reassign_or_swap_out_partitioned_parameters` (the step's
 `fp16_partitioned_groups_flat.copy_`) widens the window the detector reported. Timed events after the copy and after

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Forces the ZeRO-3 all-gather race the detector reported in DeepSpeed's own test_2_param_groups
-# (docs/zero3-param-gather.md): a sleep before the step's partition copy, stale-weight forwards counted per variant.
+# (docs/upstream/zero3-param-gather.md): a sleep before the step's partition copy, stale-weight forwards counted per variant.
 #   device run (kind nvidia-h200-x2, carry .whl): bash scripts/device/zero3_gather.sh
 set -u
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1

@@ -1,7 +1,7 @@
 """Held-out false-positive check: PyTorch's thread-rank tests, run with and without ``--streamrace``, outcome by outcome.
 
 Why it exists: ranks run as threads (``MultiThreadedTestCase``, ``spawn_threads_and_init_comms``, the threaded process
-group) are observed by the detector since issue 21; a report on PyTorch's own tests of that machinery is a false
+group) are observed by the detector; a report on PyTorch's own tests of that machinery is a false
 positive to triage (or a real race upstream). The test files are not in the torch wheel: give their paths, e.g.
 ``test/distributed/test_multi_threaded_pg.py`` from a PyTorch checkout at the tag of the installed torch. Any test
 file works (a DTensor file whose classes run threaded, say). Run from the repository root::

@@ -316,7 +316,7 @@ def test_sync_collective_output_read_on_another_stream(dev, group):
 
 def collective_from_side_stream(dev, sync):
     """Data written on the default stream, all-reduced from a side stream: the communication stream waits on the
-    current (side) stream only — Megatron #3670's shape."""
+    current (side) stream only — Megatron-LM #3670's shape."""
     x = torch.zeros(N, device=dev)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -128,8 +128,9 @@ def test_ema_on_side_stream_without_wait(streamrace_device, rank, needs_streams,
 @pytest.mark.streamrace(expect="race")
 def test_zero2_gradient_hooks_on_two_streams(streamrace_device, rank, needs_streams, request):
     """Gradient hooks on two streams, as torch.compile / multi-stream autograd can put them. ZeRO-2 0.19.8 waits on
-    every stream that copied into an IPG bucket before reducing it (#8080), but only the stream that triggers a flush
-    waits for the reduction: the other one refills the double buffer while an earlier reduction still uses it."""
+    every stream that copied into an IPG bucket before reducing it (DeepSpeed #8080), but only the stream that triggers
+    a flush waits for the reduction: the other one refills the double buffer while an earlier reduction still uses
+    it."""
     with _accelerator():
         model = _model(streamrace_device)
         request.getfixturevalue("stream_bound_accumulators")(model, streams=2)  # before DeepSpeed's hooks exist
