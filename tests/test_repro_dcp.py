@@ -45,6 +45,8 @@ def test_show_names_the_fix_and_the_torch_versions():
 
 
 USER_TEST = """
+import threading
+
 import pytest, torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -95,12 +97,20 @@ def test_staging_right_after_the_step_with_the_fix(setup):
 
 
 @pytest.mark.streamrace(expect="race")
-def test_next_step_before_staging_completes(setup):
+def test_next_step_before_staging_completes(setup, monkeypatch):
     step, save = setup
+    gate = threading.Event()  # staging starts only once the next step was issued: this run's order, every time
+    stage = DefaultStager._stage
+
+    def gated(self, *args, **kwargs):
+        gate.wait()
+        return stage(self, *args, **kwargs)
+    monkeypatch.setattr(DefaultStager, "_stage", gated)
     step()
     torch.accelerator.synchronize()
     saved = save(0)
     step()                                                      # NEXT-STEP
+    gate.set()
     saved.staging_completion.result()
     saved.upload_completion.result()
 
