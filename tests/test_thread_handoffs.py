@@ -306,3 +306,27 @@ def test_races_on_library_threads_name_a_frame_and_the_thread(pytester):
     assert threads["stager_0"]["frames"][0]["line"] == submit
     assert threads["copier"]["how"] == "started" and threads["copier"]["frames"][0]["line"] == start
     assert all("thread" not in r["earlier"] for r in races)  # the main thread is not named
+
+
+def test_a_lock_taken_inside_the_detectors_own_work_is_no_handoff(monkeypatch):
+    """A lock made and taken while the detector holds its core's lock on this thread (a module a report's frames
+    import, a finalizer) is the detector's, not a handoff: taking it must neither deadlock nor reach the core."""
+    import threading
+
+    from pytest_streamrace.detector.session import Detector
+
+    monkeypatch.setenv("STREAMRACE_NATIVE", "0")  # hb.py's core: its lock is a plain, non-reentrant one
+    done = threading.Event()
+
+    def inside_the_detector():
+        with Detector("virtual") as detector:
+            lock = threading.Lock()  # a modelled lock: made while the session runs
+            with detector.tracker._lock, detector.hb._lock:
+                with lock:
+                    pass
+        done.set()
+
+    worker = threading.Thread(target=inside_the_detector, daemon=True)
+    worker.start()
+    worker.join(60)
+    assert done.is_set(), "taking a lock inside the detector's own work deadlocked"

@@ -277,6 +277,11 @@ class AccessTracker(TorchDispatchMode):
         extension.enable(cuda, self._capture_plan, self._drain_forced,
                          cuda if every_thread is None else every_thread, host_frees=self.track_frees and not cuda)
 
+    def busy_here(self) -> bool:
+        """Whether this thread is inside the tracker's own work (an op being recorded, a drain): what runs there is the
+        detector's, not the program's (a lock a module it imports takes)."""
+        return self._lock._is_owned()
+
     def observe_thread(self):
         """Capture this thread's ops from now on, where the capture does not see every thread: the undo (None when
         there is nothing to undo)."""

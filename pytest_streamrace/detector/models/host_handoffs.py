@@ -43,9 +43,11 @@ def _edge(step: str, key) -> None:
     session = _session
     if session is None or getattr(_inside, "busy", False):
         return
+    hb, tracker = session
+    if tracker.busy_here():  # the detector's own work on this thread (a module it imports, a finalizer): no handoff
+        return
     _inside.busy = True
     try:
-        hb, tracker = session
         tracker.drain()
         getattr(hb, step)(key)
     except Exception:  # never in the program's thread: the edge goes unmodelled
