@@ -75,11 +75,16 @@ def _run(settings: options.Settings, backend: str, policy, mask: set) -> int:
         following.close()
 
 
-def _build_extensions(backend: str) -> None:
-    """Build (or load) the C++ capture once, here, before the program's processes all want it at once (as the
-    plugin does at session start)."""
-    from ..detector import capture
+BUILD = ("from pytest_streamrace.detector import capture; capture.load(); "
+         "capture.load_trace() if {cuda} else None")
 
-    capture.load()
-    if backend == "cuda":
-        capture.load_trace()
+
+def _build_extensions(backend: str) -> None:
+    """Build (or load) the C++ capture once before the program's processes all want it at once, as the plugin does at
+    session start; in a process of its own, so that this one never imports torch (its memory and threads). Its
+    warning, where the build fails, is said here once."""
+    import subprocess
+
+    environ = {**os.environ, env.SUBPROCESS: "0"}  # not followed, where this command runs under a test of ours
+    subprocess.run([sys.executable, "-c", BUILD.format(cuda=backend == "cuda")], env=environ, stdout=sys.stderr,
+                   check=False)
