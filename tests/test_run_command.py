@@ -142,9 +142,11 @@ def test_the_programs_own_status_without_a_new_race(job):
 
 
 def test_new_races_win_over_the_programs_status(job):
-    out = job("--", sys.executable, "script.py", extra_env={"STATUS": "5"})
+    """(The program run as a module this time: `python -m script`.)"""
+    out = job("--json", "races.json", "--", sys.executable, "-m", "script", extra_env={"STATUS": "5"})
     assert out.returncode == 3, out.stderr
     assert "the program exited with status 5" in out.stderr
+    assert [r["test"] for r in _races(job.path / "races.json")] == ["run:script"]
 
 
 @pytest.mark.parametrize("args, said", [
