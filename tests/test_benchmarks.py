@@ -51,3 +51,16 @@ def test_a_worker_that_gives_no_answer_in_time_is_killed_and_named_with_its_stac
     assert text.startswith("plain failed (rank 0: no answer in 0.2 s)"), text[:300]
     assert re.search(r'File ".*overhead\.py", line \d+ in serve', text), text
     assert all(proc.poll() is not None for proc in configuration.procs)
+
+
+def test_run_memory_prints_its_table_with_the_verdicts_right():
+    """``benchmarks/run_memory.py``, a few steps: the clean job under ``streamrace run`` has no race (a report there
+    would be a false positive on a correct loop), the racy one exits 3, and the table has a row per measurement."""
+    out = subprocess.run([sys.executable, "benchmarks/run_memory.py", "--steps", "20", "--every", "10", "--warmup",
+                          "10", "--slack-mb", "1000"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == "20 steps: RSS of the job's process (MiB)"
+    assert [line.split()[0] for line in lines[2:4]] == ["10", "20"]
+    status = next(line for line in lines if line.startswith("exit status:"))
+    assert status.split()[2:] == ["0", "0", "3"]

@@ -1,2 +1,3 @@
-"""Following a test into the Python processes it starts: ``parent`` (the pytest side), ``child`` (the start-up hook
+"""Following the Python processes a test (or a program under ``streamrace run``) starts: ``following`` (the one
+interface: data folder, start-up hook, records), ``parent`` (the pytest side, per test), ``child`` (the start-up hook
 in each child), ``process_patches`` (what a child patches so it reports before it ends)."""

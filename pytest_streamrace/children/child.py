@@ -9,7 +9,9 @@ never imports torch pays for nothing else), and an ``os.register_at_fork`` handl
 same fork handler for children forked from itself, adopting the test's own detector (``adopt``).
 
 Each race is written when it is judged — one JSON line appended with ``os.write`` to this process's own file
-``<dir>/child-<pid>.jsonl`` — so a child that ``os._exit``s or is killed still delivers what was judged before. Every
+``<dir>/child-<pid>.jsonl`` — so a child that ``os._exit``s or is killed still delivers what was judged before; when
+it ends, each race seen again is written once more with its count (``recount``), and a process whose detector
+starts says so first (``process``). Every
 record names the test it belongs to: the test that was running when this process started (from the variable, which
 the parent sets at each test's start) or was forked (from the live file ``<dir>/current``, which the parent rewrites
 at each test's start: a forkserver's environment is that of the test that started the server); a multiprocessing pool worker works for
@@ -202,6 +204,15 @@ def _attach(detector) -> None:
     import atexit
 
     atexit.register(_finish)
+    _hello()
+
+
+def _hello() -> None:
+    """Say that this process is followed (its parent counts the processes it observed)."""
+    try:
+        _write({"kind": "process", "test": _owner(), "rank": _rank(), "pid": os.getpid()})
+    except Exception:
+        pass
 
 
 def _after_fork() -> None:
@@ -220,6 +231,8 @@ def _after_fork() -> None:
     queues = sys.modules.get("multiprocessing.queues")
     if queues is not None:
         _patch_queues(queues)
+    if _state.detector is not None:
+        _hello()
 
 
 def _on_race(races) -> None:
@@ -292,6 +305,21 @@ def _drain() -> None:
             pass
 
 
+def _recount() -> None:
+    """The races seen more than once, with their counts as this process ends (each was written when first found)."""
+    detector = _state.detector
+    try:
+        from ..races.record import from_race
+
+        again = [race for race in [*detector.races, *detector.latent_races] if race.count > 1]
+        rank = _rank()
+        for race in again:
+            _write({"kind": "recount", "test": _owner(), "rank": rank, "pid": os.getpid(),
+                    "race": from_race(race, detector.stream_name, rank)})
+    except Exception:
+        pass
+
+
 def _task_done() -> None:
     """A multiprocessing queue hands something back: judge what is pending; a pool worker's next task may be another
     test's, whose races must be reported even where they repeat this one's."""
@@ -315,6 +343,7 @@ def _finish() -> None:
     if detector is None or _state.stood_down:
         return
     _drain()
+    _recount()
     if not _config().get("trace") or _state.trace_written:
         return
     _state.trace_written = True

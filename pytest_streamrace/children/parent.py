@@ -1,6 +1,7 @@
-"""The parent side of following each test into the Python processes it starts (the child side is
-``children.child``), modelled on coverage.py's subprocess measurement: a start-up hook gated by an environment
-variable, one data file per process, combined here.
+"""The pytest side of following each test into the Python processes it starts (the child side is
+``children.child``; the data folder, the start-up hook and reading the records are ``following.Following``'s, which
+``streamrace run`` uses as well), modelled on coverage.py's subprocess measurement: a start-up hook gated by an
+environment variable, one data file per process, combined here.
 
 While a test runs (from the start of its setup to the end of its teardown) this process's environment carries
 ``STREAMRACE_SUBPROCESS`` and the live file ``<dir>/current`` names the test. At each judging point of the test
@@ -21,45 +22,31 @@ travel to the controller (no report is left to carry them) and are dropped. A ch
 
 from __future__ import annotations
 
-import json
 import os
-import shutil
-import tempfile
 
 from .. import env
 from . import child
-from .startup_hook import StartupHook
+from .following import Following
 
 
-class Children:
+class Children(Following):
     """The children of one pytest process: their data folder, the live test, what they reported."""
 
     def __init__(self, backend: str, trace: bool):
-        self.backend = backend
-        self.trace = trace
-        self.latent, self.incidental = True, ()  # the session's --streamrace-latent != off, incidental-sync globs
-        self.dir = tempfile.mkdtemp(prefix="streamrace-sub-")
-        self.hook = StartupHook()
-        self.problem = self.hook.install()
+        super().__init__(backend, trace)
         self.current = ""
-        self._offsets: dict[str, int] = {}
-        self._pending: dict[str, bytes] = {}
         self.finished: set[str] = set()
         self.after: list[dict] = []  # race dicts with "test": races of tests that had finished
         self.after_traces: list[tuple[str, list]] = []
         self.notes: list[tuple[int | None, str]] = []  # (rank, note) the running test's children's detectors said
         self._forks_armed = False
-        self._write_current("")
 
     # the test that runs
 
     def begin(self, nodeid: str) -> None:
         self.current = nodeid
         self.notes = []
-        self._write_current(nodeid)
-        os.environ[env.SUBPROCESS] = json.dumps({"dir": self.dir, "backend": self.backend, "trace": self.trace,
-                                                 "latent": self.latent, "incidental": list(self.incidental),
-                                                 "test": nodeid})
+        self.follow(nodeid)
         if not self._forks_armed:
             self._forks_armed = True
             os.register_at_fork(after_in_child=self._forked)
@@ -67,19 +54,7 @@ class Children:
     def end(self) -> None:
         self.finished.add(self.current)
         self.current = ""
-        self._write_current("")
-        os.environ.pop(env.SUBPROCESS, None)
-
-    def close(self) -> None:
-        os.environ.pop(env.SUBPROCESS, None)
-        self.hook.remove()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def _write_current(self, nodeid: str) -> None:
-        tmp = os.path.join(self.dir, child.CURRENT + ".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(nodeid)
-        os.replace(tmp, os.path.join(self.dir, child.CURRENT))
+        self.unfollow()
 
     def _forked(self) -> None:
         """A child forked from this pytest process while a test runs: it reports the test's detector's races."""
@@ -98,7 +73,7 @@ class Children:
         """Races (dicts with rank and pid) and traces ((pid, events)) the children wrote for test `nodeid` since the
         last call; records of finished tests go to `after`. Their notes (what they could not model) go to `notes`."""
         races, traces = [], []
-        for record in self._read():
+        for record in self.read():
             test = record.get("test", "")
             if record.get("kind") == "race" and isinstance(record.get("race"), dict):
                 race = dict(record["race"], pid=record.get("pid"))
@@ -116,31 +91,3 @@ class Children:
                 else:
                     self.after_traces.append((test or "<between tests>", record["events"]))
         return races, traces
-
-    def _read(self) -> list[dict]:
-        records = []
-        try:
-            names = sorted(n for n in os.listdir(self.dir) if n.startswith("child-") and n.endswith(".jsonl"))
-        except OSError:
-            return records
-        for name in names:
-            path = os.path.join(self.dir, name)
-            try:
-                with open(path, "rb") as f:
-                    f.seek(self._offsets.get(name, 0))
-                    chunk = f.read()
-            except OSError:
-                continue
-            self._offsets[name] = self._offsets.get(name, 0) + len(chunk)
-            data = self._pending.pop(name, b"") + chunk
-            *lines, rest = data.split(b"\n")
-            if rest:
-                self._pending[name] = rest  # a line being written: read with the rest next time
-            for line in lines:
-                try:
-                    record = json.loads(line)
-                except ValueError:
-                    continue
-                if isinstance(record, dict):
-                    records.append(record)
-        return records

@@ -99,17 +99,22 @@ def load(config: pytest.Config) -> Policy:
     policy = config.stash.get(_policy_key, None)
     if policy is not None:
         return policy
-    rootdir = str(config.rootpath)
-    rules, incidental = load_rules(options.get(config, "streamrace_suppressions"), rootdir)
-    path = options.get(config, "streamrace_baseline")
-    update = options.get(config, "streamrace_baseline_update")
-    if update and not path:
-        raise BadInput("--streamrace-baseline-update needs --streamrace-baseline FILE (the file to write)")
-    known = load_baseline(path, rootdir, missing_ok=update) if path else None
-    policy = config.stash[_policy_key] = Policy(rules, known, path, options.get(config, "streamrace_report_only"),
-                                                update, rootdir, options.get(config, "streamrace_latent"),
-                                                incidental)
+    policy = config.stash[_policy_key] = build(
+        options.get(config, "streamrace_suppressions"), options.get(config, "streamrace_baseline"),
+        options.get(config, "streamrace_baseline_update"), options.get(config, "streamrace_report_only"),
+        options.get(config, "streamrace_latent"), str(config.rootpath))
     return policy
+
+
+def build(suppress: list[str], baseline: str | None, update: bool, report_only: bool, latent: str, rootdir: str,
+          flag: str = "--streamrace-") -> Policy:
+    """A policy from its settings (pytest's, or ``streamrace run``'s, whose flags have the `flag` prefix "--"). Bad
+    input raises BadInput (one line)."""
+    rules, incidental = load_rules(suppress, rootdir)
+    if update and not baseline:
+        raise BadInput(f"{flag}baseline-update needs {flag}baseline FILE (the file to write)")
+    known = load_baseline(baseline, rootdir, missing_ok=update, flag=flag) if baseline else None
+    return Policy(rules, known, baseline, report_only, update, rootdir, latent, incidental)
 
 
 # suppression rules
@@ -230,7 +235,7 @@ def describe_signature(sig: Signature) -> str:
     return f"{test}: {kind}, {eo} in {ef or '?'} then {lo} in {lf or '?'}"
 
 
-def load_baseline(path: str, rootdir: str, missing_ok: bool = False) -> set[Signature]:
+def load_baseline(path: str, rootdir: str, missing_ok: bool = False, flag: str = "--streamrace-") -> set[Signature]:
     """The signatures in the file. Unreadable, malformed, or written by a newer schema: BadInput."""
     shown = shown_path(path, rootdir)
     try:
@@ -239,8 +244,7 @@ def load_baseline(path: str, rootdir: str, missing_ok: bool = False) -> set[Sign
     except FileNotFoundError:
         if missing_ok:
             return set()
-        raise BadInput(f"cannot read baseline {shown}: no such file (write it with --streamrace-baseline-update)") \
-            from None
+        raise BadInput(f"cannot read baseline {shown}: no such file (write it with {flag}baseline-update)") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise BadInput(f"cannot read baseline {shown}: {getattr(exc, 'strerror', None) or exc}") from None
     try:
@@ -251,7 +255,7 @@ def load_baseline(path: str, rootdir: str, missing_ok: bool = False) -> set[Sign
     if isinstance(version, int) and version > BASELINE_VERSION:
         raise BadInput(f"baseline {shown} was written by a newer pytest-streamrace (schema version {version}; "
                        f"this one reads version {BASELINE_VERSION}): upgrade pytest-streamrace or rewrite it with "
-                       f"--streamrace-baseline-update")
+                       f"{flag}baseline-update")
     if version != BASELINE_VERSION or not isinstance(doc.get("races"), list):
         raise BadInput(f"cannot read baseline {shown}: not a streamrace baseline of schema version {BASELINE_VERSION}")
     out = set()

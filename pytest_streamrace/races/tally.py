@@ -23,8 +23,10 @@ _RANK_ORDER = (NEW, BASELINE, SUPPRESSED, EXPECTED)  # the status a race seen on
 class Tally:
     """The printing process's view of the session's races (xdist controller, launching parent, torchrun rank 0)."""
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, unit: str = "test", failing: str = "failing their tests"):
         self.policy = policy
+        self.unit = unit  # what was checked: pytest's tests, or the program streamrace run ran
+        self.failing = failing  # what a failing race does to it
         self.checked: list[str] = []
         self.skipped: set[str] = set()
         self.races: dict[tuple, dict] = {}  # (nodeid, record.key) -> {"race", "ranks", "status", "sig"}
@@ -37,12 +39,17 @@ class Tally:
             self.skipped.add(report.nodeid)  # never ran (an xfail ran, and was checked)
         if report.when == "teardown" and report.nodeid not in self.skipped:
             self.checked.append(report.nodeid)
+        return self.add_races(report.nodeid, races)
+
+    def add_races(self, nodeid: str, races: list[dict]) -> int:
+        """Records of `nodeid` (a test, or the program under ``streamrace run``), merged across ranks. Returns how
+        many distinct races they add for it."""
         before = len(self.races)
         for race in races:
-            key = (report.nodeid, record.key(race))
+            key = (nodeid, record.key(race))
             status = race.get("status", NEW)
             entry = self.races.setdefault(key, {"race": race, "ranks": [], "status": status,
-                                                "sig": signature(report.nodeid, race)})
+                                                "sig": signature(nodeid, race)})
             if _RANK_ORDER.index(status) < _RANK_ORDER.index(entry["status"]):
                 entry.update(race=race, status=status)
             if race.get("rank") is not None and race["rank"] not in entry["ranks"]:
@@ -101,12 +108,12 @@ class Tally:
             lines += [f"  {describe_signature(sig)}" for sig in gone]
         if self.of(NEW):
             quiet = "report-only, " if lv.report_only else "baseline update, " if lv.update else ""
-            lines.append(f"new races ({quiet}{'not failing' if quiet else 'failing their tests'}):")
+            lines.append(f"new races ({quiet}{'not failing' if quiet else self.failing}):")
             lines += [f"  {nodeid}: {record.short(e['race'])}{_on(e['ranks'])}" for nodeid, e in self.of(NEW)]
         if self.of(NEW, latent=True):
             failing = lv.fails(NEW, latent=True)
             lines.append(f"latent races (ordered today only by a host sync the program did not ask for; "
-                         f"{'failing their tests' if failing else 'not failing'}):")
+                         f"{self.failing if failing else 'not failing'}):")
             lines += [f"  {nodeid}: {record.short(e['race'])}{_on(e['ranks'])}"
                       for nodeid, e in self.of(NEW, latent=True)]
         if self.written is not None:
@@ -119,7 +126,7 @@ class Tally:
         c = self.counts()
         n = len(self.checked)
         races = sum(c.values())
-        line = (f"streamrace: {n} test{'s' if n != 1 else ''} checked, {races} race"
+        line = (f"streamrace: {n} {self.unit}{'s' if n != 1 else ''} checked, {races} race"
                 f"{'s' if races != 1 else ''} found: {c[SUPPRESSED]} suppressed, {c[BASELINE]} in baseline, "
                 f"{c[NEW]} new")
         if c[EXPECTED]:

@@ -1,0 +1,91 @@
+"""Following every Python process started under a variable: the one interface both ``pytest --streamrace`` (per test,
+``children.parent``) and ``streamrace run`` (per program, ``run``) use, modelled on coverage.py's subprocess
+measurement: a start-up hook gated by an environment variable, one data file per process, read back here.
+
+``Following`` owns the data folder and this interpreter's ``.pth`` hook (``startup_hook``), says what the variable
+holds (``variable``), names the owner (a test's nodeid, a program) that processes started now work for
+(``follow``), and reads what the followed processes wrote since the last call (``read``). The records are those
+``children.child`` writes: ``race`` (a race record), ``recount`` (a race's count when its process ended), ``note``,
+``trace`` and ``process`` (a detector started in that process).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+from .. import env
+from . import child
+from .startup_hook import StartupHook
+
+
+class Following:
+    """A data folder, the start-up hook, and the records the followed processes wrote."""
+
+    def __init__(self, backend: str, trace: bool, latent: bool = True, incidental=()):
+        self.backend = backend
+        self.trace = trace
+        self.latent, self.incidental = latent, tuple(incidental)  # --streamrace-latent != off, incidental-sync globs
+        self.dir = tempfile.mkdtemp(prefix="streamrace-sub-")
+        self.hook = StartupHook()
+        self.problem = self.hook.install()  # None, or why processes started by exec cannot be followed
+        self._offsets: dict[str, int] = {}
+        self._pending: dict[str, bytes] = {}
+        self._write_current("")
+
+    def variable(self, owner: str) -> str:
+        """The value of ``STREAMRACE_SUBPROCESS`` for processes that work for `owner`."""
+        return json.dumps({"dir": self.dir, "backend": self.backend, "trace": self.trace, "latent": self.latent,
+                           "incidental": list(self.incidental), "test": owner})
+
+    def follow(self, owner: str) -> None:
+        """Processes started from now on (by exec, or forked from a followed one) work for `owner`."""
+        self._write_current(owner)
+        os.environ[env.SUBPROCESS] = self.variable(owner)
+
+    def unfollow(self) -> None:
+        self._write_current("")
+        os.environ.pop(env.SUBPROCESS, None)
+
+    def close(self) -> None:
+        os.environ.pop(env.SUBPROCESS, None)
+        self.hook.remove()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def _write_current(self, owner: str) -> None:
+        tmp = os.path.join(self.dir, child.CURRENT + ".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(owner)
+        os.replace(tmp, os.path.join(self.dir, child.CURRENT))
+
+    def read(self) -> list[dict]:
+        """The records written since the last call, in file order per process (a line still being written waits for
+        the next call)."""
+        records = []
+        try:
+            names = sorted(n for n in os.listdir(self.dir) if n.startswith("child-") and n.endswith(".jsonl"))
+        except OSError:
+            return records
+        for name in names:
+            path = os.path.join(self.dir, name)
+            try:
+                with open(path, "rb") as f:
+                    f.seek(self._offsets.get(name, 0))
+                    chunk = f.read()
+            except OSError:
+                continue
+            self._offsets[name] = self._offsets.get(name, 0) + len(chunk)
+            data = self._pending.pop(name, b"") + chunk
+            *lines, rest = data.split(b"\n")
+            if rest:
+                self._pending[name] = rest  # a line being written: read with the rest next time
+            for line in lines:
+                try:
+                    record = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(record, dict):
+                    records.append(record)
+        return records
