@@ -288,6 +288,7 @@ def test_latent_races_are_listed_and_fail_with_latent_fail(job):
     assert out.returncode == 0 and _races(job.path / "races.json") == []
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not env.visible_gpus(), reason="needs a GPU")
 def test_on_a_gpu_the_cuda_backend_sees_the_race_and_its_twin_clean(job):
     environ = {"CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0] or "0"}
