@@ -6,11 +6,13 @@ positive to triage (or a real race upstream). The test files are not in the torc
 ``test/distributed/test_multi_threaded_pg.py`` from a PyTorch checkout at the tag of the installed torch. Any test
 file works (a DTensor file whose classes run threaded, say). Run from the repository root::
 
-    python scripts/stock/torch_multi_threaded_pg.py /tmp/held/test_multi_threaded_pg.py [-- extra pytest args]
+    python scripts/stock/torch_multi_threaded_pg.py [--latent-fail] /tmp/held/test_x.py [-- extra pytest args]
 
-It runs pytest twice in subprocesses (plain, then ``--streamrace --streamrace-backend=virtual``), reads each run's
-JUnit XML, prints every test whose outcome differs, the totals of both runs and the races the detector recorded, and
-exits 1 when an outcome differs or a race was reported.
+It runs pytest in subprocesses (plain, then ``--streamrace --streamrace-backend=virtual``, and with ``--latent-fail``
+a third time adding ``--streamrace-latent=fail``, under which a race ordered only by an incidental sync fails its
+test), reads each run's JUnit XML, prints every test whose outcome differs from the plain run's, the totals of each
+run and the races (latent ones marked) the detector recorded, and exits 1 when an outcome differs or a race was
+reported.
 """
 
 from __future__ import annotations
@@ -34,13 +36,19 @@ def outcomes(junit: Path) -> dict[str, str]:
     return found
 
 
-def run(paths: list[str], extra: list[str], streamrace: bool, folder: Path) -> tuple[dict[str, str], float, list]:
-    junit = folder / ("streamrace.xml" if streamrace else "plain.xml")
-    races = folder / "races.json"
+RUNS = {"plain": [], "--streamrace": ["--streamrace", "--streamrace-backend=virtual"],
+        "latent=fail": ["--streamrace", "--streamrace-backend=virtual", "--streamrace-latent=fail"]}
+
+
+def run(paths: list[str], extra: list[str], name: str, folder: Path) -> tuple[dict[str, str], float, list]:
+    """One pytest run in a subprocess: its outcomes, its wall time and the races its JSON holds."""
+    stem = name.strip("-").replace("=", "-")
+    junit, races = folder / f"{stem}.xml", folder / f"{stem}-races.json"
+    streamrace = bool(RUNS[name])
     args = [sys.executable, "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-            f"--junitxml={junit}", *extra]
+            f"--junitxml={junit}", *extra, *RUNS[name]]
     if streamrace:
-        args += ["--streamrace", "--streamrace-backend=virtual", f"--streamrace-json={races}"]
+        args.append(f"--streamrace-json={races}")
     start = time.monotonic()
     subprocess.run(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     took = time.monotonic() - start
@@ -54,6 +62,9 @@ def _where(access: dict | None) -> str:
 
 
 def main(argv: list[str]) -> int:
+    names = ["plain", "--streamrace"]
+    if argv[:1] == ["--latent-fail"]:
+        argv, names = argv[1:], [*names, "latent=fail"]
     if "--" in argv:
         cut = argv.index("--")
         paths, extra = argv[:cut], argv[cut + 1:]
@@ -63,19 +74,25 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     with tempfile.TemporaryDirectory(prefix="streamrace-held-") as tmp:
-        plain, plain_s, _ = run(paths, extra, False, Path(tmp))
-        checked, checked_s, races = run(paths, extra, True, Path(tmp))
-    differ = sorted(t for t in plain.keys() | checked.keys() if plain.get(t) != checked.get(t))
-    for test in differ:
-        print(f"DIFFERS {test}: plain {plain.get(test, 'absent')}, --streamrace {checked.get(test, 'absent')}")
-    for name, found, took in (("plain", plain, plain_s), ("--streamrace", checked, checked_s)):
+        results = {name: run(paths, extra, name, Path(tmp)) for name in names}
+    plain = results["plain"][0]
+    differ, races = False, []
+    for name, (found, took, recorded) in results.items():
         counts = collections.Counter(found.values())
         print(f"{name:>13}: " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())) + f" ({took:.0f} s)")
-    print(f"same outcome: {len(plain.keys() & checked.keys()) - len(differ)} of {len(plain.keys() | checked.keys())}"
-          f" tests; races reported: {len(races)}")
-    for race in races:
-        print(f"RACE {race.get('test')}: {race.get('kind')} {_where(race.get('earlier'))} -> "
-              f"{_where(race.get('later'))}")
+        if name == "plain":
+            continue
+        changed = sorted(t for t in plain.keys() | found.keys() if plain.get(t) != found.get(t))
+        for test in changed:
+            print(f"DIFFERS {test}: plain {plain.get(test, 'absent')}, {name} {found.get(test, 'absent')}")
+        print(f"{'':>13}  same outcome as plain: {len(plain.keys() & found.keys()) - len(changed)} of "
+              f"{len(plain.keys() | found.keys())} tests; races reported: {len(recorded)} "
+              f"({sum(1 for r in recorded if r.get('latent'))} latent)")
+        differ = differ or bool(changed)
+        races += [(name, race) for race in recorded]
+    for name, race in races:
+        print(f"RACE [{name}] {race.get('test')}: {'latent ' if race.get('latent') else ''}{race.get('kind')} "
+              f"{_where(race.get('earlier'))} -> {_where(race.get('later'))}")
     return 1 if differ or races else 0
 
 
