@@ -376,6 +376,102 @@ def test_the_fork_server_imports_what_ranks_needed_for_the_ranks_after_them(run)
     result.assert_outcomes(passed=3)
 
 
+SINGLE_THREADED = """
+import ctypes, os, sys
+import pytest, torch, torch.distributed as dist
+
+def server_threads():
+    return len(os.listdir("/proc/%d/task" % os.getppid()))  # the fork server's, idle while its ranks run
+
+@pytest.mark.distributed(world_size=2)
+def test_builds_an_optimizer():
+    assert server_threads() == 1
+    torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+
+@pytest.mark.distributed(world_size=2)
+def test_after_the_warm_up(rank):
+    assert "torch._dynamo" in sys.modules and server_threads() == 1
+    if rank == 1:
+        ctypes.string_at(0)
+    dist.barrier()
+"""
+
+
+def test_ranks_fork_from_a_single_threaded_server_and_print_their_stack_when_they_crash(run):
+    """numpy's OpenBLAS pool runs in the server once torch is imported; it is stopped before any rank forks, and
+    nothing restarts it, warm-up imports included. A rank killed by a signal prints its stacks even where pytest's
+    own faulthandler is off."""
+    result = run(SINGLE_THREADED, "-p", "no:faulthandler")
+    result.assert_outcomes(passed=1, failed=1)
+    segv = section(result.stdout.str(), "test_after_the_warm_up")
+    assert "distributed test rank 1 of 2 died: killed by signal SIGSEGV" in segv
+    assert "Fatal Python error: Segmentation fault" in segv and "in test_after_the_warm_up" in segv
+
+
+STRAY_THREAD = """
+import sys, threading, time
+if sys.argv[0].endswith("forkserver.py"):
+    threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+"""
+
+
+def test_a_fork_server_with_a_thread_alive_refuses_to_fork(run, pytester, monkeypatch):
+    """A thread besides the forking one (here a sitecustomize's) could hold a lock the rank then never gets: the item
+    fails in one line instead of forking ranks that may hang or crash."""
+    site = pytester.mkdir("site")
+    (site / "sitecustomize.py").write_text(STRAY_THREAD)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    result = run("import pytest\n\n@pytest.mark.distributed(world_size=2)\ndef test_ranks():\n    pass\n")
+    result.assert_outcomes(errors=1)
+    out = section(result.stdout.str(), "test_ranks")
+    assert "could not start the ranks: the rank fork server refused: forking a rank from it is unsafe: 1 thread(s) " \
+           "besides the forking one" in out
+    assert "Traceback" not in out
+
+
+THREAD_ON_WARM_UP = """
+import builtins, os, sys, threading, time
+if sys.argv[0].endswith("forkserver.py"):
+    server, original = os.getpid(), builtins.__import__
+
+    def importing(name, *args, **kwargs):
+        module = original(name, *args, **kwargs)
+        if name == "torch._dynamo" and os.getpid() == server:
+            threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+        return module
+
+    builtins.__import__ = importing
+"""
+
+WARM_UP_UNDONE = """
+import os, sys
+import pytest, torch
+
+@pytest.mark.distributed(world_size=2)
+def test_builds_an_optimizer():
+    torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+
+@pytest.mark.distributed(world_size=2)
+def test_after_the_warm_up():
+    assert "torch._dynamo" not in sys.modules  # the server re-executed without it
+    assert len(os.listdir("/proc/%d/task" % os.getppid())) == 1
+    torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+
+@pytest.mark.distributed(world_size=2)
+def test_later_still():
+    assert "torch._dynamo" not in sys.modules  # and does not warm it again
+"""
+
+
+def test_a_warm_up_import_that_starts_a_thread_is_undone(run, pytester, monkeypatch):
+    """A module the server imports between forks that leaves a thread behind (Inductor's import initializes the CUDA
+    driver, which starts one): the server re-executes itself without it, and the ranks after it import it themselves."""
+    site = pytester.mkdir("site")
+    (site / "sitecustomize.py").write_text(THREAD_ON_WARM_UP)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    run(WARM_UP_UNDONE).assert_outcomes(passed=3)
+
+
 TWO_SESSIONS = """
 import pytest
 
