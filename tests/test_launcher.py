@@ -381,11 +381,14 @@ def test_the_fork_server_imports_what_ranks_needed_for_the_ranks_after_them(run)
 
 
 SINGLE_THREADED = """
-import ctypes, os, sys
+import ctypes, os, sys, threading, time
 import pytest, torch, torch.distributed as dist
 
 def server_threads():
     return len(os.listdir("/proc/%d/task" % os.getppid()))  # the fork server's, idle while its ranks run
+
+def deep(n):
+    return deep(n - 1) if n else ctypes.string_at(0)
 
 @pytest.mark.distributed(world_size=2)
 def test_builds_an_optimizer():
@@ -396,7 +399,9 @@ def test_builds_an_optimizer():
 def test_after_the_warm_up(rank):
     assert "torch._dynamo" in sys.modules and server_threads() == 1
     if rank == 1:
-        ctypes.string_at(0)
+        for _ in range(4):
+            threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+        deep(40)
     dist.barrier()
 """
 
@@ -410,6 +415,9 @@ def test_ranks_fork_from_a_single_threaded_server_and_print_their_stack_when_the
     segv = section(result.stdout.str(), "test_after_the_warm_up")
     assert "distributed test rank 1 of 2 died: killed by signal SIGSEGV" in segv
     assert "Fatal Python error: Segmentation fault" in segv and "in test_after_the_warm_up" in segv
+    # the whole dump, not its last lines: the crash's innermost frames come first, other threads' stacks after them
+    assert "Current thread" in segv and "in string_at" in segv and segv.count("in deep") == 41
+    assert "Extension modules:" not in segv
 
 
 STRAY_THREAD = """
