@@ -299,12 +299,16 @@ def test_interrupted_session_leaves_no_rank_behind(pytester, monkeypatch, tmp_pa
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", str(path)],
                             cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        deadline = time.monotonic() + 60
+        # Waits as long as the session takes to start its ranks: on a loaded 2-core machine that passed the 60 s this
+        # test once allowed. The session bounds the wait (the fork server's start, the item's timeout); the deadline
+        # is only a backstop against a hang.
+        deadline = time.monotonic() + 900
         while not all((pids_dir / f"ready-{r}").exists() for r in (0, 1)):
-            assert proc.poll() is None and time.monotonic() < deadline
+            assert proc.poll() is None, "the session ended before its ranks were ready"
+            assert time.monotonic() < deadline, "the ranks were not ready after 900 s"
             time.sleep(0.05)
         proc.send_signal(sig)
-        out, _ = proc.communicate(timeout=30)
+        out, _ = proc.communicate(timeout=300)  # a backstop too: it exits at once (SIGKILL) or within ~15 s (Ctrl-C)
     finally:
         proc.kill()
     if sig == signal.SIGINT:
@@ -312,7 +316,7 @@ def test_interrupted_session_leaves_no_rank_behind(pytester, monkeypatch, tmp_pa
     for ready in pids_dir.glob("ready-*"):
         ready.unlink()
     assert len(recorded_pids(pids_dir)) >= 2
-    assert_all_gone(pids_dir)
+    assert_all_gone(pids_dir, wait=60)  # SIGKILLed processes take a moment to die under load
 
 
 def section(out: str, test_name: str) -> str:
@@ -374,6 +378,110 @@ def test_the_fork_server_imports_what_ranks_needed_for_the_ranks_after_them(run)
     """dynamo (~1.7 s a rank) is imported by the server once a rank has needed it, not up front for every session."""
     result = run(WARMING)
     result.assert_outcomes(passed=3)
+
+
+SINGLE_THREADED = """
+import ctypes, os, sys, threading, time
+import pytest, torch, torch.distributed as dist
+
+def server_threads():
+    return len(os.listdir("/proc/%d/task" % os.getppid()))  # the fork server's, idle while its ranks run
+
+def deep(n):
+    return deep(n - 1) if n else ctypes.string_at(0)
+
+@pytest.mark.distributed(world_size=2)
+def test_builds_an_optimizer():
+    assert server_threads() == 1
+    torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+
+@pytest.mark.distributed(world_size=2)
+def test_after_the_warm_up(rank):
+    assert "torch._dynamo" in sys.modules and server_threads() == 1
+    if rank == 1:
+        for _ in range(4):
+            threading.Thread(target=time.sleep, args=(60,), daemon=True).start()
+        deep(40)
+    dist.barrier()
+"""
+
+
+def test_ranks_fork_from_a_single_threaded_server_and_print_their_stack_when_they_crash(run):
+    """numpy's OpenBLAS pool runs in the server once torch is imported; it is stopped before any rank forks, and
+    nothing restarts it, warm-up imports included. A rank killed by a signal prints its stacks even where pytest's
+    own faulthandler is off."""
+    result = run(SINGLE_THREADED, "-p", "no:faulthandler")
+    result.assert_outcomes(passed=1, failed=1)
+    segv = section(result.stdout.str(), "test_after_the_warm_up")
+    assert "distributed test rank 1 of 2 died: killed by signal SIGSEGV" in segv
+    assert "Fatal Python error: Segmentation fault" in segv and "in test_after_the_warm_up" in segv
+    # the whole dump, not its last lines: the crash's innermost frames come first, other threads' stacks after them
+    assert "Current thread" in segv and "in string_at" in segv and segv.count("in deep") == 41
+    assert "Extension modules:" not in segv
+
+
+STRAY_THREAD = """
+import sys, threading, time
+if sys.argv[0].endswith("forkserver.py"):
+    threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+"""
+
+
+def test_a_fork_server_with_a_thread_alive_refuses_to_fork(run, pytester, monkeypatch):
+    """A thread besides the forking one (here a sitecustomize's) could hold a lock the rank then never gets: the item
+    fails in one line instead of forking ranks that may hang or crash."""
+    site = pytester.mkdir("site")
+    (site / "sitecustomize.py").write_text(STRAY_THREAD)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    result = run("import pytest\n\n@pytest.mark.distributed(world_size=2)\ndef test_ranks():\n    pass\n")
+    result.assert_outcomes(errors=1)
+    out = section(result.stdout.str(), "test_ranks")
+    assert "could not start the ranks: the rank fork server refused: forking a rank from it is unsafe: 1 thread(s) " \
+           "besides the forking one" in out
+    assert "Traceback" not in out
+
+
+THREAD_ON_WARM_UP = """
+import builtins, os, sys, threading, time
+if sys.argv[0].endswith("forkserver.py"):
+    server, original = os.getpid(), builtins.__import__
+
+    def importing(name, *args, **kwargs):
+        module = original(name, *args, **kwargs)
+        if name == "torch._dynamo" and os.getpid() == server:
+            threading.Thread(target=time.sleep, args=(3600,), daemon=True).start()
+        return module
+
+    builtins.__import__ = importing
+"""
+
+WARM_UP_UNDONE = """
+import os, sys
+import pytest, torch
+
+@pytest.mark.distributed(world_size=2)
+def test_builds_an_optimizer():
+    torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+
+@pytest.mark.distributed(world_size=2)
+def test_after_the_warm_up():
+    assert "torch._dynamo" not in sys.modules  # the server re-executed without it
+    assert len(os.listdir("/proc/%d/task" % os.getppid())) == 1
+    torch.optim.SGD([torch.nn.Parameter(torch.ones(1))], lr=0.1)
+
+@pytest.mark.distributed(world_size=2)
+def test_later_still():
+    assert "torch._dynamo" not in sys.modules  # and does not warm it again
+"""
+
+
+def test_a_warm_up_import_that_starts_a_thread_is_undone(run, pytester, monkeypatch):
+    """A module the server imports between forks that leaves a thread behind (Inductor's import initializes the CUDA
+    driver, which starts one): the server re-executes itself without it, and the ranks after it import it themselves."""
+    site = pytester.mkdir("site")
+    (site / "sitecustomize.py").write_text(THREAD_ON_WARM_UP)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    run(WARM_UP_UNDONE).assert_outcomes(passed=3)
 
 
 TWO_SESSIONS = """

@@ -78,3 +78,67 @@ def test_gpus_split_between_xdist_workers(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "-rs", timeout=300)
     result.assert_outcomes(passed=4, skipped=1)
     result.stdout.fnmatch_lines(["*backend nccl needs 2 CUDA GPUs, this machine has 2 (1 for xdist worker gw*)*"])
+
+
+# In the fork server only: initialize CUDA the way the variable says, before any rank forks.
+CUDA_IN_SERVER = """
+import ctypes, os, sys
+if sys.argv[0].endswith("forkserver.py"):
+    if os.environ["HOW"] == "torch":
+        import torch
+        torch.cuda.init()
+    else:
+        ctypes.CDLL("libcuda.so.1").cuInit(0)
+"""
+
+FSDP2_STEP = """
+import os, sys
+import pytest, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+def server_state():
+    server = os.getppid()
+    with open("/proc/%d/maps" % server) as f:
+        driver = any("libcuda" in line for line in f)
+    return len(os.listdir("/proc/%d/task" % server)), driver
+
+@pytest.mark.distributed(world_size=2)
+@pytest.mark.parametrize("i", range(3))
+def test_fsdp2_step(i, rank):
+    assert server_state()[0] == 1
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(model)
+    optim = torch.optim.Adam(model.parameters(), lr=1e-3)
+    for _ in range(3):
+        model(torch.randn(16, 64, device="cuda")).sum().backward()
+        optim.step()
+        optim.zero_grad()
+    torch.cuda.synchronize()
+    print("libcuda loaded in the fork server:", server_state()[1])
+"""
+
+
+@pytest.mark.parametrize("how", ["torch", "driver"])
+def test_a_fork_server_with_cuda_initialized_refuses_to_fork(pytester, monkeypatch, how):
+    """A rank forked after CUDA was initialized inherits a driver it cannot use (crashes, hangs, 'initialization
+    error'): the server refuses, in one line."""
+    site = pytester.mkdir("site")
+    (site / "sitecustomize.py").write_text(CUDA_IN_SERVER)
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    monkeypatch.setenv("HOW", how)
+    pytester.makepyfile("import pytest\n\n@pytest.mark.distributed(world_size=2)\ndef test_ranks():\n    pass\n")
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", timeout=300)
+    result.assert_outcomes(errors=1)
+    why = "torch has initialized CUDA in it" if how == "torch" else "the CUDA driver is initialized in it"
+    result.stdout.fnmatch_lines([f"*could not start the ranks: the rank fork server refused: *{why}*"])
+
+
+def test_fsdp2_ranks_fork_from_a_server_without_cuda(pytester):
+    """Stock FSDP2 steps on NCCL from the fork server, its state checked from each rank: single-threaded while they
+    run (it was at fork, or it would have refused)."""
+    pytester.makepyfile(FSDP2_STEP)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-s", timeout=300)
+    result.assert_outcomes(passed=3)

@@ -169,6 +169,12 @@ std::unordered_map<const char*, std::shared_ptr<const Plan>> plans;
 // backend's workers inside an op) are not marked.
 bool every_thread = true;
 std::atomic<bool> on{false};
+// Whether the capture may enter Python: a session is on and the interpreter is not finalizing. From the end of the
+// atexit handlers on (a followed child's last drain ran there), a thread that takes the GIL, unless it is the one
+// finalizing, is ended by pthread_exit, and that unwind through torch's noexcept frames is std::terminate ("terminate
+// called without an active exception", SIGABRT); after finalization there is no interpreter to enter. Checked where
+// the capture starts work and again where it would take the GIL.
+bool live() { return on.load() && Py_IsInitialized(); }
 bool cuda = false;
 // An op was defined since the kernel entry last looked (the dispatcher's listener says so): the next captured op's
 // start hooks it, so an op a test defines inside a session is captured in that session.
@@ -379,6 +385,7 @@ Recent known_stack(PyThreadState* thread) {
     }
   }
 #endif
+  if (!Py_IsInitialized()) return {nullptr, false};
   py::gil_scoped_acquire gil;
   bool to_harness;
   {
@@ -403,6 +410,7 @@ Recent known_stack(PyThreadState* thread) {
 // lookups, the hash or the lock of `known_stacks`. A stack seen before is found there without the GIL where the
 // interpreter's frames can be read; a new one takes the GIL.
 std::shared_ptr<Stack> stack_here() {
+  if (!Py_IsInitialized()) return nullptr;  // its thread states may be gone already
   PyThreadState* thread = PyGILState_GetThisThreadState();
   if (thread == nullptr) return nullptr;
 #ifdef STREAMRACE_INTERPRETER_FRAMES
@@ -468,6 +476,7 @@ std::shared_ptr<const Plan> planned(const OpCall& call) {
   plan.copy = name.name == "aten::copy_";
   plan.overload = name.overload_name;
   if (plan.below_autograd) {
+    if (!Py_IsInitialized()) return nullptr;
     py::gil_scoped_acquire gil;
     if (plan_fn == nullptr) return nullptr;
     py::object got = (*plan_fn)(name.name, name.overload_name);
@@ -529,7 +538,7 @@ namespace {
 c10::DeleterFnPtr cpu_deleter = nullptr;
 bool reporting_frees = false;  // the tracker learns host frees (track_frees), and `cpu_deleter` is known
 void freed_on_host(void* data) {
-  if (on.load()) queue_free(reinterpret_cast<int64_t>(data));
+  if (live()) queue_free(reinterpret_cast<int64_t>(data));
   cpu_deleter(data);
 }
 
@@ -682,7 +691,7 @@ bool issuing() {  // Python issues the collective this thread runs
 
 std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
   Here& h = here;
-  if (h.depth > 0 || h.paused || !on.load()) return nullptr;
+  if (h.depth > 0 || h.paused || !live()) return nullptr;
   if (ops_added.load(std::memory_order_relaxed)) hook_ops(!cuda);
   auto plan = plan_for(call);
   if (plan == nullptr || !plan->below_autograd) return nullptr;
@@ -721,6 +730,7 @@ std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
 void drain_now() {
   Here& h = here;
   if (h.draining) return;
+  if (!live()) return;
   py::gil_scoped_acquire gil;
   if (drain_fn == nullptr || !on.load()) return;
   py::object fn = *drain_fn;  // a reference of our own: `disable` may release the stored one meanwhile
@@ -872,7 +882,7 @@ void set_stream(int64_t stream) {
 // relies on it: a record's op name outlives it). False when nothing is captured here (the tracker then runs it the slow
 // way).
 bool record_kernel(const std::string& name, std::optional<int64_t> stream, py::handle args, py::handle roles) {
-  if (!on.load() || here.paused) return false;
+  if (!live() || here.paused) return false;
   py::tuple arg_tuple = py::reinterpret_borrow<py::object>(args);  // a tuple already (a call's *args): no copy
   py::tuple role_tuple = py::reinterpret_borrow<py::object>(roles);
   Record r;
@@ -932,7 +942,7 @@ void mark_free(int64_t ptr, bool stack) {
 // interpreter, in a session, from any thread): queued in order with the ops; the feed applies it to the core with no
 // Python. No stack (an event's record or wait is never a race's access).
 void event_from_trace(bool wait, int64_t event, int64_t stream) {
-  if (on.load()) enqueue(wait ? What::kEventWait : What::kEventRecord, event, stream, nullptr);
+  if (live()) enqueue(wait ? What::kEventWait : What::kEventRecord, event, stream, nullptr);
 }
 
 // torch's GPU trace calls `<registry>.fire_callbacks(...)`, the GIL taken, for every caching-allocator allocation and
@@ -954,7 +964,7 @@ PyObject* traced_nothing(PyObject*, PyObject* const*, Py_ssize_t) { Py_RETURN_NO
 // An allocator free reported through the trace, while a session captures: from gpu_trace.cpp's interpreter (handed
 // over as a capsule), or from torch's through `traced_free`.
 void free_from_trace(int64_t ptr) {
-  if (on.load()) queue_free(ptr);
+  if (live()) queue_free(ptr);
 }
 
 PyObject* traced_free(PyObject*, PyObject* const* args, Py_ssize_t nargs) {

@@ -74,7 +74,7 @@ void entry(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::
 // of the leaves it reads, made by now (node_streams.cpp). Nothing else, so it costs its boxing and no more.
 void view_entry(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
   const Here& h = here;
-  if (!cuda && h.depth == 0 && !h.paused && on.load() && (every_thread || h.observed)) {
+  if (!cuda && h.depth == 0 && !h.paused && live() && (every_thread || h.observed)) {
     size_t n = op.schema().arguments().size();
     try {
       node_streams::bind_inputs(c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - n, n), stream_now());

@@ -72,6 +72,8 @@ class ForkServer:
             for message in self._read(0.1):
                 if "pid" in message:
                     return message["pid"]
+                if "refused" in message:
+                    raise LaunchError(f"the rank fork server refused: {message['refused']}")
             if self._proc.poll() is not None:
                 raise LaunchError("the rank fork server died:\n" + self._log_tail())
 

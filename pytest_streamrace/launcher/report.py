@@ -21,6 +21,7 @@ from .supervise import RankRun
 
 PHASES = ("setup", "call", "teardown")
 OUTPUT_TAIL = 30  # lines of a dead rank's output shown
+FATAL_LINES = 120  # lines of a fatal signal's dump shown, from its start
 
 
 @dataclass
@@ -78,7 +79,9 @@ def judge(run: RankRun, config: pytest.Config) -> RankVerdict:
         return RankVerdict(run.rank, "stopped", in_progress, _clean_stack(run.stack))
     if not run.done:
         output = _read(run.output)
-        text = f"last lines of its output:\n{tail(_clean_stack(output), OUTPUT_TAIL)}" if output.strip() else \
+        fatal = _fatal_dump(output)
+        text = f"its stacks when it died:\n{fatal}" if fatal else \
+            f"last lines of its output:\n{tail(_clean_stack(output), OUTPUT_TAIL)}" if output.strip() else \
             "it printed nothing outside the test's captured output"
         return RankVerdict(run.rank, "died", in_progress, f"{describe_exit(run.exit_status)}; {text}")
     if "teardown" not in reports:
@@ -270,6 +273,19 @@ def _clean_stack(stack: str) -> str:
     noise = ("/_pytest/", "/pluggy/", "/pytest_streamrace/launcher/", "forkserver.py", "<frozen runpy>",
              "/pytest/__main__.py")
     kept = [ln for ln in stack.splitlines() if not (ln.lstrip().startswith("File ") and any(s in ln for s in noise))]
+    return "\n".join(kept).strip()
+
+
+def _fatal_dump(output: str) -> str:
+    """faulthandler's dump of a fatal signal, from its first line: every thread's stack, the crashing one marked
+    "Current thread" wherever it falls (innermost frames first, so a tail would keep the outermost ones and, of a
+    native thread's crash, only other threads' stacks). Without the list of extension modules; "" if none."""
+    start = output.rfind("Fatal Python error:")
+    if start < 0:
+        return ""
+    kept = [ln for ln in _clean_stack(output[start:]).splitlines() if not ln.startswith("Extension modules:")]
+    if len(kept) > FATAL_LINES:
+        kept = kept[:FATAL_LINES] + [f"... ({len(kept) - FATAL_LINES} more lines)"]
     return "\n".join(kept).strip()
 
 
