@@ -313,20 +313,24 @@ def test_a_lock_taken_inside_the_detectors_own_work_is_no_handoff(monkeypatch):
     import, a finalizer) is the detector's, not a handoff: taking it must neither deadlock nor reach the core."""
     import threading
 
-    from pytest_streamrace.detector.session import Detector
+    from pytest_streamrace.detector import session
+    from pytest_streamrace.detector.hb import HappensBefore
 
-    monkeypatch.setenv("STREAMRACE_NATIVE", "0")  # hb.py's core: its lock is a plain, non-reentrant one
-    done = threading.Event()
+    monkeypatch.setattr(session, "_core", HappensBefore)  # hb.py's core: its lock is a plain, non-reentrant one
+    outcome = []
 
     def inside_the_detector():
-        with Detector("virtual") as detector:
-            lock = threading.Lock()  # a modelled lock: made while the session runs
-            with detector.tracker._lock, detector.hb._lock:
-                with lock:
-                    pass
-        done.set()
+        try:
+            with session.Detector("virtual") as detector:
+                lock = threading.Lock()  # a modelled lock: made while the session runs
+                with detector.tracker._lock, detector.hb._lock:
+                    with lock:
+                        pass
+            outcome.append("done")
+        except Exception as exc:  # shown by the assertion below
+            outcome.append(exc)
 
     worker = threading.Thread(target=inside_the_detector, daemon=True)
     worker.start()
     worker.join(60)
-    assert done.is_set(), "taking a lock inside the detector's own work deadlocked"
+    assert outcome == ["done"], outcome or "taking a lock inside the detector's own work deadlocked"
