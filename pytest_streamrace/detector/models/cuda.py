@@ -275,8 +275,9 @@ class _SameType(type):
 
 def device_generic(model) -> tuple[type, type]:
     """``torch.Stream`` and ``torch.Event`` subclasses whose objects `model` (a CudaStreams) observes: a new stream is
-    named after the user line that made it, ``synchronize`` / ``elapsed_time`` are explicit syncs, and a ``query``
-    that returns True orders the host after that work, as torch.cuda's own types do under the model."""
+    named after the user line that made it, ``synchronize`` is an explicit sync, and a ``query`` that returns True
+    orders the host after that work, as torch.cuda's own types do under the model. A timing event stays torch's own
+    type (torch's ``elapsed_time`` refuses a subclass): its query orders nothing."""
     base_stream, base_event = torch.Stream, torch.Event
 
     class Stream(base_stream, metaclass=_SameType):
@@ -301,13 +302,14 @@ def device_generic(model) -> tuple[type, type]:
     class Event(base_event, metaclass=_SameType):
         torch_type = base_event
 
+        def __new__(cls, *args, **kwargs):
+            if kwargs.get("enable_timing"):  # torch's C elapsed_time takes its own type only: timing events stay it
+                return base_event(*args, **kwargs)  # (their synchronize, outside any op, still counts as explicit)
+            return base_event.__new__(cls, *args, **kwargs)
+
         def synchronize(self) -> None:
             with model.tracker.explicitly("Event.synchronize()"):
                 return base_event.synchronize(self)
-
-        def elapsed_time(self, end_event) -> float:
-            with model.tracker.explicitly("Event.elapsed_time()"):
-                return base_event.elapsed_time(self, end_event)
 
         def query(self) -> bool:
             done = base_event.query(self)
