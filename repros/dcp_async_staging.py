@@ -104,8 +104,7 @@ def run(ctx) -> dict | None:
                 optimizer.step()
                 optimizer.zero_grad()
                 checkpoint = os.path.join(root, f"step-{step}")
-                # a plain dict: torch 2.11's stager cannot deep-copy the OrderedDict's metadata (KeyError: <class 'type'>)
-                saved = dcp.async_save({"model": dict(model.state_dict())}, checkpoint_id=checkpoint,
+                saved = dcp.async_save({"model": model.state_dict()}, checkpoint_id=checkpoint,
                                        async_stager=stager, process_group=group)
                 saved.staging_completion.result()  # training may go on once staging completed
                 saved.upload_completion.result()
