@@ -1,9 +1,9 @@
 """One way to patch: every change the package makes to other code is a patch that can be undone.
 
 A patch is an object with install() and uninstall() (`Patch`); a session keeps the ones it installed in a list and
-undoes them in reverse order. `AttrPatch` replaces one attribute, `WrapPatch` wraps one as it is at install, `patched` does the same for a ``with`` block,
-`WhenImported` runs a callback once a module is imported, and `skip_in_dynamo` lists the entry points torch.compile
-must never trace. Imports nothing from the package, nor torch: a child's start-up hook uses it before torch loads.
+undoes them in reverse order. `AttrPatch` replaces one attribute, `WrapPatch` wraps one as it is at install,
+`patched` does an AttrPatch's work for a ``with`` block, `WhenImported` runs a callback once a module is imported, and
+`skip_in_dynamo` lists the entry points torch.compile must never trace. Imports nothing from the package, nor torch: a child's start-up hook uses it before torch loads.
 """
 
 from __future__ import annotations

@@ -404,7 +404,8 @@ class HappensBefore:
             for state in self._streams.values():
                 self._host_learns(state.snapshot(), implicit)
 
-    def _host_learns(self, snapshot: tuple[dict, dict], implicit: Site | None = None, host: _Host | None = None) -> None:
+    def _host_learns(self, snapshot: tuple[dict, dict], implicit: Site | None = None,
+                     host: _Host | None = None) -> None:
         """The calling thread's host (or `host`) learns a snapshot: a sync it made, or a handoff it acquired."""
         host = self._host() if host is None else host
         now, strict = snapshot

@@ -43,8 +43,8 @@ def EXPLICIT() -> list[tuple[object, str, str]]:  # noqa: N802 (a table, built o
            (torch.cuda.Stream, "synchronize", "Stream.synchronize()"),
            (torch.cuda.Event, "synchronize", "Event.synchronize()"),
            (torch.cuda.Event, "elapsed_time", "Event.elapsed_time()")]
-    # torch.accelerator's, where this torch has it (a torch.Stream or torch.Event torch made itself,
-    # whose C methods cannot be patched: a sync outside every captured op counts as explicit, tracker.sync_callback_site)
+    # torch.accelerator's, where this torch has it (a torch.Stream or torch.Event torch made itself, whose C methods
+    # cannot be patched: a sync outside every captured op counts as explicit, tracker.sync_callback_site)
     accelerator = getattr(torch, "accelerator", None)
     if hasattr(accelerator, "synchronize"):
         out.append((accelerator, "synchronize", "torch.accelerator.synchronize()"))

@@ -152,6 +152,11 @@ def _true(result) -> bool:
     return result is True
 
 
+def _acquiring_if_true(original):
+    """`original`, then an acquire where it returned True (an event waited for, a semaphore got, a future done)."""
+    return _acquiring_after(original, _true)
+
+
 def _acquiring_finally(original):
     """`original`, then an acquire even when it raised (a future's exception was released into it too)."""
     def call(self, *args, **kwargs):
@@ -330,11 +335,11 @@ class HostHandoffs:
             WrapPatch(C, "notify", _releasing_before),
             WrapPatch(C, "notify_all", _releasing_before),
             WrapPatch(E, "set", _releasing_before),
-            WrapPatch(E, "wait", lambda original: _acquiring_after(original, _true)),
-            WrapPatch(E, "is_set", lambda original: _acquiring_after(original, _true)),
+            WrapPatch(E, "wait", _acquiring_if_true),
+            WrapPatch(E, "is_set", _acquiring_if_true),
             WrapPatch(S, "release", _releasing_before),
-            WrapPatch(S, "acquire", lambda original: _acquiring_after(original, _true)),
-            WrapPatch(S, "__enter__", lambda original: _acquiring_after(original, _true)),
+            WrapPatch(S, "acquire", _acquiring_if_true),
+            WrapPatch(S, "__enter__", _acquiring_if_true),
             WrapPatch(B, "wait", _around),
             WrapPatch(Q, "put", _releasing_before),
             WrapPatch(Q, "get", _acquiring_after),
@@ -343,7 +348,7 @@ class HostHandoffs:
             WrapPatch(F, "set_exception", _releasing_before),
             WrapPatch(F, "result", _acquiring_finally),
             WrapPatch(F, "exception", _acquiring_finally),
-            WrapPatch(F, "done", lambda original: _acquiring_after(original, _true)),
+            WrapPatch(F, "done", _acquiring_if_true),
             WrapPatch(F, "add_done_callback", _done_callback),
         ]
         if hasattr(pool, "_WorkItem"):
