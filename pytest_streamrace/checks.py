@@ -156,8 +156,14 @@ def progress_file(value: str, where: str = env.PROGRESS) -> str:
     return output_file(value, where)
 
 
+def forkserver_state(value: str, where: str = env.FORKSERVER_STATE) -> dict:
+    """``STREAMRACE_FORKSERVER_STATE``: set by the rank fork server for its own re-execution, never by a user."""
+    return _json_object(value, where, "the JSON the rank fork server sets for itself (unset it)")
+
+
 ENVIRONMENT = {env.NATIVE: native, env.SUBPROCESS: subprocess_config, env.RANK_SPEC: rank_spec,
-               env.REPRO: repro_settings, env.PROGRESS: progress_file}  # every variable env.py names
+               env.REPRO: repro_settings, env.PROGRESS: progress_file,
+               env.FORKSERVER_STATE: forkserver_state}  # every variable env.py names
 
 
 def environment(environ=os.environ) -> None:

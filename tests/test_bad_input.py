@@ -92,6 +92,7 @@ BAD_ENV = {
     env.RANK_SPEC: ["x", "{}"],
     env.REPRO: ["x", '{"world_size": 0}', '{"steps": -1}'],
     env.PROGRESS: ["afile/progress", "afolder"],
+    env.FORKSERVER_STATE: ["x", "[1]"],
 }
 
 
