@@ -175,23 +175,23 @@ class CudaStreams:
         except Exception as exc:  # never inside the user's test
             self.tracker.note(f"{name} is not modelled: {type(exc).__name__}: {exc}")
 
+    def _query(self, original, name: str, learn):
+        """`original` (a query), handing a True answer to the sync callbacks, marked explicit (`_query_patches`)."""
+        def patched(obj):
+            done = original(obj)
+            if done:
+                self._learnt(name, learn, obj)
+            return done
+        return patched
+
     def _query_patches(self) -> list:
         """``Event.query()`` / ``Stream.query()`` returning True: the host has seen that work finish, an ordering as
         deliberate as a synchronize (DeepSpeed pools buffers whose event queries done). torch's GPU trace reports
         no sync for a query, so the patch hands it to the sync callbacks itself, marked explicit."""
-
-        def query(original, name: str, learn):
-            def patched(obj):
-                done = original(obj)
-                if done:
-                    self._learnt(name, learn, obj)
-                return done
-            return patched
-
-        return [AttrPatch(torch.cuda.Event, "query", query(torch.cuda.Event.query, "Event.query()",
-                                                           self._event_done)),
-                AttrPatch(torch.cuda.Stream, "query", query(torch.cuda.Stream.query, "Stream.query()",
-                                                            self._stream_done))]
+        return [AttrPatch(torch.cuda.Event, "query", self._query(torch.cuda.Event.query, "Event.query()",
+                                                                 self._event_done)),
+                AttrPatch(torch.cuda.Stream, "query", self._query(torch.cuda.Stream.query, "Stream.query()",
+                                                                  self._stream_done))]
 
     def _event_done(self, event) -> None:
         handle = event.cuda_event if isinstance(event, torch.cuda.Event) else event.event_id
@@ -289,15 +289,8 @@ def device_generic(model) -> tuple[type, type]:
                 model.hb.add_stream(model.key(stream), f"stream created at {created_at()}")
             return stream
 
-        def synchronize(self) -> None:
-            with model.tracker.explicitly("Stream.synchronize()"):
-                return base_stream.synchronize(self)
-
-        def query(self) -> bool:
-            done = base_stream.query(self)
-            if done:
-                model._learnt("Stream.query()", model._stream_done, self)
-            return done
+        synchronize = model._explicitly("Stream.synchronize()", base_stream.synchronize)
+        query = model._query(base_stream.query, "Stream.query()", model._stream_done)
 
     class Event(base_event, metaclass=_SameType):
         torch_type = base_event
@@ -307,15 +300,8 @@ def device_generic(model) -> tuple[type, type]:
                 return base_event(*args, **kwargs)  # (their synchronize, outside any op, still counts as explicit)
             return base_event.__new__(cls, *args, **kwargs)
 
-        def synchronize(self) -> None:
-            with model.tracker.explicitly("Event.synchronize()"):
-                return base_event.synchronize(self)
-
-        def query(self) -> bool:
-            done = base_event.query(self)
-            if done:
-                model._learnt("Event.query()", model._event_done, self)
-            return done
+        synchronize = model._explicitly("Event.synchronize()", base_event.synchronize)
+        query = model._query(base_event.query, "Event.query()", model._event_done)
 
     Stream.__module__ = Event.__module__ = "torch"
     Stream.__qualname__, Event.__qualname__ = "Stream", "Event"
