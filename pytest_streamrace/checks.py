@@ -161,9 +161,14 @@ def forkserver_state(value: str, where: str = env.FORKSERVER_STATE) -> dict:
     return _json_object(value, where, "the JSON the rank fork server sets for itself (unset it)")
 
 
+def confirm_run(value: str, where: str = env.CONFIRM) -> dict:
+    """``STREAMRACE_CONFIRM``: set by ``--streamrace-confirm`` for the re-runs it starts, never by a user."""
+    return _json_object(value, where, "the JSON --streamrace-confirm sets for its re-runs (unset it)", ("mode", "out"))
+
+
 ENVIRONMENT = {env.NATIVE: native, env.SUBPROCESS: subprocess_config, env.RANK_SPEC: rank_spec,
                env.REPRO: repro_settings, env.PROGRESS: progress_file,
-               env.FORKSERVER_STATE: forkserver_state}  # every variable env.py names
+               env.FORKSERVER_STATE: forkserver_state, env.CONFIRM: confirm_run}  # every variable env.py names
 
 
 def environment(environ=os.environ) -> None:

@@ -18,6 +18,7 @@ SUBPROCESS = "STREAMRACE_SUBPROCESS"  # JSON: a child of a test under --streamra
 REPRO = "STREAMRACE_REPRO"  # JSON: the repro CLI's settings for repros/test_repros.py
 PROGRESS = "STREAMRACE_PROGRESS"  # file a repro's ranks append their progress lines to
 FORKSERVER_STATE = "STREAMRACE_FORKSERVER_STATE"  # JSON: a re-executed rank fork server's own state (no rank inherits)
+CONFIRM = "STREAMRACE_CONFIRM"  # JSON: this session re-runs one test for --streamrace-confirm (locate, or force a race)
 NATIVE = "STREAMRACE_NATIVE"  # "0": no C++ (op capture, core): the pure-Python path, as where no compiler is
 
 _NVIDIA_PROC = "/proc/driver/nvidia/gpus"

@@ -58,6 +58,9 @@ SETTINGS = (
             LATENT),
     Setting("streamrace_report_only", "report every race (summary, JSON, trace) but fail no test because of one",
             False, "bool"),
+    Setting("streamrace_confirm", "re-run each test that reports races, once per race in a fresh process, with the "
+            "race forced into its bad order, and report whether the values it touched change: confirmed, not "
+            "confirmed or not tried", False, "bool"),
 )
 _BY_NAME = {s.name: s for s in SETTINGS}
 

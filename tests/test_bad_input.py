@@ -93,6 +93,7 @@ BAD_ENV = {
     env.REPRO: ["x", '{"world_size": 0}', '{"steps": -1}'],
     env.PROGRESS: ["afile/progress", "afolder"],
     env.FORKSERVER_STATE: ["x", "[1]"],
+    env.CONFIRM: ["x", '{"mode": "locate"}'],
 }
 
 

@@ -42,14 +42,14 @@ class ForwardSites:
         return _InBackward(frames, self._sites.get(seq), node or "a backward node")
 
 
-def site_of(op: str, stack, forward: Site | None, node: str | None, thread: int = 0) -> Site:
+def site_of(op: str, stack, forward: Site | None, node: str | None, thread: int = 0, ordinal: int = 0) -> Site:
     """The Site of an op the C++ feed applied (capture.cpp), made when a report or a trace first reads it: `stack` is
     the capture's (None: no frames), and inside an autograd node (`node`) the forward op's site names it as
     `ForwardSites.backward` does; `thread`: the recording thread's ident, named where the session follows it."""
     frames = Captured(stack) if stack is not None else ()
     if node is None:
-        return Site(op, frames, thread_origin(thread))
-    return Site(op, _InBackward(frames, forward, node), thread_origin(thread))
+        return Site(op, frames, thread_origin(thread), ordinal)
+    return Site(op, _InBackward(frames, forward, node), thread_origin(thread), ordinal)
 
 
 class _InBackward:

@@ -132,10 +132,14 @@ struct Record {
   std::vector<c10::IValue> outputs;  // a queued collective's, as it returned
   // the thread that recorded it: the core applies its launch, syncs and frees with that thread's host clock
   int64_t thread = static_cast<int64_t>(PyThread_get_thread_ident());
+  // the op's place among the ops captured on its thread in this session (1, 2, ...; 0: not an op's): with the thread,
+  // what names this op in another run of the same program (a confirmation's forced run, `forcing`)
+  int64_t ordinal = 0;
 };
 
 struct Pending : at::ObserverContext {
   Record record; std::shared_ptr<const Plan> plan; std::vector<c10::IValue> inputs; const char* op = nullptr;
+  int64_t ordinal = 0;  // Record::ordinal, for queued ops too
   std::vector<at::Tensor> leaves;  // the virtual model's (node_streams::leaves_of)
   static void* operator new(size_t size);  // from the thread's spares (`Here`): one is made and dropped per op
   static void operator delete(void* pointer, size_t size);
@@ -203,6 +207,10 @@ struct Here {
   // The kernel entry's autograd number as this thread last saw it, in this session (`moved_seq`)
   int64_t seen_seq = -1;
   uint64_t seen_seq_generation = 0;
+  // The ops captured on this thread so far, in this session (`Record::ordinal`), and the last one's, for the records a
+  // queued op makes as it starts and as it ends
+  int64_t ordinal = 0, last_ordinal = 0;
+  uint64_t ordinal_generation = 0;
   // Pending records' blocks, for the next ops on this thread (one at a time but for nesting: a few suffice); given
   // back to malloc when the thread ends (`Reaper`), or at once after that
   void* spare[4] = {};
@@ -639,10 +647,12 @@ py::object outputs_object(const std::vector<c10::IValue>& outputs) {  // None fo
 
 py::object stack_object(const Record& r) { return r.stack ? py::cast(r.stack) : py::object(py::none()); }
 
-// A queued collective's arguments to tracker._queued: (name, overload, args, outputs or None, phase, stream, stack).
+// A queued collective's arguments to tracker._queued: (name, overload, args, outputs or None, phase, stream, stack,
+// ordinal).
 py::tuple queued_call(const Record& r, py::object stream) {
   return py::make_tuple(r.op, r.plan->overload, values_object(r.args), outputs_object(r.outputs),
-                        r.what == What::kQueuedStart ? "start" : "end", std::move(stream), stack_object(r));
+                        r.what == What::kQueuedStart ? "start" : "end", std::move(stream), stack_object(r),
+                        r.ordinal);
 }
 
 // The virtual model's stream on this thread (its small int; 0, the default stream, where none was set this session).
@@ -684,6 +694,18 @@ bool in_node(Record& r) {
 void queue_modelled(const char* op, std::shared_ptr<const Plan> plan, std::vector<c10::IValue> args,
                    std::vector<c10::IValue> outputs, What what);  // below
 
+// The next op's place on this thread in this session (`Record::ordinal`).
+int64_t next_ordinal() {
+  Here& h = here;
+  uint64_t now = generation.load(std::memory_order_relaxed);
+  if (h.ordinal_generation != now) {
+    h.ordinal = 0;
+    h.ordinal_generation = now;
+  }
+  h.last_ordinal = ++h.ordinal;
+  return h.ordinal;
+}
+
 bool issuing() {  // Python issues the collective this thread runs
   const Here& h = here;
   return h.issuing > 0 && h.issuing_generation == generation.load(std::memory_order_relaxed);
@@ -699,6 +721,7 @@ std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
   ++h.depth;
   auto pending = std::make_unique<Pending>();
   pending->plan = plan;
+  pending->ordinal = next_ordinal();
   if (!cuda) node_streams::leaves_of(call.inputs, pending->leaves);
   if (plan->queued) {
     pending->inputs.assign(call.inputs.begin(), call.inputs.end());
@@ -708,6 +731,7 @@ std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
   if (plan->record) {
     Record& r = pending->record;
     r.op = call.name;
+    r.ordinal = pending->ordinal;
     r.sync = plan->sync;
     r.stream = current_stream();
     if (!in_node(r)) r.seq = moved_seq();
@@ -771,6 +795,7 @@ void queue_modelled(const char* op, std::shared_ptr<const Plan> plan, std::vecto
   r.outputs = std::move(outputs);
   r.stream = current_stream();
   r.stack = stack_here();
+  r.ordinal = here.last_ordinal;
   push(std::move(r));
 }
 
@@ -1012,7 +1037,7 @@ void watch_held(py::list& out, const Spans& spans) {
 
 // ("free", ptr, stack or None, thread), ("event_record" or "event_wait", event, stream, thread), ("queued",
 // `queued_call`, thread), ("op", name, stream, in_node, accesses, fresh, stack, seq, node name or None, synced stream
-// or None, (args, kwargs) or None, thread), or ("watch", ptr, storage) right after the op that first saw a storage
+// or None, (args, kwargs) or None, ordinal, thread), or ("watch", ptr, storage) right after the op that first saw a storage
 // (host memory); a tensor is (storage, start, end, write, shape, dtype[, nbytes]); thread: the recording thread's
 // ident.
 py::list drain() {
@@ -1041,11 +1066,61 @@ py::list drain() {
       fresh.append(py::make_tuple(t.storage, t.start, t.end, t.write, shape_of(t), dtype_name(t.dtype), t.nbytes));
     py::object node = r.node.empty() ? py::object(py::none()) : py::object(py::str(r.node));
     out.append(py::make_tuple("op", r.op, r.stream, r.in_node, accesses, fresh, stack, r.seq, node,
-                              synced_of(r), arguments_of(r), r.thread));
+                              synced_of(r), arguments_of(r), r.ordinal, r.thread));
     watch_held(out, r.accesses);
     watch_held(out, r.fresh);
   }
   return out;
+}
+
+// ---- forcing: a confirmation's forced run (detector/forcing.py) is called before and after the ops it names by their
+// ordinal (`Record::ordinal`), on the issuing thread, with the op's arguments (and outputs after it ran). Off, it costs
+// one relaxed load per captured op.
+
+std::atomic<bool> forcing_on{false};
+std::mutex forcing_mutex;
+std::unordered_set<int64_t> forcing_ordinals;
+py::object* forcing_fn = nullptr;
+
+void set_forcing(py::object fn, std::vector<int64_t> ordinals) {
+  std::lock_guard<std::mutex> guard(forcing_mutex);
+  forcing_on.store(false);
+  delete forcing_fn;
+  forcing_fn = nullptr;
+  forcing_ordinals = std::unordered_set<int64_t>(ordinals.begin(), ordinals.end());
+  if (fn.is_none()) return;
+  forcing_fn = new py::object(std::move(fn));
+  forcing_on.store(true);
+}
+
+int64_t forcing_wants(at::ObserverContext* context) {  // the op's ordinal where the forced run names it, else 0
+  if (!forcing_on.load(std::memory_order_relaxed) || context == nullptr) return 0;
+  int64_t ordinal = static_cast<Pending*>(context)->ordinal;
+  std::lock_guard<std::mutex> guard(forcing_mutex);
+  return forcing_ordinals.count(ordinal) ? ordinal : 0;
+}
+
+// fn(when, ordinal, thread, op, stream, inputs, outputs or None); the ops it runs are not the program's (not captured:
+// the op's own depth is still counted), and it never raises into the op.
+void forcing_call(const char* when, int64_t ordinal, const char* op, c10::ArrayRef<c10::IValue> inputs,
+                  c10::ArrayRef<c10::IValue> outputs, bool after) noexcept {
+  try {
+    py::gil_scoped_acquire gil;
+    py::object fn;
+    {
+      std::lock_guard<std::mutex> guard(forcing_mutex);
+      if (forcing_fn == nullptr) return;
+      fn = *forcing_fn;
+    }
+    std::vector<c10::IValue> in(inputs.begin(), inputs.end()), out(outputs.begin(), outputs.end());
+    try {
+      fn(when, ordinal, static_cast<int64_t>(PyThread_get_thread_ident()), op, current_stream(), values_object(in),
+         after ? values_object(out) : py::object(py::none()));
+    } catch (py::error_already_set& error) {
+      error.discard_as_unraisable("streamrace: a confirmation's forced order");
+    }
+  } catch (const std::exception&) {
+  }
 }
 
 // ---- the records applied straight to the C++ core (`Feed`): tracker._apply_captured's rules, no Python per op
@@ -1066,12 +1141,13 @@ struct Site : NativePayload, streamrace_hb::Pooled<Site> {
   Payload forward;  // inside an autograd node: the site of the forward op that created it (may be empty)
   std::string node;  // inside an autograd node: its name
   int64_t thread = 0;  // the recording thread's ident
+  int64_t ordinal = 0;  // Record::ordinal
   py::object named;
   py::object to_python() override {
     if (!named) {
       py::object frames = stack ? py::cast(stack) : py::object(py::none());
       py::object node_name = node.empty() ? py::object(py::none()) : py::object(py::str(node));
-      named = (*site_factory)(py::str(op), frames, forward.to_python(), node_name, thread);
+      named = (*site_factory)(py::str(op), frames, forward.to_python(), node_name, thread, ordinal);
     }
     return named;
   }
@@ -1347,6 +1423,7 @@ class Feed {
     made->op = r.what == What::kFree ? "free" : r.op;
     made->stack = r.stack;
     made->thread = r.thread;
+    made->ordinal = r.ordinal;
     if (r.in_node) {
       made->node = r.node.empty() ? std::string("a backward node") : std::move(r.node);
       made->forward = forward_.backward(r.seq);
@@ -1552,6 +1629,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("disable", &disable);
   m.def("set_recording", &set_recording);
   m.def("set_issuing", &set_issuing);
+  m.def("set_forcing", &set_forcing, py::arg("fn"), py::arg("ordinals"));
   m.def("set_stream", &set_stream);
   m.def("sync_inside_op", &sync_inside_op);
   m.def("in_op", &in_op);

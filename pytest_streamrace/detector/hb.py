@@ -47,12 +47,15 @@ class Site:
     them: the tracker captures a stack per op but names its frames only when something reads them (a race, a trace).
     """
 
-    __slots__ = ("op", "_frames", "thread")
+    __slots__ = ("op", "_frames", "thread", "ordinal")
 
-    def __init__(self, op: str, frames=(), thread: "ThreadOrigin | None" = None):
+    def __init__(self, op: str, frames=(), thread: "ThreadOrigin | None" = None, ordinal: int = 0):
         self.op = op
         self._frames = frames
         self.thread = thread  # the thread it ran on, where that is not the program's main one (not in its identity)
+        # the op's place among the ops captured on its thread (1, 2, ...; 0: unknown): with the thread, what names it
+        # in a forced re-run of the same test (`--streamrace-confirm`); not in its identity either
+        self.ordinal = ordinal
 
     @property
     def frames(self) -> tuple[Frame, ...]:

@@ -56,6 +56,12 @@ void run(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::S
     op.redispatchBoxed(below, stack);
     return;
   }
+  std::vector<c10::IValue> kept;  // a forced run's op: its arguments, for the call after it
+  int64_t forced = forcing_wants(context.get());
+  if (forced) {
+    kept.assign(call.inputs.begin(), call.inputs.end());
+    forcing_call("before", forced, call.name, kept, {}, false);
+  }
   try {
     op.redispatchBoxed(below, stack);
   } catch (...) {  // a call that threw ends with no outputs
@@ -63,7 +69,9 @@ void run(const c10::OperatorHandle& op, c10::DispatchKeySet below, torch::jit::S
     throw;
   }
   size_t r = schema.returns().size();
-  end(c10::ArrayRef<c10::IValue>(stack->data() + stack->size() - r, r), context.get());
+  c10::ArrayRef<c10::IValue> outputs(stack->data() + stack->size() - r, r);
+  if (forced) forcing_call("after", forced, call.name, kept, outputs, true);
+  end(outputs, context.get());
 }
 
 void entry(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {

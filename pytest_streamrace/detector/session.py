@@ -77,6 +77,7 @@ class Detector:
             if self.tracker is not None:
                 self.tracker.drain()
         finally:
+            self.force(None)
             self._uninstall_all()
             if self.tracker is not None:
                 self.tracker.detach()
@@ -172,6 +173,15 @@ class Detector:
             raise errors[0]
 
     # what tests and reports read
+
+    def force(self, order) -> str | None:
+        """Run a race's bad order in this session (a ``forced_order.ForcedOrder``; None: stop): the capture calls it
+        at the race's two ops. Returns why it cannot (no C++ capture), else None."""
+        capture = self.tracker._capture if self.tracker is not None else None
+        if capture is None:
+            return None if order is None else "forcing an order needs the C++ capture"
+        capture.set_forcing(None, []) if order is None else order.install(capture)
+        return None
 
     def stream_name(self, key: Hashable) -> str:
         """The human name of a stream by its hb key ("default stream", "stream created at test_x.py:12"); one made in

@@ -215,6 +215,7 @@ class AccessTracker(TorchDispatchMode):
         self._paused = threading.local()  # per thread: one thread modelling work by hand pauses only itself
         self._capture = None  # the C++ capture, when it replaces this dispatch mode
         self._feed = None  # the capture's records applied straight to the C++ core (capture.cpp's Feed), when it is one
+        self._ordinal = 0  # the captured op whose queued model runs now (`_queued`): its ordinal names what it launches
         # the virtual model's streams by the small int the capture records for each (``VirtualStreams.keys``)
         self.capture_streams: list | None = None
         self._plans: dict = {}  # OpOverload._op -> _plan(...)
@@ -363,7 +364,8 @@ class AccessTracker(TorchDispatchMode):
         keep_args = self.device_type != "cuda" and sync is not None and sync.rule is not None
         return [(i, write) for i, _, write in inputs], bool(fresh), writes_output, keep_args, sync is not None
 
-    def _queued(self, name: str, overload: str, args: tuple, out, phase: str, stream: Hashable, captured) -> None:
+    def _queued(self, name: str, overload: str, args: tuple, out, phase: str, stream: Hashable, captured,
+                ordinal: int = 0) -> None:
         """An op of a handled namespace (``namespace_handlers``), from the records in their order: "start" for a c10d
         op torch's C++ issued (before it ran), "end" for any other (as it returned, `out` its outputs), with the
         issuing thread's `stream` and stack. The drain applying it holds the lock; the handler must not drain."""
@@ -371,7 +373,11 @@ class AccessTracker(TorchDispatchMode):
         handler = self.namespace_handlers.get(namespace)
         if handler is not None:
             func = getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
-            handler(func, args, {}, out, phase, stream=stream, frames=Captured(captured))
+            self._ordinal = ordinal  # the ops its model launches (`run`) are named by the captured op's place
+            try:
+                handler(func, args, {}, out, phase, stream=stream, frames=Captured(captured))
+            finally:
+                self._ordinal = 0
 
     @_called_from_cpp
     def _rule_stream(self, name: str, value):
@@ -413,11 +419,11 @@ class AccessTracker(TorchDispatchMode):
                 self.hb.wait_event(record[2], record[1])
                 return
             if kind == "queued":
-                name, overload, args, out, phase, stream, captured = record[1]
+                name, overload, args, out, phase, stream, captured, ordinal = record[1]
                 self._queued(name, overload, args, out, phase, streams[stream] if streams is not None else stream,
-                             captured)
+                             captured, ordinal)
                 return
-            _, name, stream, in_node, spans, fresh, captured, seq, node, synced, arguments, _ = record
+            _, name, stream, in_node, spans, fresh, captured, seq, node, synced, arguments, ordinal, _ = record
             if streams is not None:
                 stream = streams[stream]
             if redirect:  # a gradient's add the engine runs on its consumer's stream (virtual autograd)
@@ -447,9 +453,9 @@ class AccessTracker(TorchDispatchMode):
                 self._name_sync(name, record[-1])
             thread = thread_origin(record[-1])
             if in_node:  # the engine's threads have no frames of the program's: name the node's forward op
-                site = Site(name, self.forward_sites.backward(Captured(captured), seq, node), thread)
+                site = Site(name, self.forward_sites.backward(Captured(captured), seq, node), thread, ordinal)
             else:
-                site = Site(name, Captured(captured), thread)
+                site = Site(name, Captured(captured), thread, ordinal)
                 if seq >= 0:
                     self.forward_sites.forward(seq, site)
             _, races = self.hb.record(stream, site, accesses, allocs)
@@ -566,7 +572,7 @@ class AccessTracker(TorchDispatchMode):
             self.drain()  # what ran before it (frees, captured ops) lands before it
             touched = [(t, False) for t in reads if self.on_device(t)]
             touched += [(t, True) for t in writes if self.on_device(t)]
-            site = Site(op_name, frames if frames is not None else stack())
+            site = Site(op_name, frames if frames is not None else stack(), None, self._ordinal)
             op, races = self.hb.record(stream, site, self._accesses(touched, stream, []))
             self._report(races)
             return op

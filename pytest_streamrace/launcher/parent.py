@@ -80,7 +80,14 @@ class ParentPlugin:
                 reap(self.server, runs)  # what did start
                 return report.setup_outcome(item, "failed", f"could not start the ranks: {exc}")
             duration = supervise(self.server, runs, timeout)
-            return report.build(item, runs, timeout, duration)
+            reports = report.build(item, runs, timeout, duration)
+            if options.get(self.config, "streamrace") and options.get(self.config, "streamrace_confirm") and \
+                    not os.environ.get(env.CONFIRM):
+                from ..races.confirm import confirm_distributed
+                from ..races.plugin import resolve_backend
+
+                confirm_distributed(item, reports, resolve_backend(self.config))
+            return reports
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
 

@@ -18,7 +18,7 @@ import sys
 import pytest
 
 from .. import StreamRaceError, checks, env, options, roles
-from .record import AFTER, RACES, TRACE
+from .record import AFTER, OUTCOME, RACES, TRACE
 
 EXPECT = ("race", "clean")
 MARKER = ("streamrace(expect='race'|'clean'): assert that the test's streams race (or not) when --streamrace "
@@ -31,6 +31,7 @@ _child_notes_key = pytest.StashKey()  # [(rank, note)]: what the detectors of th
 _statuses_key = pytest.StashKey[list]()  # policy status of each race judged so far, in detector order
 _latent_key = pytest.StashKey[list]()  # [latent races judged so far, their statuses in detector order]
 _pending_key = pytest.StashKey[tuple]()  # (user_properties, section text) of the phase judged in its own hook
+_outcome_key = pytest.StashKey[str]()  # the test body's own outcome, for --streamrace-confirm
 
 
 def resolve_backend(config: pytest.Config) -> str:
@@ -112,6 +113,18 @@ class RaceChecks:
         self.children = children
         self.after: list[dict] = []  # children's races judged after their test had finished
         self.unwritten: list[str] = []  # warning lines: session files that could not be written
+        # --streamrace-confirm: this session re-runs tests with races (confirmer), or is such a re-run (rerun)
+        self.confirmer = self.rerun = None
+        instruction = os.environ.get(env.CONFIRM)
+        if instruction:
+            from .confirm import ConfirmRun
+
+            self.rerun = ConfirmRun(checks.confirm_run(instruction))
+            self.json_path = self.trace_path = None  # the session being confirmed writes its files
+        elif options.get(config, "streamrace_confirm") and self.role.kind != roles.RANK_CHILD:
+            from .confirm import Confirmer  # (a distributed item's ranks are re-run by the launching parent)
+
+            self.confirmer = Confirmer(config, self.role.kind == roles.TORCHRUN_RANK)
 
     def pytest_report_header(self, config: pytest.Config) -> list[str]:
         if self.children.problem:
@@ -151,15 +164,19 @@ class RaceChecks:
         item.stash[_judged_key] = 0
         item.stash[_statuses_key] = []
         item.stash[_latent_key] = [0, []]
+        if self.rerun is not None:
+            self.rerun.start(detector)
         return (yield)
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_call(self, item: pytest.Item):
         try:
             result = yield
-        except BaseException:
+        except BaseException as exc:
+            item.stash[_outcome_key] = _own_outcome(exc)
             self._judge_in_phase(item, "call", failed=True)  # the test's own failure (or skip) stands
             raise
+        item.stash[_outcome_key] = "passed"
         self._judge_in_phase(item, "call", failed=False)
         return result
 
@@ -211,6 +228,11 @@ class RaceChecks:
         # Recorded on the item, so the teardown report — the one collected, here and in a launching parent —
         # carries every phase's; the teardown report itself is already built, so it gets its own directly.
         (report.user_properties if report.when == "teardown" else item.user_properties).extend(props)
+        if report.when == "teardown" and self.rerun is not None:
+            found = [r for key, value in item.user_properties + report.user_properties if key == RACES for r in value]
+            self.rerun.finish(detector, found, item.stash.get(_outcome_key, "passed"))
+        if report.when == "teardown" and _outcome_key in item.stash and self.role.kind == roles.RANK_CHILD:
+            report.user_properties.append((OUTCOME, item.stash[_outcome_key]))  # for the parent's confirmations
         if report.when == "teardown":
             self.children.end()
             after, self.children.after[:] = list(self.children.after), []
@@ -220,7 +242,18 @@ class RaceChecks:
             report.longrepr = str(call.excinfo.value)  # the races' text, not a traceback through this plugin
         elif text is not None and report.failed:
             report.sections.append(("stream races", text))
+        if report.when == "call" and self.confirmer is not None:
+            self._confirm(item, props, report)
         return report
+
+    def _confirm(self, item: pytest.Item, props: list, report: pytest.TestReport) -> None:
+        """--streamrace-confirm: the call phase's races, each forced in a re-run; their lines join the report."""
+        found = [r for key, value in props if key == RACES for r in value]
+        if not found:
+            return
+        from .confirm import attach
+
+        attach(report, self.confirmer.confirm(item, found, item.stash.get(_outcome_key, "passed"), self.backend))
 
     def _judge(self, item: pytest.Item, when: str) -> tuple[list, str | None]:
         """The phase's fresh races and those of the processes the test started, classified by the policy: the
@@ -364,6 +397,19 @@ class RaceChecks:
 
             terminalreporter.write_sep("=", "streamrace: races in processes after their test had finished")
             terminalreporter.write_line(format_after(self.after))
+
+
+def _own_outcome(exc: BaseException) -> str:
+    """What the test body did on its own (a race's StreamRaceError is raised after this): for confirmations."""
+    from .confirm import outcome_of
+
+    if isinstance(exc, pytest.skip.Exception):
+        return "skipped"
+
+    class _Info:
+        value = exc
+
+    return outcome_of(_Info)
 
 
 def _one_process_per_test(traces: list[tuple[str, list]]) -> list[list[dict]]:

@@ -22,6 +22,7 @@ FRAMES_SHOWN = 3  # user frames per access in the text report
 WIDTH = 116
 
 # user_properties keys: how each part's findings ride on a test's reports (and reach junit XML)
+OUTCOME = "streamrace_outcome"  # a rank's test body's own outcome, for the parent's --streamrace-confirm
 RACES = "streamrace_races"  # [records] (with rank); the teardown report carries every phase's
 TRACE = "streamrace_trace"  # [chrome trace events] of this test's ops
 AFTER = "streamrace_after"  # [records with "test"] of children that outlived their test
@@ -96,9 +97,12 @@ def _tensor_to_json(t: TensorInfo) -> TensorRecord:
 
 def _access_to_json(access: Access, stream_name: StreamName, free: bool) -> AccessRecord:
     out = _access_fields(access, stream_name, free)
-    thread = access.op.site.thread
+    site = access.op.site
+    thread = site.thread
     if thread is not None:
         out["thread"] = {"name": thread.name, "how": thread.how, "frames": _frames_to_json(thread.site)}
+    if getattr(site, "ordinal", 0):  # its op's place on its thread: what a confirmation's re-run holds back
+        out["ordinal"] = site.ordinal
     return out
 
 

@@ -119,8 +119,31 @@ class Tally:
         if self.written is not None:
             lines.append(f"baseline written: {shown_path(lv.baseline_path, lv.rootdir)} "
                          f"({self.written} race{'s' if self.written != 1 else ''})")
+        confirmed = self.confirmations()
+        if confirmed:
+            from .confirm import describe
+
+            lines.append("confirmations (each race forced into its bad order in a re-run):")
+            lines += [f"  {nodeid}: {describe(e['race'], e['race']['confirmation'])}"
+                      for (nodeid, _), e in self.races.items() if e["race"].get("confirmation")]
+            lines.append(confirmed)
         lines.append(self.closing_line())
         return lines
+
+    def confirmations(self) -> str | None:
+        """--streamrace-confirm's line: how each distinct race came out, and the time the re-runs took."""
+        counts: dict[str, int] = {}
+        seconds: dict[str, float] = {}
+        for (nodeid, _), entry in self.races.items():
+            found = entry["race"].get("confirmation")
+            if found:
+                counts[found["status"]] = counts.get(found["status"], 0) + 1
+                seconds[nodeid] = float(found.get("test_seconds", 0.0))
+        if not counts:
+            return None
+        parts = ", ".join(f"{counts.get(s, 0)} {s.replace('-', ' ')}" for s in ("confirmed", "not-confirmed",
+                                                                                   "not-tried"))
+        return f"streamrace confirmations: {parts} (re-runs took {sum(seconds.values()):.1f} s)"
 
     def closing_line(self) -> str:
         c = self.counts()

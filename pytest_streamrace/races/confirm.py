@@ -1,0 +1,302 @@
+"""``--streamrace-confirm``: each race a test reports, forced into its bad order in a re-run, with what it changed.
+
+A test with races is re-run in fresh processes (``python -m pytest NODEID`` with the session's own options and
+``STREAMRACE_CONFIRM`` set): first once as it is, to find where each race's accesses fall in a fresh process (the ops'
+places on their threads: ``Site.ordinal``), then once per distinct race with that race's earlier access held back
+(``detector/forced_order.py``). Both re-runs seed Python's, NumPy's and torch's generators the same way, so the
+second takes the path the first did. Each process of a re-run (rank processes too, which inherit the variable)
+writes what it saw to a file of its own in a folder the parent reads.
+
+A race's confirmation is a dict on its record (``confirmation``): ``status`` "confirmed" (the bytes it touched change
+under the forced order, or the test's outcome does), "not-confirmed" (the same values in the forced run: the race
+cannot change what this test computes), or "not-tried" with the ``reason``; the numbers; and how long it took.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+from .. import env
+from . import record as records_
+
+# Variables a re-run must not inherit: it is no xdist worker, and no child of the test being confirmed.
+_NOT_INHERITED = (env.SUBPROCESS, env.RANK_SPEC, "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
+                  "PYTEST_XDIST_TESTRUNUID", "PYTEST_CURRENT_TEST")
+_FORCED = {"read-after-write", "write-after-read", "write-after-write"}
+CONFIRMED, NOT_CONFIRMED, NOT_TRIED = "confirmed", "not-confirmed", "not-tried"
+
+
+def seed_everything(seed: int = 0) -> None:
+    """The same generators' states in every re-run of a test."""
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed)
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.manual_seed(seed)
+
+
+# ---- the parent: re-running a test
+
+
+class Confirmer:
+    """Confirms the races of the tests of one session (in the process that ran each test)."""
+
+    def __init__(self, config: pytest.Config, torchrun: bool = False):
+        self.config = config
+        self.torchrun = torchrun  # one rank of a torchrun session: its peers are not re-run with it
+        self.timeout = 600.0
+
+    def command(self, item: pytest.Item) -> list[str]:
+        """``python -m pytest`` for this one test, with the session's options but not its test paths."""
+        config = self.config
+        paths = set(config.args)
+        carried = [a for a in config.invocation_params.args if a not in paths]
+        name = item.nodeid.split("::", 1)[1] if "::" in item.nodeid else ""
+        target = f"{item.path}::{name}" if name else str(item.path)
+        extra = ["-p", "no:cacheprovider", "-q", "--rootdir", str(config.rootpath)]
+        if config.inipath:
+            extra += ["-c", str(config.inipath)]
+        if config.pluginmanager.hasplugin("xdist"):
+            extra += ["-n", "0"]
+        if config.pluginmanager.hasplugin("junitxml"):
+            extra += ["--junitxml", os.devnull]
+        return [sys.executable, "-m", "pytest", *_without_cache_options(carried), *extra, target]
+
+    def _run(self, item: pytest.Item, instruction: dict) -> tuple[list[dict], str | None]:
+        """One re-run: the files its processes wrote, or why there are none."""
+        folder = tempfile.mkdtemp(prefix="streamrace-confirm-")
+        try:
+            environ = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
+            environ[env.CONFIRM] = json.dumps(dict(instruction, out=folder, nodeid=item.nodeid))
+            environ.setdefault("PYTHONHASHSEED", "0")
+            try:
+                done = subprocess.run(self.command(item), cwd=str(self.config.invocation_params.dir), env=environ,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=self.timeout,
+                                      start_new_session=True)
+            except subprocess.TimeoutExpired:
+                return [], f"the re-run ran past {self.timeout:g} s"
+            found = []
+            for name in sorted(os.listdir(folder)):
+                try:
+                    with open(os.path.join(folder, name), encoding="utf-8") as f:
+                        found.append(json.load(f))
+                except (OSError, ValueError):
+                    continue
+            if not found:
+                tail = done.stdout.decode(errors="replace").strip().splitlines()[-3:]
+                return [], "the re-run reported nothing (exit {}): {}".format(done.returncode, " | ".join(tail))
+            return found, None
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def confirm(self, item: pytest.Item, records: list[dict], outcome: str, backend: str) -> list[str]:
+        """Give each of the test's race records its ``confirmation``; the report's lines about them."""
+        started = time.perf_counter()
+        todo: dict[tuple, list[dict]] = {}
+        for data in records:
+            todo.setdefault(records_.key(data), []).append(data)
+        results: dict[tuple, dict] = {}
+        why_not = (lambda data: "a test of a torchrun session is not re-run (its peers would have to be): run it "
+                   "under @pytest.mark.distributed") if self.torchrun else _why_not
+        tryable = {k: group[0] for k, group in todo.items() if why_not(group[0]) is None}
+        for k, group in todo.items():
+            if k not in tryable:
+                results[k] = {"status": NOT_TRIED, "reason": why_not(group[0])}
+        located = None
+        if tryable:
+            located, problem = self._run(item, {"mode": "locate"})
+            if problem:
+                for k in tryable:
+                    results[k] = {"status": NOT_TRIED, "reason": problem}
+                tryable = {}
+        for k, data in tryable.items():
+            one = time.perf_counter()
+            plan = _plan(k, located)
+            if plan is None:
+                results[k] = {"status": NOT_TRIED, "reason": "the race did not show in a fresh process with the same "
+                                                              "seeds"}
+                continue
+            forced, problem = self._run(item, {"mode": "force", "plan": plan, "backend": backend})
+            result = _verdict(plan, forced, problem, outcome)
+            result["seconds"] = round(time.perf_counter() - one, 3)
+            results[k] = result
+        total = round(time.perf_counter() - started, 3)
+        for k, group in todo.items():
+            for data in group:
+                data["confirmation"] = dict(results[k], test_seconds=total)
+        return [describe(todo[k][0], results[k]) for k in todo], total
+
+
+def attach(report: pytest.TestReport, confirmed: tuple[list[str], float]) -> None:
+    """The confirmations' lines on a test's call report: in its failure text, else a section of their own."""
+    lines, seconds = confirmed
+    block = f"confirmations (each race forced into its bad order in a re-run; {seconds:.1f} s):\n" + "\n".join(
+        "  " + line for line in lines)
+    if report.failed and isinstance(report.longrepr, str):
+        report.longrepr += "\n\n" + block
+    else:
+        report.sections.append(("stream race confirmations", block))
+
+
+def _without_cache_options(args: list[str]) -> list[str]:
+    """The carried options less those the re-run cannot take (the cache is off in it: --lf, --ff, --sw ...)."""
+    dropped = {"--lf", "--last-failed", "--ff", "--failed-first", "--nf", "--new-first", "--sw", "--stepwise",
+               "--sw-skip", "--stepwise-skip", "--cache-clear"}
+    return [a for a in args if a not in dropped]
+
+
+def _why_not(data: dict) -> str | None:
+    if data.get("latent"):
+        return "a latent race: its order is kept today by a host sync at {}".format(
+            data["latent"].get("at") or data["latent"].get("op"))
+    if data.get("kind") not in _FORCED:
+        return "a free's reuse is not forced"
+    if not data.get("earlier", {}).get("ordinal") or not data.get("later", {}).get("ordinal"):
+        return "its ops were not captured (the C++ capture is off, or a model made them)"
+    if data.get("pid") is not None:
+        return "the race is in a process the test started; re-running that process is not supported"
+    return None
+
+
+def _plan(k: tuple, located: list[dict] | None) -> dict | None:
+    for found in located or ():
+        for data in found.get("races", ()):
+            if records_.key(data) == k and data["earlier"].get("ordinal") and data["later"].get("ordinal"):
+                return {"kind": data["kind"], "earlier": _side(data["earlier"]), "later": _side(data["later"]),
+                        "dtype": data["later"]["tensor"]["dtype"]}
+    return None
+
+
+def _side(access: dict) -> dict:
+    thread = access.get("thread")
+    return {"thread_key": thread["name"] if thread else None, "ordinal": access["ordinal"], "op": access["op"],
+            "rw": access["rw"], "start": access["start"], "end": access["end"],
+            "at": _at(access)}
+
+
+def _at(access: dict) -> str:
+    return records_.location(access.get("frames") or ())
+
+
+def _verdict(plan: dict, forced: list[dict], problem: str | None, outcome: str) -> dict:
+    if problem:
+        return {"status": NOT_TRIED, "reason": problem}
+    results = [f.get("forced") for f in forced if f.get("forced")]
+    done = [r for r in results if r.get("status") == "forced"]
+    outcomes = [f.get("outcome") for f in forced if f.get("outcome")]
+    forced_outcome = next((o for o in outcomes if o != "passed"), outcomes[0] if outcomes else None)
+    if not done:
+        reasons = [r.get("reason") for r in results if r.get("reason")]
+        return {"status": NOT_TRIED, "reason": reasons[0] if reasons else "the re-run never reached the race"}
+    best = max(done, key=lambda r: (r.get("differing", 0), r.get("max_abs_diff", 0.0)))
+    out = {k: v for k, v in best.items() if k != "status"}
+    out["held"] = plan["earlier"]["at"]
+    out["observed"] = plan["later"]["at"]
+    out["runs"] = 1
+    out["outcome"] = {"ordered": outcome, "forced": forced_outcome}
+    changed = best.get("differing", 0) > 0 or (forced_outcome is not None and forced_outcome != outcome)
+    out["status"] = CONFIRMED if changed else NOT_CONFIRMED
+    return out
+
+
+def describe(data: dict, result: dict) -> str:
+    """One line (or two) a person reads: what was forced and what changed."""
+    kind = records_.kind_of(data)
+    where = f"{kind} {_at(data.get('earlier', {}))} -> {_at(data.get('later', {}))}"
+    status = result["status"]
+    if status == NOT_TRIED:
+        return f"not tried: {where}: {result.get('reason')}"
+    rw = data["earlier"]["rw"]
+    seen = "left behind" if data["kind"] == "write-after-write" else "read"
+    what = (f"with the {rw} at {result['held']} held back, the values {seen} at "
+            f"{result['observed'] if data['kind'] != 'write-after-read' else result['held']}")
+    if status == NOT_CONFIRMED:
+        return f"not confirmed: {where}: {what} were identical in {result.get('runs', 1)} forced run"
+    line = f"confirmed: {where}: {what} differed"
+    if "max_abs_diff" in result:
+        line += f" by max |Δ| = {result['max_abs_diff']:.6g}"
+    line += f" in {result.get('differing', 0):,} of {result.get('elements', 0):,} elements"
+    if result.get("unwritten"):
+        line += " (the read saw bytes the write had not written yet)"
+    if result.get("forced_nonfinite"):
+        line += f"; {result['forced_nonfinite']:,} not finite"
+    forced = (result.get("outcome") or {}).get("forced")
+    if forced and forced != (result.get("outcome") or {}).get("ordered"):
+        line += f"; the test then {forced}"
+    return line
+
+
+# ---- the re-run: this session is one
+
+
+def confirm_distributed(item: pytest.Item, reports: list, backend: str) -> None:
+    """A ``distributed`` item's races (every rank's, on its teardown report), confirmed by re-running the item with
+    fresh ranks; the lines go on its call report."""
+    teardown = next((r for r in reports if r.when == "teardown"), None)
+    call = next((r for r in reports if r.when == "call"), None)
+    if teardown is None or call is None:
+        return
+    found = [r for key, value in teardown.user_properties if key == records_.RACES for r in value]
+    if not found:
+        return
+    outcomes = [value for key, value in teardown.user_properties if key == records_.OUTCOME]
+    outcome = next((o for o in outcomes if o != "passed"), "passed")
+    attach(call, Confirmer(item.config).confirm(item, found, outcome, backend))
+
+
+class ConfirmRun:
+    """In a re-run (``STREAMRACE_CONFIRM`` set): seeds, forces the planned race, writes what it saw."""
+
+    def __init__(self, instruction: dict):
+        self.mode = instruction["mode"]
+        self.out = instruction["out"]
+        self.plan = instruction.get("plan")
+        self.backend = instruction.get("backend", "virtual")
+        self.order = None
+
+    def start(self, detector) -> None:
+        seed_everything()
+        if self.mode != "force":
+            return
+        from ..detector.forced_order import ForcedOrder
+
+        plan = self.plan
+        self.order = ForcedOrder(plan["kind"], plan["earlier"], plan["later"], self.backend,
+                                 float(plan.get("delay_ms", 200.0)))
+        problem = detector.force(self.order)
+        if problem:
+            self.order.problem = problem
+
+    def finish(self, detector, races: list[dict], outcome: str) -> None:
+        data: dict = {"pid": os.getpid(), "outcome": outcome}
+        if self.mode == "locate":
+            data["races"] = races
+        elif self.order is not None:
+            detector.force(None)
+            data["forced"] = self.order.result(self.plan.get("dtype"))
+        path = os.path.join(self.out, f"{os.getpid()}-{time.monotonic_ns()}.json")
+        try:
+            with open(path, "w", encoding="utf-8") as f:
+                json.dump(data, f)
+        except OSError:
+            pass
+
+
+def outcome_of(excinfo) -> str:
+    """A test body's own outcome, as a confirmation compares it: "passed", or "failed with <Error>: <message>"."""
+    if excinfo is None:
+        return "passed"
+    value = excinfo.value
+    message = str(value).strip().splitlines()[0][:160] if str(value).strip() else ""
+    return f"failed with {type(value).__name__}" + (f": {message}" if message else "")

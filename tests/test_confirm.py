@@ -1,0 +1,233 @@
+"""--streamrace-confirm through pytest as users run it (virtual backend; `tests/gpu/test_confirm_gpu.py` runs the same
+cases on real streams): each racy twin is forced into its bad order in a re-run and confirmed with the values that
+changed; a race that writes what was already there is not confirmed; a latent race is not tried, with the reason;
+a clean test is never re-run; a gloo collective's buffer read before wait() is confirmed on both ranks."""
+
+import json
+
+import pytest
+
+CASES = '''
+import os
+
+import pytest
+import torch
+
+race = pytest.mark.streamrace(expect="race")
+
+
+@pytest.fixture(autouse=True)
+def count_runs(request):
+    """Each run of a test (the original, and its re-runs) leaves a line."""
+    with open(os.path.join(str(request.config.rootpath), "runs.txt"), "a") as f:
+        f.write(request.node.name + "\\n")
+
+
+def side_stream():
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    return side
+
+
+@race
+def test_raw(streamrace_device):
+    x = torch.ones(4096, device=streamrace_device)
+    side = side_stream()
+    with torch.cuda.stream(side):
+        x.mul_(3)                                       # RAW-WRITE
+    y = x + 1                                           # RAW-READ
+    torch.cuda.synchronize()
+
+
+@race
+def test_war(streamrace_device):
+    x = torch.ones(4096, device=streamrace_device)
+    side = side_stream()
+    with torch.cuda.stream(side):
+        y = x * 2                                       # WAR-READ
+    x.fill_(5.0)                                        # WAR-WRITE
+    torch.cuda.synchronize()
+
+
+@race
+def test_waw(streamrace_device):
+    x = torch.ones(4096, device=streamrace_device)
+    side = side_stream()
+    with torch.cuda.stream(side):
+        x.fill_(7.0)                                    # WAW-FIRST
+    x.fill_(9.0)                                        # WAW-SECOND
+    torch.cuda.synchronize()
+
+
+@race
+def test_benign_write_of_the_same_values(streamrace_device):
+    x = torch.ones(4096, device=streamrace_device)
+    side = side_stream()
+    with torch.cuda.stream(side):
+        x.fill_(1.0)                                    # BENIGN-WRITE: what x holds already
+    y = x + 1                                           # BENIGN-READ
+    torch.cuda.synchronize()
+
+
+def test_latent(streamrace_device):
+    x = torch.ones(4096, device=streamrace_device)
+    side = side_stream()
+    with torch.cuda.stream(side):
+        x.mul_(2)
+        x.sum().item()                                  # the read-back is all that orders the next read
+    y = x + 1                                           # LATENT-READ
+    torch.cuda.synchronize()
+
+
+def test_clean(streamrace_device):
+    x = torch.ones(4096, device=streamrace_device)
+    side = side_stream()
+    with torch.cuda.stream(side):
+        x.mul_(2)
+    torch.cuda.current_stream().wait_stream(side)
+    y = x + 1
+    torch.cuda.synchronize()
+'''
+
+DISTRIBUTED = '''
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed(world_size=2)
+def test_allreduce_read_before_wait(rank):
+    x = torch.full((64,), float(rank + 1))
+    work = dist.all_reduce(x, async_op=True)
+    y = x * 2                                           # read before wait()
+    work.wait()
+'''
+
+
+def _line(pytester, marker: str) -> int:
+    for number, text in enumerate((pytester.path / "test_cases.py").read_text().splitlines(), 1):
+        if marker in text:
+            return number
+    raise AssertionError(marker)
+
+
+def run_cases(pytester, backend: str, *extra: str):
+    """The cases under --streamrace-confirm: (the run, {test name: [records]}, runs per test)."""
+    pytester.makepyfile(test_cases=CASES)
+    result = pytester.runpytest_subprocess("--streamrace", f"--streamrace-backend={backend}", "--streamrace-confirm",
+                                           "--streamrace-json=races.json", "-p", "no:cacheprovider", *extra)
+    by_test: dict = {}
+    for race in json.loads((pytester.path / "races.json").read_text())["races"]:
+        by_test.setdefault(race["test"].split("::")[-1], []).append(race)
+    runs: dict = {}
+    for name in (pytester.path / "runs.txt").read_text().split():
+        runs[name] = runs.get(name, 0) + 1
+    return result, by_test, runs
+
+
+def check_cases(pytester, result, by_test, runs) -> None:
+    result.assert_outcomes(passed=6)
+
+    def only(name, kind):
+        found = [r for r in by_test[name] if r["kind"] == kind and not r.get("latent")]
+        assert len(found) == 1, by_test[name]
+        return found[0]
+
+    raw = only("test_raw", "read-after-write")["confirmation"]
+    assert raw["status"] == "confirmed"
+    assert (raw["differing"], raw["elements"], raw["max_abs_diff"]) == (4096, 4096, 2.0)  # 1 read instead of 3
+    assert raw["held"] == f"test_cases.py:{_line(pytester, 'RAW-WRITE')}"
+    assert raw["observed"] == f"test_cases.py:{_line(pytester, 'RAW-READ')}"
+    war = only("test_war", "write-after-read")["confirmation"]
+    assert (war["status"], war["differing"], war["max_abs_diff"]) == ("confirmed", 4096, 4.0)  # 5 read instead of 1
+    waw = only("test_waw", "write-after-write")["confirmation"]
+    assert (waw["status"], waw["differing"], waw["max_abs_diff"]) == ("confirmed", 4096, 2.0)  # 7 left, not 9
+    benign = only("test_benign_write_of_the_same_values", "read-after-write")["confirmation"]
+    assert (benign["status"], benign["differing"], benign["elements"]) == ("not-confirmed", 0, 4096)
+    latent = [r for r in by_test["test_latent"] if r.get("latent")]
+    assert latent and all(r["confirmation"]["status"] == "not-tried" for r in latent)
+    assert "a latent race" in latent[0]["confirmation"]["reason"]
+    assert "test_clean" not in by_test
+    # a clean test and a latent-only one are not re-run; a racy one is re-run to locate, then once per race
+    assert runs["test_clean"] == 1 and runs["test_latent"] == 1
+    assert runs["test_raw"] == 1 + 1 + len(by_test["test_raw"])
+    result.stdout.fnmatch_lines([
+        f"*confirmed: read-after-write test_cases.py:{_line(pytester, 'RAW-WRITE')} -> "
+        f"test_cases.py:{_line(pytester, 'RAW-READ')}: with the write at *held back, the values read at * differed "
+        "by max |Δ| = 2 in 4,096 of 4,096 elements",
+        f"*not confirmed: read-after-write test_cases.py:{_line(pytester, 'BENIGN-WRITE')} -> *identical in 1 forced "
+        "run*"])
+    result.stdout.fnmatch_lines(["streamrace confirmations: * confirmed, * not confirmed, * not tried (re-runs took *"])
+
+
+def test_each_race_is_forced_and_shown_with_what_it_changed(pytester):
+    check_cases(pytester, *run_cases(pytester, "virtual"))
+
+
+def test_under_xdist_each_worker_confirms_its_tests_and_the_controller_reports_them(pytester):
+    result, by_test, runs = run_cases(pytester, "virtual", "-n", "2")
+    check_cases(pytester, result, by_test, runs)
+
+
+def test_without_the_option_nothing_is_re_run(pytester):
+    pytester.makepyfile(test_cases=CASES)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual",
+                                           "--streamrace-json=races.json", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=6)
+    assert sorted(set((pytester.path / "runs.txt").read_text().split())) == sorted(
+        (pytester.path / "runs.txt").read_text().split())  # every test ran once
+    races = json.loads((pytester.path / "races.json").read_text())["races"]
+    assert races and not any("confirmation" in r for r in races)
+    assert "confirmations" not in result.stdout.str()
+
+
+def test_a_collective_read_before_wait_is_confirmed_on_gloo_ranks(pytester):
+    pytester.makepyfile(test_dist=DISTRIBUTED)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-confirm", "--streamrace-json=races.json",
+                                           "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    races = json.loads((pytester.path / "races.json").read_text())["races"]
+    assert sorted(r["rank"] for r in races) == [0, 1]
+    for race in races:
+        confirmation = race["confirmation"]
+        # 1 + 2 = 3 after the all-reduce; the forced read sees the rank's own value
+        assert confirmation["status"] == "confirmed", confirmation
+        assert confirmation["differing"] == 64
+    result.stdout.fnmatch_lines(["*confirmed: read-after-write test_dist.py:*-> test_dist.py:*: with the write at "
+                                 "*held back, the values read at * differed by max |Δ| = * in 64 of 64 elements"])
+
+
+@pytest.mark.parametrize("confirm", ["--streamrace-confirm", "-ostreamrace_confirm=true"])
+def test_the_ini_key_and_the_option_both_turn_it_on(pytester, confirm):
+    pytester.makepyfile(test_cases=CASES)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", confirm,
+                                           "-p", "no:cacheprovider", "-k", "test_raw")
+    result.assert_outcomes(passed=1, deselected=5)
+    result.stdout.fnmatch_lines(["streamrace confirmations: 1 confirmed, 0 not confirmed, 0 not tried*"])
+
+
+# The corpus: every racy case forced. Not confirmed only where the collective runs on a world of one rank (an
+# all-reduce of one rank is the identity: the bytes it writes are the ones there); a free is not forced.
+CORPUS_BENIGN = {"test_async_collective_output_read_before_wait", "test_sync_collective_output_read_on_another_stream",
+                 "test_collective_on_stream_that_waited_on_the_wrong_stream"}
+CORPUS_NOT_TRIED = {"test_free_while_another_stream_reads"}
+
+
+def check_corpus(pytester, backend: str) -> None:
+    from test_corpus import CORPUS, RACY
+
+    result = pytester.runpytest_subprocess(str(CORPUS), "--streamrace", f"--streamrace-backend={backend}",
+                                           "--streamrace-confirm", "--streamrace-json", "races.json",
+                                           "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2 * len(RACY))
+    verdicts: dict = {}
+    for race in json.loads((pytester.path / "races.json").read_text())["races"]:
+        verdicts.setdefault(race["test"].rsplit("::", 1)[1], set()).add(race["confirmation"]["status"])
+    assert set(verdicts) == set(RACY)  # no clean twin was re-run: it had no race to confirm
+    for test, found in verdicts.items():
+        want = "not-confirmed" if test in CORPUS_BENIGN else "not-tried" if test in CORPUS_NOT_TRIED else "confirmed"
+        assert found == {want}, (test, found)
+
+
+def test_every_racy_case_of_the_corpus_is_confirmed_or_shown_benign(pytester):
+    check_corpus(pytester, "virtual")
