@@ -1112,7 +1112,14 @@ void forcing_call(const char* when, int64_t ordinal, const char* op, c10::ArrayR
       if (forcing_fn == nullptr) return;
       fn = *forcing_fn;
     }
-    std::vector<c10::IValue> in(inputs.begin(), inputs.end()), out(outputs.begin(), outputs.end());
+    // tensors (and their lists) only, on a GPU: a collective's Work is needed only where its bytes are waited for
+    // in Python (host memory), and is not handed over elsewhere
+    auto kept = [](c10::ArrayRef<c10::IValue> values) {
+      std::vector<c10::IValue> out;
+      for (const auto& v : values) out.push_back(!cuda || v.isTensor() || v.isTensorList() ? v : c10::IValue());
+      return out;
+    };
+    std::vector<c10::IValue> in = kept(inputs), out = kept(outputs);
     try {
       fn(when, ordinal, static_cast<int64_t>(PyThread_get_thread_ident()), op, current_stream(), values_object(in),
          after ? values_object(out) : py::object(py::none()));

@@ -29,6 +29,10 @@ from .frames import thread_origin
 from .hb import RAW, WAR, WAW
 
 MAIN = "main"
+# Writes whose bytes do not depend on what was there: on a GPU, what they leave is what an ordered run leaves too.
+OVERWRITES = frozenset({"aten::fill_", "aten::copy_", "aten::zero_", "aten::normal_", "aten::uniform_",
+                        "aten::random_", "aten::bernoulli_", "aten::exponential_", "aten::empty_like",
+                        "aten::zeros_like", "aten::ones_like", "aten::full_like"})
 
 
 def thread_key(ident: int) -> str:
@@ -91,6 +95,9 @@ class ForcedOrder:
         self.host = {}
         self.problem: str | None = None
         self.unwritten = False
+        self._op = ""  # the op the capture called about
+        self.entry = None  # the candidate both accesses touch
+        self.peer = False  # a rank that does not hold its collective back, and sees the other order (cuda)
         self._lock = threading.Lock()
 
     # installing
@@ -109,12 +116,11 @@ class ForcedOrder:
         key = thread_key(thread)
         with self._lock:
             for name, side in (("earlier", self.earlier), ("later", self.later)):
-                if side.ordinal == ordinal and side.thread == key:
-                    if "::" in side.op and side.op != op:  # (a model's op, "all_reduce", is named by the model)
-                        self.problem = self.problem or (
-                            f"the re-run took another path: its {name} access's place ran {op}, not {side.op}")
-                        return
+                # the same place on the same thread, and the same op (a model's op, "all_reduce", is the model's
+                # name for whatever the capture saw): threads the session does not name share the name "main"
+                if side.ordinal == ordinal and side.thread == key and ("::" not in side.op or side.op == op):
                     self.seen[name] = op
+                    self._op = op
                     try:
                         if name == "earlier" and when == "after":
                             self.works += [v for v in _flat(outputs) if hasattr(v, "wait") and
@@ -132,26 +138,43 @@ class ForcedOrder:
         return view[self.lo:self.hi]
 
     def _earlier_before(self, inputs, outputs) -> None:
-        if self.cuda:
+        self.host["earlier"] = time.perf_counter()
+        holds = self.cuda and self._holds_here()
+        covering = self._covering(inputs, self.earlier)
+        for t in covering:  # before the hold: the bytes a held-back read sees if it comes first (WAR, cuda)
+            view = _bytes_of(t)
+            self.candidates[t.untyped_storage().data_ptr()] = {"view": view, "first": self._region(view).clone()}
+        if holds:
             stream = torch.cuda.current_stream()
             torch.cuda._sleep(int(self.delay_ms * _cycles_per_ms()))
             self.events = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
             self.events[0].record(stream)  # the held access starts after this
-        self.host["earlier"] = time.perf_counter()
-        for t in self._covering(inputs, self.earlier):
-            view = _bytes_of(t)
-            # before the earlier access: what a held-back write has not written yet (RAW), what a held-back read
-            # sees once the later write went first (WAR, taken later on the same held stream)
-            self.candidates[t.untyped_storage().data_ptr()] = (view, self._region(view, self.earlier).clone())
+        for entry in self.candidates.values():
+            # right before the earlier access (on a GPU, once the hold is over): what a held-back write has not
+            # written yet when the read runs (RAW), what a held-back read sees once the write went first (WAR)
+            entry["held"] = entry["first"] if not holds else self._region(entry["view"]).clone()
+
+    def _holds_here(self) -> bool:
+        """Whether this process holds the earlier access back. A collective runs on the communicator's own stream,
+        which waits for the issuing one: holding that delays the collective, but also whatever this rank issues next
+        on it. So one rank, the last, holds its collective back, and its peers, whose collective cannot finish
+        without it, see the other order."""
+        if not self._op.startswith("c10d::"):
+            return True
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+            return True
+        self.peer = dist.get_rank() != dist.get_world_size() - 1
+        return not self.peer
 
     def _earlier_after(self, inputs, outputs) -> None:
         # after the earlier access: what it wrote (RAW: the ordered read's bytes; WAW: the forced run's leftovers)
         for t in self._covering(inputs + outputs, self.earlier):
-            ptr = t.untyped_storage().data_ptr()
-            view, before = self.candidates.get(ptr, (_bytes_of(t), None))[:2]
-            self.candidates[ptr] = (view, before, self._region(view, self.earlier).clone())
+            entry = self.candidates.setdefault(t.untyped_storage().data_ptr(), {"view": _bytes_of(t)})
+            entry["after"] = self._region(entry["view"]).clone()
 
-    def _shared(self, tensors) -> tuple | None:
+    def _shared(self, tensors) -> dict | None:
         for t in self._covering(tensors, self.later):
             found = self.candidates.get(t.untyped_storage().data_ptr())
             if found is not None:
@@ -163,71 +186,64 @@ class ForcedOrder:
         found = self._shared(inputs)
         if found is None:
             return
-        view = found[0]
-        self.storage = view
-        for work in self.works:  # the earlier op's own async part done: its bytes are final
-            try:
-                work.wait()
-            except Exception:
-                pass
-        region = self._region(view, self.later)
+        self.entry = found
+        if self.cuda:
+            return  # nothing on the later access's stream before it: the snapshots are the held stream's
+        self._wait_works()  # the earlier op's async part done (gloo's thread): its bytes are final
+        region = self._region(found["view"])
         if self.kind == RAW:
-            if self.cuda:  # taken on the reader's stream right before it: what it reads with the write held back
-                self.forced = region.clone()
+            self.ordered = region.clone()
+            if "held" not in found:  # written where nothing was before it (a fresh output): the read gets junk bytes
+                self.unwritten = True
+                self.forced = torch.full_like(region, 0xFF)  # NaN in every float type
             else:
-                before = found[1]
-                self.ordered = region.clone()
-                if before is None:  # written where nothing was before it (a fresh output): the read gets junk bytes
-                    self.unwritten = True
-                    self.forced = torch.full_like(region, 0xFF)  # NaN in every float type
-                else:
-                    self.forced = before
-                region.copy_(self.forced)  # the read runs on the bytes as they were before the write
+                self.forced = found["held"]
+            region.copy_(self.forced)  # the read runs on the bytes as they were before the write
         elif self.kind == WAR:
             self.ordered = region.clone()  # what the held-back read would see if it came first
 
     def _later_after(self, inputs, outputs) -> None:
-        found = self._shared(inputs + outputs) if self.storage is None else None
-        if found is not None:
-            self.storage = found[0]
-        if self.storage is None:
+        if self.entry is None:
+            self.entry = self._shared(inputs + outputs)
+        entry = self.entry
+        if entry is None:
             return
-        region = self._region(self.storage, self.later)
+        region = self._region(entry["view"])
         if self.cuda:
-            stream = torch.cuda.current_stream()
             if self.events is not None:
-                self.events[1].record(stream)  # the later access has run by this point on its stream
+                self.events[1].record(torch.cuda.current_stream())  # the later access has run by here on its stream
             if self.kind == RAW:
-                entry = self._entry()
-                if entry is not None and len(entry) > 2:
-                    self.ordered = entry[2]
+                # the read saw what the held stream had before the write; a collective's own bytes (it writes on its
+                # communicator's stream) are read at the end, and a peer's read saw them before the collective ran
+                self.forced = entry.get("after") if self.peer else entry.get("held")
+                self.ordered = None if self.works or self.peer else entry.get("after")
             elif self.kind == WAR:
-                entry = self._entry()
-                if entry is not None:  # taken on the held stream before the read: the bytes it sees
-                    self.forced = entry[1]
-            elif self.kind == WAW:
+                self.ordered, self.forced = entry.get("first"), entry.get("held")
+            elif self.kind == WAW and self.later.op in OVERWRITES:
                 self.ordered = region.clone()  # the later write's bytes: what the ordered run leaves
-                entry = self._entry()
-                if entry is not None and len(entry) > 2:
-                    self.forced = entry[2]  # the held write lands last
+                self.forced = entry.get("after")  # the held write lands last
+            elif self.kind == WAW:
+                self.problem = self.problem or (
+                    f"the later write ({self.later.op}) also reads the bytes it writes: what the ordered run leaves "
+                    "is not in the forced one")
             return
         if self.kind == RAW:
             if self.forced is not None and self.ordered is not None and torch.equal(region, self.forced):
                 region.copy_(self.ordered)  # the held write lands after the read (unless the read's op wrote here)
         elif self.kind == WAR:
             self.forced = region.clone()  # the later write's bytes: what the read sees when the write goes first
-        elif self.kind == WAW:
-            entry = self._entry()
-            if entry is not None and len(entry) > 2:
-                self.ordered = region.clone()
-                self.forced = entry[2]
-                region.copy_(self.forced)  # the earlier write lands last
+        elif self.kind == WAW and "after" in entry:
+            self.ordered = region.clone()
+            self.forced = entry["after"]
+            region.copy_(self.forced)  # the earlier write lands last
 
-    def _entry(self):
-        for entry in self.candidates.values():
-            if entry[0].untyped_storage().data_ptr() == self.storage.untyped_storage().data_ptr():
-                return entry
-        return None
+    def _wait_works(self) -> None:
+        for work in self.works:
+            try:
+                work.wait()
+            except Exception:
+                pass
+        self.works = []
 
     # the result
 
@@ -236,6 +252,8 @@ class ForcedOrder:
         out: dict = {"kind": self.kind, "held": "earlier", "backend": "cuda" if self.cuda else "virtual"}
         if self.cuda:
             out["delay_ms"] = self.delay_ms
+            if self.peer:
+                out["held_by"] = "the last rank"
         if "earlier" in self.host and "later" in self.host:
             out["host_gap_ms"] = round((self.host["later"] - self.host["earlier"]) * 1000, 3)
         if self.problem:
@@ -244,17 +262,22 @@ class ForcedOrder:
         if missing:
             return dict(out, status="not-tried",
                         reason=f"the re-run never reached the {' and '.join(missing)} access")
+        if self.cuda:
+            torch.cuda.synchronize()
+            if self.entry is not None and self.ordered is None and self.kind == RAW:  # a collective's, now done
+                self.ordered = self._region(self.entry["view"]).clone()
         if self.ordered is None or self.forced is None:
             return dict(out, status="not-tried", reason="the two accesses shared no bytes in the re-run")
         if self.cuda:
-            torch.cuda.synchronize()
             if self.events is not None:
                 lead = self.events[1].elapsed_time(self.events[0])  # > 0: the held access started after the later one
                 out["inverted"] = lead > 0
                 out["lead_ms"] = round(lead, 3)
                 if lead <= 0:
                     return dict(out, status="not-tried",
-                                reason=f"a {self.delay_ms:g} ms hold did not invert the order")
+                                reason=f"a {self.delay_ms:g} ms hold did not invert the order (the later access "
+                                       f"ran {-lead:.1f} ms after the held one started; the host issued it "
+                                       f"{out.get('host_gap_ms', 0):.1f} ms after the held one)")
         out.update(compare(self.ordered, self.forced, dtype))
         if self.unwritten:
             out["unwritten"] = True

@@ -94,8 +94,7 @@ class Confirmer:
                 except (OSError, ValueError):
                     continue
             if not found:
-                tail = done.stdout.decode(errors="replace").strip().splitlines()[-3:]
-                return [], "the re-run reported nothing (exit {}): {}".format(done.returncode, " | ".join(tail))
+                return [], f"the re-run reported nothing (exit {done.returncode}): {_gist(done.stdout)}"
             return found, None
         finally:
             shutil.rmtree(folder, ignore_errors=True)
@@ -154,6 +153,16 @@ def _without_cache_options(args: list[str]) -> list[str]:
     dropped = {"--lf", "--last-failed", "--ff", "--failed-first", "--nf", "--new-first", "--sw", "--stepwise",
                "--sw-skip", "--stepwise-skip", "--cache-clear"}
     return [a for a in args if a not in dropped]
+
+
+def _gist(output: bytes) -> str:
+    """What a re-run that wrote nothing printed: a crash's first lines and innermost frames, else its last lines."""
+    lines = output.decode(errors="replace").strip().splitlines()
+    for index, line in enumerate(lines):
+        if line.startswith("Fatal Python error"):
+            frames = [f.strip() for f in lines[index + 1:] if f.strip().startswith("File ")][:4]
+            return " | ".join([line.strip(), *frames])
+    return " | ".join(line.strip() for line in lines[-3:])
 
 
 def _why_not(data: dict) -> str | None:
@@ -264,10 +273,25 @@ class ConfirmRun:
         self.plan = instruction.get("plan")
         self.backend = instruction.get("backend", "virtual")
         self.order = None
+        self.warming = False  # the test's first pass, run only to warm the process up
+
+    def warm_up(self, item: pytest.Item, nextitem) -> None:
+        """Run the test once before the pass that counts, its reports not logged: a fresh process loads kernels,
+        builds caches and makes lazy state on first use, which moves ops' places and, on a GPU, can block the host
+        (a kernel's first launch loads its module) while a held stream sleeps. Both re-runs count the second pass."""
+        from _pytest.runner import runtestprotocol
+
+        self.warming = True
+        try:
+            runtestprotocol(item, nextitem=item.parent, log=False)  # its own fixtures torn down, wider ones kept
+        finally:
+            self.warming = False
+            if hasattr(item, "_initrequest"):  # a function item's fixtures, set up afresh for the pass that counts
+                item._initrequest()
 
     def start(self, detector) -> None:
         seed_everything()
-        if self.mode != "force":
+        if self.mode != "force" or self.warming:
             return
         from ..detector.forced_order import ForcedOrder
 
@@ -279,6 +303,8 @@ class ConfirmRun:
             self.order.problem = problem
 
     def finish(self, detector, races: list[dict], outcome: str) -> None:
+        if self.warming:
+            return
         data: dict = {"pid": os.getpid(), "outcome": outcome}
         if self.mode == "locate":
             data["races"] = races

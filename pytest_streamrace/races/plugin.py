@@ -150,6 +150,12 @@ class RaceChecks:
         if self.backend == "cuda":
             capture.load_trace()
 
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem) -> None:
+        if self.rerun is not None and self.role.kind != roles.RANK_CHILD and \
+                item.get_closest_marker("distributed") is None:
+            self.rerun.warm_up(item, nextitem)  # (a distributed item's ranks are fresh processes: not warmed)
+
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item):
         if _bad_marker(item):  # its setup fails with one line (``plugin.marker_problem``): nothing to check
