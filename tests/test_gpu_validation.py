@@ -86,8 +86,8 @@ def test_the_results_file_records_each_row_item_and_renders_as_the_page_table(py
         "`pytest -m gpu tests/gpu --validates 901` |",
         f"| 902 | A claim half on GPUs | **passed** (1 of 2 items; the rest skipped: needs 64 CUDA GPUs, this host has "
         f"0) | CPU, {torch} | {date} | `pytest -m gpu tests/gpu --validates 902` |",
-        f"| 903 | A claim that does not hold | **failed**: `test_wrong`: AssertionError: the count was off | CPU, {torch} "
-        f"| {date} | `pytest -m gpu tests/gpu --validates 903` |",
+        f"| 903 | A claim that does not hold | **failed**: `test_wrong`: AssertionError: the count was off | "
+        f"CPU, {torch} | {date} | `pytest -m gpu tests/gpu --validates 903` |",
     ]
     assert _render(path, "--row", "902").stdout.count("| 90") == 1
 
@@ -127,8 +127,7 @@ def test_tests_gpu_skips_cleanly_without_a_gpu_and_imports_no_framework(tmp_path
     assert "frameworks: []" in done.stdout
     items = json.loads((tmp_path / "r.json").read_text())["items"]
     assert items and {item["outcome"] for item in items} == {"skipped"}
-    assert {item["reason"] for item in items} <= {"needs 1 CUDA GPU, this host has 0",
-                                                   "needs 2 CUDA GPUs, this host has 0"}
+    assert all(re.fullmatch(r"needs (1 CUDA GPU|[2-8] CUDA GPUs), this host has 0", item["reason"]) for item in items)
 
 
 def _claims() -> dict[int, tuple[str, str]]:

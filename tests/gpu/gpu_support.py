@@ -30,7 +30,8 @@ def counts(output: str) -> dict[str, int]:
     """pytest's closing summary as {outcome: count} ('3 passed, 1 failed in 2.0s')."""
     lines = [line for line in output.strip().splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", line)]
     found = {}
-    for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", lines[-1] if lines else ""):
+    last = lines[-1] if lines else ""
+    for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", last):
         found[word.rstrip("s") if word.startswith("error") else word] = int(n)
     return found
 

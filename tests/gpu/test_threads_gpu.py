@@ -7,9 +7,9 @@ import os
 
 import pytest
 
-CLAIMS = {30: "Threads on real streams: a synchronize (device, stream, event, query, read-back) on another thread orders "
-              "nothing here; each modelled handoff (locks, conditions, events, semaphores, barriers, queues, futures, "
-              "submit, start/join) carries it; a race on a library's thread names a frame and the thread"}
+CLAIMS = {30: "Threads on real streams: a synchronize (device, stream, event, query, read-back) on another thread "
+              "orders nothing here; each modelled handoff (locks, conditions, events, semaphores, barriers, queues, "
+              "futures, submit, start/join) carries it; a race on a library's thread names a frame and the thread"}
 
 pytestmark = [pytest.mark.gpu, pytest.mark.validates(30)]
 
