@@ -72,15 +72,15 @@ def framework_env(config, **wanted: str | None) -> dict[str, str]:
     for name, version in wanted.items():
         dist = name.replace("_", "-")
         have = _installed(dist)
-        if version is None or have == version:
-            if have is not None:
-                continue
-            found = sorted(sites.glob(f"{dist}-*"))
-            if found:
-                paths.append(str(found[-1]))
-                continue
-        elif (sites / f"{dist}-{version}").is_dir():
+        if have is not None and version in (None, have):
+            continue
+        if version is not None and (sites / f"{dist}-{version}").is_dir():
             paths.append(str(sites / f"{dist}-{version}"))
+            continue
+        if version is None and (found := sorted(sites.glob(f"{dist}-[0-9]*"))):
+            paths.append(str(found[-1]))
+            continue
+        if version is None and any((sites / "common").glob(f"{dist.replace('-', '_')}-*.dist-info")):
             continue
         pytest.skip(f"{dist} {version or ''} is not installed: carry its wheel in .whl/ and source "
                     "scripts/device/setup.sh".replace("  ", " "))
@@ -88,6 +88,11 @@ def framework_env(config, **wanted: str | None) -> dict[str, str]:
         paths.append(str(sites / "common"))
     old = os.environ.get("PYTHONPATH")
     return {"PYTHONPATH": os.pathsep.join(paths + ([old] if old else []))} if paths else {}
+
+
+def extensions_dir(dist: str, version: str) -> str:
+    """A JIT build cache of its own for a framework version (two versions' builds of one op would collide)."""
+    return f"{os.environ.get('TORCH_EXTENSIONS_DIR', '/tmp/tex')}-{dist}-{version}"
 
 
 def repro(name: str, *args: str, config, timeout: float, env: dict | None = None, json_path=None) -> dict:

@@ -5,7 +5,7 @@ the patched one clean in every run, on the framework versions on both sides of e
 import statistics
 
 import pytest
-from gpu_support import framework_env, repro, verdicts
+from gpu_support import extensions_dir, framework_env, repro, verdicts
 
 CLAIMS = {
     13: "The repros on GPUs, numeric referee against a run without the overlap",
@@ -61,7 +61,7 @@ MEGATRON = [pytest.param("0.15.2", 2, marks=[pytest.mark.validates(13, 15), pyte
 def test_megatron_instances_unpatched_reproduced_patched_clean(request, tmp_path, version, ranks, gpu_repeat,
                                                                gpu_result):
     env = framework_env(request.config, megatron_core=version)
-    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")  # megatron-core JIT-builds an extension, one a version
+    env["TORCH_EXTENSIONS_DIR"] = extensions_dir("megatron-core", version)  # it JIT-builds an extension at import
     data = repro("megatron_instances", "--world-size", str(ranks), "--steps", "3", "--repeat", str(gpu_repeat),
                  config=request.config, timeout=600, env=env, json_path=tmp_path / "runs.json")
     gpu_result.record("megatron-core", version)
@@ -76,7 +76,7 @@ def test_megatron_instances_unpatched_reproduced_patched_clean(request, tmp_path
 def test_deepcompile_zero1_keeps_a_gradient_partition_past_the_step(request, tmp_path, version, gpu_repeat,
                                                                    gpu_result):
     env = framework_env(request.config, deepspeed=version)
-    env["TORCH_EXTENSIONS_DIR"] = str(tmp_path / "ext")  # DeepCompile's native op, built once a version
+    env["TORCH_EXTENSIONS_DIR"] = extensions_dir("deepspeed", version)  # DeepCompile's native op
     data = repro("deepcompile_zero1", "--repeat", str(gpu_repeat), config=request.config, timeout=600, env=env,
                  json_path=tmp_path / "runs.json")
     gpu_result.record("deepspeed", version)

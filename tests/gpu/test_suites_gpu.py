@@ -59,7 +59,8 @@ def test_streamrace_run_on_the_cuda_backend(gpu_result):
 @pytest.mark.validates(33)
 def test_thread_model_unit_tests_on_a_gpu_host(gpu_result):
     _suite(gpu_result, "tests/test_virtual.py", "tests/test_cuda_backend.py", "tests/test_capture.py",
-           "tests/test_hb.py", "tests/test_thread_handoffs.py", "tests/test_threads.py", "tests/test_hb_differential.py")
+           "tests/test_hb.py", "tests/test_thread_handoffs.py", "tests/test_threads.py",
+           "tests/test_hb_differential.py")
 
 
 @pytest.mark.gpu
