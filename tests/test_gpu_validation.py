@@ -38,6 +38,12 @@ def test_needs_many_gpus():
     pass
 
 
+@pytest.mark.validates(902)
+@pytest.mark.skipif(True, reason="its own reason")
+def test_skipped_by_its_own_mark():
+    pass
+
+
 @pytest.mark.validates(903)
 def test_wrong():
     assert 1 == 2, "the count was off"
@@ -62,16 +68,18 @@ def _render(*args):
 def test_the_results_file_records_each_row_item_and_renders_as_the_page_table(pytester):
     path = pytester.path / "out" / "results.json"
     result = _session(pytester, "--gpu-results", str(path), "--gpu-repeat", "5")
-    result.assert_outcomes(passed=3, failed=1, skipped=1)
-    result.stdout.fnmatch_lines([f"gpu validation: 4 items of rows [901, 902, 903] written to {path}"])
+    result.assert_outcomes(passed=3, failed=1, skipped=2)
+    result.stdout.fnmatch_lines([f"gpu validation: 5 items of rows [901, 902, 903] written to {path}"])
     data = json.loads(path.read_text())
     items = {item["nodeid"].rsplit("::", 1)[1]: item for item in data["items"]}
-    assert sorted(items) == ["test_measures", "test_needs_many_gpus", "test_runs_here", "test_wrong"]
+    assert sorted(items) == ["test_measures", "test_needs_many_gpus", "test_runs_here", "test_skipped_by_its_own_mark",
+                             "test_wrong"]
+    assert items["test_skipped_by_its_own_mark"]["reason"] == "its own reason"
     assert items["test_measures"]["numbers"] == {"right": "26/26", "runs": 5}
     assert items["test_measures"]["claims"] == {"901": "A measured claim"}
     assert items["test_needs_many_gpus"]["outcome"] == "skipped"
     assert items["test_needs_many_gpus"]["reason"] == "needs 64 CUDA GPUs, this host has 0"
-    assert items["test_wrong"]["outcome"] == "failed" and "the count was off" in items["test_wrong"]["reason"]
+    assert items["test_wrong"]["outcome"] == "failed" and items["test_wrong"]["reason"] == "assert 1 == 2"
     assert all(item["duration_s"] >= 0 for item in data["items"])
     machine = data["machine"]
     assert machine["torch"] and machine["gpu_count"] == 0 and re.fullmatch(r"\d{4}-\d\d-\d\d", machine["date"])
@@ -84,9 +92,9 @@ def test_the_results_file_records_each_row_item_and_renders_as_the_page_table(py
         "|---|---|---|---|---|---|",
         f"| 901 | A measured claim | **passed**: right 26/26, runs 5 | CPU, {torch} | {date} | "
         "`pytest -m gpu tests/gpu --validates 901` |",
-        f"| 902 | A claim half on GPUs | **passed** (1 of 2 items; the rest skipped: needs 64 CUDA GPUs, this host has "
-        f"0) | CPU, {torch} | {date} | `pytest -m gpu tests/gpu --validates 902` |",
-        f"| 903 | A claim that does not hold | **failed**: `test_wrong`: AssertionError: the count was off | "
+        f"| 902 | A claim half on GPUs | **passed** (1 of 3 items; the rest skipped: its own reason; needs 64 CUDA GPUs, "
+        f"this host has 0) | CPU, {torch} | {date} | `pytest -m gpu tests/gpu --validates 902` |",
+        f"| 903 | A claim that does not hold | **failed**: `test_wrong`: assert 1 == 2 | "
         f"CPU, {torch} | {date} | `pytest -m gpu tests/gpu --validates 903` |",
     ]
     assert _render(path, "--row", "902").stdout.count("| 90") == 1
@@ -95,14 +103,14 @@ def test_the_results_file_records_each_row_item_and_renders_as_the_page_table(py
 def test_validates_selects_rows_and_a_gpu_session_writes_under_OUT(pytester, monkeypatch):
     monkeypatch.setenv("OUT", str(pytester.path / "device-out"))
     result = _session(pytester, "--validates", "902", "-m", "gpu or not gpu")
-    result.assert_outcomes(passed=1, skipped=1, deselected=3)
+    result.assert_outcomes(passed=1, skipped=2, deselected=3)
     items = json.loads((pytester.path / "device-out" / "gpu-results.json").read_text())["items"]
-    assert [item["rows"] for item in items] == [[902], [902]]
+    assert [item["rows"] for item in items] == [[902], [902], [902]]
 
 
 def test_a_session_that_asks_for_no_results_writes_none(pytester):
     result = _session(pytester)
-    result.assert_outcomes(passed=3, failed=1, skipped=1)
+    result.assert_outcomes(passed=3, failed=1, skipped=2)
     assert not list(pytester.path.rglob("gpu-results.json"))
 
 

@@ -73,17 +73,20 @@ def _visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def pytest_runtest_setup(item):
+def pytest_itemcollected(item):
+    """The item's rows ride on its reports from here on, whoever skips it (a skipif mark runs before our setup)."""
     mark = item.get_closest_marker("validates")
     if mark is not None:
-        module = getattr(item, "module", None)
-        claims = getattr(module, "CLAIMS", {}) or {}
+        claims = getattr(getattr(item, "module", None), "CLAIMS", {}) or {}
         gpu = item.get_closest_marker("gpu")
         item.user_properties.append((_ROWS, {
             "rows": list(mark.args),
             "claims": {str(row): claims[row] for row in mark.args if row in claims},
             "gpus": (gpu.kwargs.get("count", 1) if gpu else 0),
         }))
+
+
+def pytest_runtest_setup(item):
     gpu = item.get_closest_marker("gpu")
     if gpu is not None:
         wanted = gpu.kwargs.get("count", 1)
@@ -114,6 +117,15 @@ def gpu_repeat(request) -> int:
     return _option(request.config, "gpu_repeat", 3)
 
 
+def _reason(report) -> str:
+    """One line for the table: an assertion's own comparison (its message is often a session's output), else the
+    exception's first line."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    lines = (crash.message if crash is not None else str(report.longrepr)).strip().splitlines() or [""]
+    compared = [line for line in lines if line.startswith("assert ")]
+    return compared[-1] if lines[0].startswith("AssertionError") and compared else lines[0]
+
+
 class _Recorder:
     """Collects the validation items' reports in the process that writes the file (the xdist controller, or the
     only process)."""
@@ -135,9 +147,7 @@ class _Recorder:
                 record["numbers"][value[0]] = value[1]
         if report.failed:
             record["outcome"] = "failed"
-            crash = getattr(report.longrepr, "reprcrash", None)
-            text = crash.message if crash is not None else str(report.longrepr)
-            record["reason"] = (text.strip().splitlines() or [""])[0][:300]
+            record["reason"] = _reason(report)[:300]
         elif report.skipped and record["outcome"] != "failed":
             record["outcome"] = "skipped"
             longrepr = report.longrepr

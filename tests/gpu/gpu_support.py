@@ -37,8 +37,11 @@ def counts(output: str) -> dict[str, int]:
 
 
 def junit_outcomes(path) -> dict[str, tuple[str, str]]:
-    """Test name -> (passed | failed | skipped, the failure's message) from a junit XML file."""
+    """Test name -> (passed | failed | skipped, the failure's message) from a junit XML file; {} where the session
+    wrote none (it did not start: its output says why)."""
     result = {}
+    if not os.path.exists(path):
+        return result
     for case in ET.parse(path).getroot().iter("testcase"):
         problem = case.find("failure")
         if problem is None:
@@ -53,6 +56,9 @@ def junit_outcomes(path) -> dict[str, tuple[str, str]]:
 
 
 def races(path) -> list[dict]:
+    """The races of a --streamrace-json file; [] where the session wrote none."""
+    if not os.path.exists(path):
+        return []
     with open(path, encoding="utf-8") as f:
         return json.load(f)["races"]
 

@@ -133,13 +133,13 @@ def test_zero3_parameter_gather_after_a_step_is_a_latent_race(request, tmp_path,
     env = framework_env(request.config, deepspeed="0.19.8")
     (tmp_path / "test_zero3_gpu.py").write_text(ZERO3)
     (tmp_path / "s.supp").write_text("incidental-sync:deepspeed/utils/timer.py\n")
-    output, found = _session(tmp_path, "report", "-n", "0", "test_zero3_gpu.py", env=env)
+    output, found = _session(tmp_path, "report", "test_zero3_gpu.py", env=env)
     assert "1 passed" in output and found, output[-4000:]
     assert all(r.get("latent") and r["kind"] == "read-after-write" for r in found), found
     assert {r.get("rank") for r in found} == {0, 1}, found
-    output, _ = _session(tmp_path, "fail", "-n", "0", "--streamrace-latent=fail", "test_zero3_gpu.py", env=env)
+    output, _ = _session(tmp_path, "fail", "--streamrace-latent=fail", "test_zero3_gpu.py", env=env)
     assert "1 failed" in output, output[-4000:]
-    output, found = _session(tmp_path, "incidental", "-n", "0", "--streamrace-suppress", "s.supp",
+    output, found = _session(tmp_path, "incidental", "--streamrace-suppress", "s.supp",
                              "--streamrace-report-only", "test_zero3_gpu.py", env={**env, "ACCUMULATION": "2"})
     ops = sorted({r["latent"]["op"] for r in found if r.get("latent")})
     gpu_result.record("zero3 latent, hidden by", ops)

@@ -17,10 +17,10 @@ STACKS = {"ddp": {}, "fsdp2": {}, "dtensor": {}, "deepspeed": {"deepspeed": "0.1
 @pytest.mark.gpu(count=2)
 @pytest.mark.validates(4)
 @pytest.mark.parametrize("stack", list(STACKS))
-def test_stack_on_nccl_clean_cases_clean_and_racy_twins_caught(request, stack, tmp_path, gpu_result):
+def test_stack_on_nccl_clean_cases_clean_and_racy_twins_caught(request, stack, gpu_result):
     env = framework_env(request.config, **STACKS[stack])
-    done = run([*PYTEST, str(ROOT / "tests" / "stacks" / f"stack_{stack}.py"), "-n", "0", "--streamrace", "-rA",
-                "-q", "--streamrace-json", str(tmp_path / "races.json")], timeout=600, env=env)
+    done = run([*PYTEST, str(ROOT / "tests" / "stacks" / f"stack_{stack}.py"), "-n", "0", "--streamrace",
+                "--streamrace-backend=cuda", "-rA", "-q"], timeout=600, env=env)
     got = counts(done.stdout)
     gpu_result.record("passed", got.get("passed", 0))
     for framework, version in STACKS[stack].items():
