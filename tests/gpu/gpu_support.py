@@ -36,9 +36,9 @@ def counts(output: str) -> dict[str, int]:
     return found
 
 
-def junit_outcomes(path) -> dict[str, tuple[str, str]]:
-    """Test name -> (passed | failed | skipped, the failure's message) from a junit XML file; {} where the session
-    wrote none (it did not start: its output says why)."""
+def junit_outcomes(path, qualified: bool = False) -> dict[str, tuple[str, str]]:
+    """Test name (`qualified`: class::name) -> (passed | failed | skipped, the failure's message) from a junit XML
+    file; {} where the session wrote none (it did not start: its output says why)."""
     result = {}
     if not os.path.exists(path):
         return result
@@ -46,12 +46,13 @@ def junit_outcomes(path) -> dict[str, tuple[str, str]]:
         problem = case.find("failure")
         if problem is None:
             problem = case.find("error")
+        name = f"{case.get('classname')}::{case.get('name')}" if qualified else case.get("name")
         if case.find("skipped") is not None:
-            result[case.get("name")] = ("skipped", "")
+            result[name] = ("skipped", "")
         elif problem is None:
-            result[case.get("name")] = ("passed", "")
+            result[name] = ("passed", "")
         else:
-            result[case.get("name")] = ("failed", (problem.get("message") or "") + (problem.text or "")[:2000])
+            result[name] = ("failed", (problem.get("message") or "") + (problem.text or "")[:2000])
     return result
 
 

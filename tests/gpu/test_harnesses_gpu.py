@@ -47,8 +47,8 @@ def _both_ways(tmp_path, tests: Path, env, name, *args) -> tuple[dict, dict, lis
                 cwd=tests)
     second = run([*PYTEST, *args, "-q", "--streamrace", "--junitxml", str(tmp_path / f"{name}-streamrace.xml"),
                   "--streamrace-json", str(tmp_path / f"{name}-races.json")], timeout=600, env=env, cwd=tests)
-    plain = {k: v[0] for k, v in junit_outcomes(tmp_path / f"{name}-plain.xml").items()}
-    checked = {k: v[0] for k, v in junit_outcomes(tmp_path / f"{name}-streamrace.xml").items()}
+    plain = {k: v[0] for k, v in junit_outcomes(tmp_path / f"{name}-plain.xml", qualified=True).items()}
+    checked = {k: v[0] for k, v in junit_outcomes(tmp_path / f"{name}-streamrace.xml", qualified=True).items()}
     assert plain and checked, first.stdout[-3000:] + second.stdout[-3000:]
     return plain, checked, races(tmp_path / f"{name}-races.json")
 
@@ -89,7 +89,7 @@ def test_deepspeed_zero_tests_differ_only_where_zero3_gathers_too_early(request,
     classes = ("TestZeroUnbalancedGradients or TestZero3RepeatForwardLoop or TestZeroToFP32 or "
                "TestPartitionNcclAlignment or TestZeroFrozenWeights or TestZero3DictFwd")
     plain, checked, found = _both_ways(tmp_path, tests, env, "zero", "unit/v1/zero/test_zero.py", "-k", classes)
-    differ = sorted(name for name in plain if checked.get(name) != plain[name])
+    differ = sorted(name.split("::")[-1] for name in plain if checked.get(name) != plain[name])
     gpu_result.record("test_zero.py", f"{len(plain) - len(differ)} of {len(plain)} the same both ways")
     gpu_result.record("differ", differ)
     gpu_result.record("deepspeed", "0.19.8")
