@@ -179,7 +179,7 @@ def _version(dist: str) -> str | None:
 def machine() -> dict:
     """The host's facts for the table: GPUs, torch/CUDA/Triton/Python and framework versions, date (UTC)."""
     facts = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-             "python": platform.python_version(), "pytest": pytest.__version__, "host": platform.node()}
+             "python": platform.python_version(), "pytest": pytest.__version__}
     try:
         import torch
 
