@@ -34,12 +34,15 @@ def test_launcher_and_torchrun_sessions_on_nccl(gpu_result):
 
 
 @pytest.mark.gpu
-@pytest.mark.validates(21)
-def test_cuda_unit_tests_with_the_capture_built_here(gpu_result):
+@pytest.mark.validates(21, 33)
+def test_cuda_and_thread_model_unit_tests_with_the_capture_built_here(gpu_result):
+    """Row 21's files (virtual, cuda backend, capture) are part of row 33's: one session serves both."""
     built = run([PYTHON, "-c", "from pytest_streamrace.detector import capture as c; e = c.load(); "
                  "print('built:', e is not None, c.failure() if e is None else '')"], timeout=600)
     assert "built: True" in built.stdout, built.stdout[-3000:]
-    _suite(gpu_result, "tests/test_virtual.py", "tests/test_cuda_backend.py", "tests/test_capture.py")
+    _suite(gpu_result, "tests/test_virtual.py", "tests/test_cuda_backend.py", "tests/test_capture.py",
+           "tests/test_hb.py", "tests/test_thread_handoffs.py", "tests/test_threads.py",
+           "tests/test_hb_differential.py")
 
 
 @pytest.mark.gpu
@@ -52,14 +55,6 @@ def test_dcp_async_staging_orders_on_the_cuda_backend(gpu_result):
 @pytest.mark.validates(32)
 def test_streamrace_run_on_the_cuda_backend(gpu_result):
     _suite(gpu_result, "-m", "gpu", "tests/test_run_command.py")
-
-
-@pytest.mark.gpu
-@pytest.mark.validates(33)
-def test_thread_model_unit_tests_on_a_gpu_host(gpu_result):
-    _suite(gpu_result, "tests/test_virtual.py", "tests/test_cuda_backend.py", "tests/test_capture.py",
-           "tests/test_hb.py", "tests/test_thread_handoffs.py", "tests/test_threads.py",
-           "tests/test_hb_differential.py")
 
 
 @pytest.mark.gpu
