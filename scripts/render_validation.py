@@ -86,8 +86,13 @@ def rows(data: dict, only: list[int] | None = None) -> list[str]:
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, no usage block
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="render_validation.py", description=__doc__.split("\n\n")[0])
+    parser = _Parser(prog="render_validation.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("results", help="the results file of `pytest -m gpu tests/gpu` (gpu-results.json)")
     parser.add_argument("--row", type=int, action="append", help="render only row N (repeatable)")
     args = parser.parse_args(argv)

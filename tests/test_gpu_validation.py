@@ -117,8 +117,10 @@ def test_a_session_that_asks_for_no_results_writes_none(pytester):
 def test_render_says_in_one_line_what_is_wrong_with_its_input(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
-    for path, message in ((tmp_path / "missing.json", "cannot read"), (bad, "is not a results file of tests/gpu")):
-        done = _render(path)
+    cases = (([tmp_path / "missing.json"], "cannot read"), ([bad], "is not a results file of tests/gpu"),
+             ([bad, "--row", "x"], "argument --row: invalid int value: 'x'"), ([], "the following arguments are required"))
+    for args, message in cases:
+        done = _render(*args)
         assert done.returncode == 2 and message in done.stderr and len(done.stderr.splitlines()) == 1
         assert "Traceback" not in done.stderr
 
