@@ -159,7 +159,7 @@ class _Recorder:
             return
         path = results_path(self.config)
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        data = {"machine": machine(), "command": " ".join(["pytest", *self.config.invocation_params.args]),
+        data = {"machine": machine(self.config), "command": " ".join(["pytest", *self.config.invocation_params.args]),
                 "items": sorted(self.records.values(), key=lambda r: (min(r["rows"]), r["nodeid"]))}
         with open(path, "w", encoding="utf-8") as out:
             json.dump(data, out, indent=1)
@@ -176,8 +176,9 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def machine() -> dict:
-    """The host's facts for the table: GPUs, torch/CUDA/Triton/Python and framework versions, date (UTC)."""
+def machine(config) -> dict:
+    """The host's facts for the table: GPUs, torch/CUDA/Triton/Python and framework versions (installed, and carried
+    under --framework-sites), date (UTC)."""
     facts = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
              "python": platform.python_version(), "pytest": pytest.__version__}
     try:
@@ -194,6 +195,9 @@ def machine() -> dict:
         version = _version(dist)
         if version:
             facts[dist] = version
+    sites = _option(config, "framework_sites") or ""
+    if os.path.isdir(sites):
+        facts["framework_sites"] = sorted(name for name in os.listdir(sites) if name != "common")
     return facts
 
 
