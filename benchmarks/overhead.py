@@ -15,6 +15,9 @@ plain dispatch mode make dynamo skip compiling, so they get no number there (nan
     python benchmarks/overhead.py --latent   # the latent view's cost: --streamrace-latent=report against off
     python benchmarks/overhead.py --repeat 3 # fresh processes 3 times: steadier slowdowns
 
+On two GPUs (after ``. scripts/device/setup.sh``), ``python benchmarks/overhead.py --steps 30 --repeat 3`` re-runs the
+four GPU rows of docs/validation.md's cost table.
+
 With ``--latent`` every step reads its loss back (``loss.item()``, as logging does: the implicit sync that splits the
 latent view's clocks from the normal ones), and the detector runs twice: latent races kept (report, the default) and
 not (``-latent-off``: every sync counts, one view).
@@ -337,6 +340,11 @@ def main() -> int:
 
     import torch
 
+    from pytest_streamrace.detector import capture
+
+    capture.load()  # built (or found cached) here, so that no timed process spends its first rounds compiling it
+    if torch.cuda.is_available():
+        capture.load_trace()
     backend = "cuda" if torch.cuda.is_available() else "virtual"
     if args.latent:
         modes = ["plain", backend + LATENT_OFF, backend]

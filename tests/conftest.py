@@ -15,5 +15,7 @@ def _warm_sessions(request):
 def pytest_configure(config):
     config.addinivalue_line("markers", "cold_start: run pytester's sessions as fresh interpreters (what a fresh "
                                        "interpreter imports is the test's subject)")
-    config.addinivalue_line("markers", "gpu: needs a CUDA GPU (skipped without one); `pytest -m gpu tests` runs them "
-                                       "on a GPU host")
+    config.addinivalue_line("markers", "gpu(count=1): needs COUNT CUDA GPUs (tests/gpu skips it without them); "
+                                       "`pytest -m gpu tests/gpu` runs them on a GPU host")
+    config.addinivalue_line("markers", "validates(N, ...): re-creates row(s) N of docs/validation.md; tests/gpu "
+                                       "records it in the results file scripts/render_validation.py renders")

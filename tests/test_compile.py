@@ -1,7 +1,7 @@
 """torch.compile under --streamrace: compiled code compiles for real (no graph break of ours, dynamo's counters say so)
 and Inductor's kernels are seen as launches on the stream current at the call. Racy/clean twins, one pytester run (one
 Inductor compile per function: slow on 2 cores, so the models are tiny). The same cases run on CUDA in
-scripts/device/compile.sh."""
+tests/gpu/test_compiled_gpu.py."""
 
 import json
 

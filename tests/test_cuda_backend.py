@@ -1,6 +1,6 @@
 """The cuda backend's own behaviour that the virtual backend cannot show. Skipped without a CUDA GPU.
 
-Run on a GPU machine: `python -m pytest tests/test_cuda_backend.py -v` (scripts/device/compile.sh runs it).
+Run on a GPU machine: `python -m pytest tests/test_cuda_backend.py -v` (tests/gpu/test_suites_gpu.py runs it).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """deepcompile_zero1 on a machine without CUDA: refused in one line by the CLI, skipped under pytest; and the parts
 of the installed DeepSpeed (0.19.8) its harness patch relies on. The repro itself runs on GPUs only
-(scripts/device/deepcompile.sh)."""
+(tests/gpu/test_repros_gpu.py)."""
 
 import inspect
 

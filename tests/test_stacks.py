@@ -3,7 +3,7 @@
 Each ``stacks/stack_*.py`` is a plain pytest module whose tests carry ``streamrace(expect="clean"|"race")``: correct
 use of a stack must run clean, and its racy twin — a mistake users make with it — must be caught. Run here as users run
 them (a pytest subprocess, ``--streamrace`` on the virtual backend, ranks on gloo); on GPUs the same modules run with
-``pytest --streamrace tests/stacks/stack_*.py`` (scripts/device/stacks.sh). A racy twin tags the line(s) where its
+``pytest --streamrace tests/stacks/stack_*.py`` (tests/gpu/test_stacks_gpu.py). A racy twin tags the line(s) where its
 race is with ``# race: <test name>``, and its reported races must name one of them.
 """
 

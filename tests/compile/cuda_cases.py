@@ -1,6 +1,6 @@
 """Compiled code on CUDA under --streamrace (cuda backend): Inductor's Triton kernels, a user Triton kernel through
 torch.library.triton_op / wrap_triton, a CUDA-graph replay (mode="reduce-overhead") and max-autotune, as racy/clean
-twins. Run by scripts/device/compile.sh:
+twins. Run by tests/gpu/test_compiled_gpu.py:
 
     python -m pytest tests/compile/cuda_cases.py --streamrace --streamrace-backend=cuda
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA cases: scripts/device/compile.sh")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA cases: tests/gpu/test_compiled_gpu.py")
 
 N = 1 << 20
 

@@ -1,6 +1,6 @@
 """Functional collectives in compiled graphs on CUDA + NCCL (cuda backend): Inductor emits
 ``_c10d_functional`` ops and their ``wait_tensor`` in its generated wrapper, and with
-``reorder_for_compute_comm_overlap`` moves the waits as late as it can. Run by scripts/device/collectives_syncs.sh on 2
+``reorder_for_compute_comm_overlap`` moves the waits as late as it can. Run by tests/gpu/test_syncs_gpu.py on 1 or 2
 GPUs (1 GPU: one NCCL rank, the collective still runs on its own stream):
 
     python -m pytest tests/compile/funcol_cuda_cases.py --streamrace --streamrace-backend=cuda -rA
@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU cases: scripts/device/collectives_syncs.sh")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU cases: tests/gpu/test_syncs_gpu.py")
 WORLD = min(2, torch.cuda.device_count()) or 1
 RANK_SUM = WORLD * (WORLD + 1) // 2  # of each rank's x = rank + 1
 

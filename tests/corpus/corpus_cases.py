@@ -3,7 +3,7 @@
 Each case carries its expected verdict as ``streamrace(expect=...)``, so ``pytest --streamrace`` passes on this file
 exactly when every verdict is right — on CPU (virtual backend) and on a GPU (cuda backend). The file is not collected
 by default (its name does not start with ``test_``): ``tests/test_corpus.py`` runs it through pytester, and
-``scripts/device/corpus.sh`` runs it on a GPU, once with the plugin and once under PyTorch's own sanitizer.
+``tests/gpu/test_corpus_gpu.py`` runs it on a GPU, once with the plugin and once under PyTorch's own sanitizer.
 Collective cases use a one-rank process group (gloo on CPU, nccl on a GPU): ordering, not data, is what they test.
 """
 

@@ -6,9 +6,12 @@ import importlib.util
 import os
 
 import pytest
-import torch
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+CLAIMS = {30: "Threads on real streams: a synchronize (device, stream, event, query, read-back) on another thread "
+              "orders nothing here; each modelled handoff (locks, conditions, events, semaphores, barriers, queues, "
+              "futures, submit, start/join) carries it; a race on a library's thread names a frame and the thread"}
+
+pytestmark = [pytest.mark.gpu, pytest.mark.validates(30)]
 
 
 def _cpu_twins():

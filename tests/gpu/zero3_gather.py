@@ -1,5 +1,5 @@
 """Does ZeRO-3's next all-gather read the partition before the optimizer step's copy into it finished? (deepspeed
-0.19.8; docs/upstream/zero3-param-gather.md). Run under torchrun with 2 GPUs: scripts/device/zero3_gather.sh.
+0.19.8; docs/upstream/zero3-param-gather.md). Run under torchrun with 2 GPUs by tests/gpu/test_forcing_gpu.py.
 
 A sleep on the default stream just before `_reassign_or_swap_out_partitioned_parameters` (the step's
 `fp16_partitioned_groups_flat.copy_`) widens the window the detector reported. Timed events after the copy and after
@@ -7,9 +7,9 @@ the next gather's `torch.cat` (its read of the partition) say which finished fir
 compared with its sources at the next synchronize. Each forward after a step also snapshots the gathered weights (a
 forward pre-hook runs after ZeRO-3's fetch); after synchronizing, this rank's slice of them is compared with its
 partition as the step left it: a difference means the forward computed with pre-step weights. Variants: the stock
-configuration (gradient accumulation 1, default timers), bf16/Adam and latent_zero3.sh's fp32/SGD; DeepSpeed's own
-test_2_param_groups configuration (gradient accumulation 2, default timers), the throughput timer unsynchronized, and
-a control that synchronizes the device after every step.
+configuration (gradient accumulation 1, default timers), bf16/Adam and the fp32/SGD one of
+tests/gpu/test_latent_gpu.py; DeepSpeed's own test_2_param_groups configuration (gradient accumulation 2, default
+timers), the throughput timer unsynchronized, and a control that synchronizes the device after every step.
 """
 
 import os
@@ -32,7 +32,7 @@ def run(name, timers_synchronized, sync_after_step, steps=6, accumulation=2, sgd
               "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0, "overlap_comm": True},
               "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}}, "bf16": {"enabled": True},
               "timers": {"throughput": {"enabled": True, "synchronized": timers_synchronized}}}
-    if sgd:  # latent_zero3.sh's test: fp32, the client's SGD, no "optimizer" or "bf16" section
+    if sgd:  # test_latent_gpu.py's ZeRO-3 case: fp32, the client's SGD, no "optimizer" or "bf16" section
         del config["optimizer"], config["bf16"]
         config["zero_allow_untested_optimizer"] = True
         engine, *_ = deepspeed.initialize(model=model, config=config,
@@ -116,7 +116,7 @@ def main():
     deepspeed.init_distributed("nccl")
     torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     run("stock config (GAS 1, timers sync)", True, False, accumulation=1)
-    run("latent_zero3.sh's config (GAS 1, SGD, fp32)", True, False, accumulation=1, sgd=True)
+    run("latent check's config (GAS 1, SGD, fp32)", True, False, accumulation=1, sgd=True)
     run("test_2_param_groups config (GAS 2, timers sync)", True, False)
     run("throughput timer unsynchronized", False, False)
     run("control: device synchronized after each step", False, True)

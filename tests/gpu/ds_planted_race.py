@@ -1,4 +1,5 @@
-"""A race planted in DeepSpeed DistributedTest bodies (copied next to DeepSpeed's tests/unit/ by harnesses.sh).
+"""A race planted in DeepSpeed DistributedTest bodies (copied next to DeepSpeed's tests/unit/ by
+tests/gpu/test_harnesses_gpu.py).
 
 Two tests of one class share a reused forkserver pool (reuse_dist_env): the first is clean, the second races, so
 a correct run fails only the second (its race attributed to it, not to the first, though the same workers ran both).

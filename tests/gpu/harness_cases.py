@@ -1,5 +1,6 @@
 """Rank processes that other harnesses start, on GPUs (NCCL, one GPU per rank): PyTorch's MultiProcessTestCase and
-torch.multiprocessing.spawn, each with a racy and a clean twin. Run by harnesses.sh with and without --streamrace:
+torch.multiprocessing.spawn, each with a racy and a clean twin. Not collected (no test_ prefix):
+tests/gpu/test_harnesses_gpu.py runs it with and without --streamrace:
 without it every case passes (the race is silent); with it the racy twins fail with "stream race on ranks 0, 1".
 """
 import os

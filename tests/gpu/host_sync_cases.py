@@ -1,9 +1,9 @@
 """Host-synchronizing read-backs on a GPU (cuda backend), the twins of tests/test_host_sync.py plus what only a GPU
 has: pinned memory, a non-blocking copy into pageable memory (synchronous in CUDA, though torch's GPU trace reports no
 synchronize for it: the capture orders the host after it itself), and read-backs on the legacy default stream, whose
-handle is 0. Run by scripts/device/collectives_syncs.sh:
+handle is 0. Not collected (no test_ prefix): tests/gpu/test_syncs_gpu.py runs it in a pytest of its own:
 
-    python -m pytest scripts/device/host_sync_cases.py --streamrace --streamrace-backend=cuda -rA
+    python -m pytest tests/gpu/host_sync_cases.py --streamrace --streamrace-backend=cuda -rA
 """
 
 import pytest

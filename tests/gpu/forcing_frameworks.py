@@ -1,6 +1,6 @@
 """GPU driver for forcing: stock frameworks are correct until forced, then wrong — with the forcing plain API.
 
-Run by ``scripts/device/forcing.sh`` under ``torchrun --nproc_per_node 2``:
+Run by tests/gpu/test_forcing_gpu.py under ``torchrun --nproc_per_node 2``:
   deepspeed: ZeRO-2 overlap_comm, 12 x Linear(512), 2 SGD steps, params compared exactly with an overlap_comm=False
              reference. Forced = every AccumulateGrad node bound round-robin to 2 side streams, side 0 delayed.
   megatron:  DDP overlap_grad_reduce, num_distributed_optimizer_instances=2, 8 x Linear(2048), 4 iterations, this

@@ -1,0 +1,123 @@
+"""What the GPU validation items share: running pytest or a repro as a subprocess the way a user does, reading its
+outcomes, and the carried framework versions (scripts/device/setup.sh installs each wheel of .whl/ into its own
+folder under --framework-sites, so that several DeepSpeed or megatron-core versions can be tried in one session)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PYTHON = sys.executable
+PYTEST = [PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "--color=no"]
+
+
+def run(args: list[str], *, timeout: float, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """A subprocess with stdout and stderr merged, as text; the environment is this one's plus `env`."""
+    return subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})}, cwd=cwd or ROOT)
+
+
+def counts(output: str) -> dict[str, int]:
+    """pytest's closing summary as {outcome: count} ('3 passed, 1 failed in 2.0s')."""
+    lines = [line for line in output.strip().splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", line)]
+    found = {}
+    last = lines[-1] if lines else ""
+    for n, word in re.findall(r"(\d+) (passed|failed|skipped|errors?|xfailed|xpassed|deselected)", last):
+        found[word.rstrip("s") if word.startswith("error") else word] = int(n)
+    return found
+
+
+def junit_outcomes(path, qualified: bool = False) -> dict[str, tuple[str, str]]:
+    """Test name (`qualified`: class::name) -> (passed | failed | skipped, the failure's message) from a junit XML
+    file; {} where the session wrote none (it did not start: its output says why)."""
+    result = {}
+    if not os.path.exists(path):
+        return result
+    for case in ET.parse(path).getroot().iter("testcase"):
+        problem = case.find("failure")
+        if problem is None:
+            problem = case.find("error")
+        name = f"{case.get('classname')}::{case.get('name')}" if qualified else case.get("name")
+        if case.find("skipped") is not None:
+            result[name] = ("skipped", "")
+        elif problem is None:
+            result[name] = ("passed", "")
+        else:
+            result[name] = ("failed", (problem.get("message") or "") + (problem.text or "")[:2000])
+    return result
+
+
+def races(path) -> list[dict]:
+    """The races of a --streamrace-json file; [] where the session wrote none."""
+    if not os.path.exists(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)["races"]
+
+
+def _installed(dist: str) -> str | None:
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def framework_env(config, **wanted: str | None) -> dict[str, str]:
+    """The environment a subprocess needs to import the named framework versions (deepspeed="0.19.8",
+    megatron_core="0.15.2"; None: any version); the item is skipped with the reason where one is missing."""
+    sites = Path(config.getoption("framework_sites", default="/tmp/streamrace-sites"))
+    paths = []
+    for name, version in wanted.items():
+        dist = name.replace("_", "-")
+        have = _installed(dist)
+        if have is not None and version in (None, have):
+            continue
+        if version is not None and (sites / f"{dist}-{version}").is_dir():
+            paths.append(str(sites / f"{dist}-{version}"))
+            continue
+        if version is None and (found := sorted(sites.glob(f"{dist}-[0-9]*"))):
+            paths.append(str(found[-1]))
+            continue
+        if version is None and any((sites / "common").glob(f"{dist.replace('-', '_')}-*.dist-info")):
+            continue
+        pytest.skip(f"{dist} {version or ''} is not installed: carry its wheel in .whl/ and source "
+                    "scripts/device/setup.sh".replace("  ", " "))
+    if (sites / "common").is_dir():
+        paths.append(str(sites / "common"))
+    old = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": os.pathsep.join(paths + ([old] if old else []))} if paths else {}
+
+
+def extensions_dir(dist: str, version: str) -> str:
+    """A JIT build cache of its own for a framework version (two versions' builds of one op would collide)."""
+    return f"{os.environ.get('TORCH_EXTENSIONS_DIR', '/tmp/tex')}-{dist}-{version}"
+
+
+def repro(name: str, *args: str, config, timeout: float, env: dict | None = None, json_path=None) -> dict:
+    """`python -m pytest_streamrace.repro NAME --backend cuda ARGS --json PATH`: its JSON, exit status and output."""
+    done = run([PYTHON, "-m", "pytest_streamrace.repro", name, "--backend", "cuda", *args, "--json", str(json_path)],
+               timeout=timeout, env=env)
+    try:
+        with open(json_path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError:
+        data = {"runs": []}
+    data["returncode"], data["output"] = done.returncode, done.stdout
+    return data
+
+
+def verdicts(data: dict, variant: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in data["runs"]:
+        if r["variant"] == variant:
+            out[r["verdict"]] = out.get(r["verdict"], 0) + 1
+    return out

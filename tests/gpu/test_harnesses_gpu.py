@@ -1,0 +1,101 @@
+"""Rank processes that other harnesses start, on NCCL (cuda backend, one GPU a rank): PyTorch's MultiProcessTestCase
+and torch.multiprocessing.spawn (tests/gpu/harness_cases.py), and DeepSpeed's own ZeRO tests (held out: code none of
+us wrote), each run plain and under `--streamrace`, outcomes compared test by test."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+from gpu_support import PYTEST, ROOT, counts, framework_env, junit_outcomes, races, run
+
+CLAIMS = {
+    9: "Rank processes started by other harnesses (`MultiProcessTestCase`, `torch.multiprocessing.spawn`) on NCCL",
+    12: "Held out, DeepSpeed's own ZeRO tests on NCCL",
+}
+
+pytestmark = pytest.mark.gpu(count=2)
+
+
+@pytest.mark.validates(9)
+def test_multiprocess_test_case_and_spawn_racy_twins_fail_only_under_streamrace(request, gpu_result):
+    env = framework_env(request.config, expecttest=None)
+    cases = str(ROOT / "tests" / "gpu" / "harness_cases.py")
+    plain = run([*PYTEST, cases, "-n", "0", "-rA"], timeout=600, env=env)
+    assert counts(plain.stdout) == {"passed": 4}, plain.stdout[-4000:]  # the races are silent
+    checked = run([*PYTEST, cases, "-n", "0", "-rA", "--streamrace"], timeout=600, env=env)
+    assert counts(checked.stdout) == {"passed": 2, "failed": 2}, checked.stdout[-4000:]
+    failed = sorted(line.split("::")[-1].split(" ")[0] for line in checked.stdout.splitlines()
+                    if line.startswith("FAILED "))
+    assert failed == ["test_racy", "test_spawn_racy"], checked.stdout[-4000:]
+    assert "stream race on ranks 0, 1: read-after-write" in checked.stdout
+    gpu_result.record("plain", "4 passed")
+    gpu_result.record("--streamrace", "2 clean passed, 2 racy failed")
+
+
+def _deepspeed_tests(config) -> Path:
+    tests = Path(config.getoption("deepspeed_tests", default=".gpu/ds-tests/tests"))
+    tests = tests if tests.is_absolute() else ROOT / tests
+    if not (tests / "unit").is_dir():
+        pytest.skip(f"DeepSpeed's own tests are not under {tests} (its repository's tests/ folder; --deepspeed-tests)")
+    return tests
+
+
+def _both_ways(tmp_path, tests: Path, env, name, *args) -> tuple[dict, dict, list]:
+    """The selection plain and under --streamrace: outcomes by test each way, and the races found."""
+    env = {**env, "OMP_NUM_THREADS": "4"}
+    first = run([*PYTEST, *args, "-q", "--junitxml", str(tmp_path / f"{name}-plain.xml")], timeout=600, env=env,
+                cwd=tests)
+    second = run([*PYTEST, *args, "-q", "--streamrace", "--junitxml", str(tmp_path / f"{name}-streamrace.xml"),
+                  "--streamrace-json", str(tmp_path / f"{name}-races.json")], timeout=600, env=env, cwd=tests)
+    plain = {k: v[0] for k, v in junit_outcomes(tmp_path / f"{name}-plain.xml", qualified=True).items()}
+    checked = {k: v[0] for k, v in junit_outcomes(tmp_path / f"{name}-streamrace.xml", qualified=True).items()}
+    assert plain and checked, first.stdout[-3000:] + second.stdout[-3000:]
+    return plain, checked, races(tmp_path / f"{name}-races.json")
+
+
+@pytest.mark.validates(12)
+def test_deepspeed_coalesce_tests_the_same_both_ways_without_a_race(request, tmp_path, gpu_result):
+    env = framework_env(request.config, deepspeed="0.19.8")
+    tests = _deepspeed_tests(request.config)
+    plain, checked, found = _both_ways(
+        tmp_path, tests, env, "coalesce", "unit/v1/zero/test_zero_coalesce_grad_reduction.py",
+        "-k", "TestCoalesceCorrectness or TestCoalesceFP16 or TestCoalesceCollectiveCount")
+    gpu_result.record("test_zero_coalesce_grad_reduction.py", f"{sum(o == 'passed' for o in plain.values())} passed "
+                      f"plain, {sum(o == 'passed' for o in checked.values())} under --streamrace, {len(found)} races")
+    gpu_result.record("deepspeed", "0.19.8")
+    assert plain == checked and found == []
+
+
+@pytest.mark.validates(12)
+def test_a_race_planted_in_a_deepspeed_distributed_test_is_caught_in_its_own_test(request, gpu_result):
+    env = framework_env(request.config, deepspeed="0.19.8")
+    tests = _deepspeed_tests(request.config)
+    planted = tests / "unit" / "test_streamrace_planted.py"
+    shutil.copy(ROOT / "tests" / "gpu" / "ds_planted_race.py", planted)
+    try:
+        done = run([*PYTEST, "unit/test_streamrace_planted.py", "-rA", "--streamrace"], timeout=600,
+                   env={**env, "OMP_NUM_THREADS": "4"}, cwd=tests)
+    finally:
+        planted.unlink()
+    assert counts(done.stdout) == {"passed": 1, "failed": 1}, done.stdout[-4000:]
+    assert "FAILED unit/test_streamrace_planted.py::TestPlantedRace::test_b_racy" in done.stdout
+    gpu_result.record("planted race", "the clean test passed, the racy one failed")
+
+
+# 20 of test_zero.py's 99 tests (each starts fresh rank processes, ~10 s a test), in two items of ~5 minutes
+ZERO_CLASSES = ["TestZeroUnbalancedGradients or TestZero3RepeatForwardLoop or TestZeroToFP32",
+                "TestPartitionNcclAlignment or TestZeroFrozenWeights or TestZero3DictFwd"]
+
+
+@pytest.mark.validates(12)
+@pytest.mark.parametrize("classes", ZERO_CLASSES, ids=["to_fp32", "others"])
+def test_deepspeed_zero_tests_differ_only_where_zero3_gathers_too_early(request, tmp_path, classes, gpu_result):
+    env = framework_env(request.config, deepspeed="0.19.8")
+    tests = _deepspeed_tests(request.config)
+    plain, checked, found = _both_ways(tmp_path, tests, env, "zero", "unit/v1/zero/test_zero.py", "-k", classes)
+    differ = sorted(name.split("::")[-1] for name in plain if checked.get(name) != plain[name])
+    gpu_result.record("test_zero.py", f"{len(plain) - len(differ)} of {len(plain)} the same both ways")
+    gpu_result.record("differ", differ)
+    gpu_result.record("deepspeed", "0.19.8")
+    assert all(name.startswith("test_2_param_groups[") and name.endswith("-3]") for name in differ), differ
+    assert {r["test"].split("::")[-1] for r in found} <= set(differ)
