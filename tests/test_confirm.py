@@ -125,6 +125,12 @@ def run_cases(pytester, backend: str, *extra: str):
     return result, by_test, runs
 
 
+def confirm_seconds(by_test: dict) -> float:
+    """The time every test's re-runs took."""
+    return round(sum({name: r[0]["confirmation"].get("test_seconds", 0.0) for name, r in by_test.items()
+                      if "confirmation" in r[0]}.values()), 1)
+
+
 def check_cases(pytester, result, by_test, runs) -> None:
     result.assert_outcomes(passed=6)
 
@@ -243,3 +249,15 @@ def check_corpus(pytester, backend: str) -> None:
 
 def test_every_racy_case_of_the_corpus_is_confirmed_or_shown_benign(pytester):
     check_corpus(pytester, "virtual")
+
+
+def test_the_trace_carries_each_race_s_confirmation(pytester):
+    pytester.makepyfile(test_cases=CASES)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "--streamrace-confirm",
+                                           "--streamrace-trace=trace.json", "-p", "no:cacheprovider", "-k",
+                                           "test_raw or test_benign")
+    result.assert_outcomes(passed=2, deselected=4)
+    events = json.loads((pytester.path / "trace.json").read_text())["traceEvents"]
+    verdicts = sorted(e["args"]["confirmation"].split(":")[0] for e in events
+                      if e.get("ph") == "s" and "confirmation" in e.get("args", {}))
+    assert verdicts == ["confirmed", "not confirmed"]

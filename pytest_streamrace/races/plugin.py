@@ -310,7 +310,7 @@ class RaceChecks:
             from .trace import trace_events
 
             events = trace_events(detector.timeline, races + latent, detector.stream_name, rank,
-                                  statuses + latent_state[1])
+                                  statuses + latent_state[1], _confirmations(item))
             props.append((TRACE, events))
         quiet = len(fresh) - len([r for r in failing if not r.latent]) + len(children) - len(failing_children)
         if race_expected or not (failing or failing_children):
@@ -403,6 +403,20 @@ class RaceChecks:
 
             terminalreporter.write_sep("=", "streamrace: races in processes after their test had finished")
             terminalreporter.write_line(format_after(self.after))
+
+
+def _confirmations(item: pytest.Item) -> dict:
+    """The test's races' --streamrace-confirm verdicts by race identity (``hb.Race.key``), for the trace."""
+    from .confirm import describe
+    from .record import key
+
+    out = {}
+    for name, value in item.user_properties:
+        for race in value if name == RACES else ():
+            if "confirmation" in race:
+                status, _, details = describe(race, race["confirmation"]).split(": ", 2)  # less the race itself
+                out[key(race)] = f"{status}: {details}"
+    return out
 
 
 def _own_outcome(exc: BaseException) -> str:

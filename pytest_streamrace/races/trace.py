@@ -26,7 +26,8 @@ def _ts(op: Op) -> int:
 
 
 def trace_events(timeline: Sequence[Op], races: Iterable[Race], stream_name: Callable[[object], str] = str,
-                 rank: int | None = None, statuses: Sequence[str] = ()) -> list[dict]:
+                 rank: int | None = None, statuses: Sequence[str] = (),
+                 confirmations: dict | None = None) -> list[dict]:
     """Chrome trace events of one process: its ops (``HappensBefore(trace=True).timeline``) and its races.
     `statuses`: each race's status (``policy``); races not "new" are marked with theirs."""
     pid = rank if rank is not None else 0
@@ -60,9 +61,14 @@ def trace_events(timeline: Sequence[Op], races: Iterable[Race], stream_name: Cal
         what += mark
         if race.latent:
             what += f", ordered today only by {race.hidden_by.op} at {race.hidden_by.location()}"
+        confirmation = (confirmations or {}).get(race.key()) if not race.latent else None
+        if confirmation:  # --streamrace-confirm's verdict, on both ends and on the arrow
+            what += f"; {confirmation}"
         for end, other in ((first, second), (second, first)):
             end["args"].setdefault("races", []).append(f"{what} with {other['args']['location']}")
         common = {"cat": "latent race" if race.latent else "race", "name": kind + mark, "pid": pid, "id": flow_id}
+        if confirmation:
+            common["args"] = {"confirmation": confirmation}
         if race.latent:
             common["cname"] = LATENT_COLOUR
         events.append({**common, "ph": "s", "tid": first["tid"], "ts": first["ts"] + DUR // 2})

@@ -2,21 +2,35 @@
 async NCCL collective's buffer read before wait() on 2 GPUs, each race held back by a sleep kernel on its stream."""
 
 import pytest
-import torch
 
 import test_confirm as twins
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+CLAIMS = {
+    45: "`--streamrace-confirm` on real streams: each race forced into its bad order by a sleep kernel on the held "
+        "stream; racy twins (read-after-write, write-after-read, write-after-write) confirmed with the values that "
+        "changed, a write of the same values not confirmed, a latent race not tried; the corpus: every racy case "
+        "confirmed or not confirmed/not tried with its reason",
+    46: "`--streamrace-confirm` on 2 ranks over NCCL: an async all-reduce's buffer read before `wait()` confirmed "
+        "(the last rank holds its collective back; its peer reads the bytes from before it)",
+}
+
+pytestmark = pytest.mark.gpu
 
 
-def test_each_race_is_forced_on_real_streams(pytester):
-    twins.check_cases(pytester, *twins.run_cases(pytester, "cuda"))
+@pytest.mark.validates(45)
+def test_each_race_is_forced_on_real_streams(pytester, gpu_result):
+    result, by_test, runs = twins.run_cases(pytester, "cuda")
+    twins.check_cases(pytester, result, by_test, runs)
+    gpu_result.record("confirm seconds (5 tests with races)", twins.confirm_seconds(by_test))
 
 
-def test_every_racy_case_of_the_corpus_is_confirmed_or_shown_benign_on_real_streams(pytester):
+@pytest.mark.validates(45)
+def test_every_racy_case_of_the_corpus_is_confirmed_or_shown_benign_on_real_streams(pytester, gpu_result):
     twins.check_corpus(pytester, "cuda")
+    gpu_result.record("corpus verdicts", "13 racy cases as expected")
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.validates(46)
+@pytest.mark.gpu(count=2)
 def test_a_collective_read_before_wait_is_confirmed_on_nccl(pytester):
     twins.check_collective(pytester, "cuda")
