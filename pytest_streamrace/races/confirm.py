@@ -112,8 +112,11 @@ class Confirmer:
         for k, group in todo.items():
             if k not in tryable:
                 results[k] = {"status": NOT_TRIED, "reason": why_not(group[0])}
+        if tryable and item.get_closest_marker("distributed") is None:
+            self._in_one_process(item, tryable, outcome, backend, results)
+            tryable = {}
         located = None
-        if tryable:
+        if tryable:  # a distributed item's ranks run it once each: a re-run to find the races, one to force each
             located, problem = self._run(item, {"mode": "locate"})
             if problem:
                 for k in tryable:
@@ -135,6 +138,18 @@ class Confirmer:
             for data in group:
                 data["confirmation"] = dict(results[k], test_seconds=total)
         return [describe(todo[k][0], results[k]) for k in todo], total
+
+
+    def _in_one_process(self, item, tryable: dict, outcome: str, backend: str, results: dict) -> None:
+        found, problem = self._run(item, {"mode": "passes", "keys": [list(k) for k in tryable], "backend": backend})
+        passes = {tuple(k): seen for f in found for k, seen in f.get("results", ())}
+        for k in tryable:
+            seen = passes.get(k)
+            if problem or seen is None or "problem" in seen:
+                reason = problem or (seen or {}).get("problem") or "the re-run never reached the race"
+                results[k] = {"status": NOT_TRIED, "reason": reason}
+                continue
+            results[k] = dict(_verdict(seen["plan"], [seen], None, outcome), seconds=seen.get("seconds", 0.0))
 
 
 def attach(report: pytest.TestReport, confirmed: tuple[list[str], float]) -> None:
@@ -268,30 +283,48 @@ class ConfirmRun:
     """In a re-run (``STREAMRACE_CONFIRM`` set): seeds, forces the planned race, writes what it saw."""
 
     def __init__(self, instruction: dict):
-        self.mode = instruction["mode"]
+        self.mode = instruction["mode"]  # "passes" (a plain test), or "locate" / "force" (a distributed item's ranks)
         self.out = instruction["out"]
         self.plan = instruction.get("plan")
+        self.keys = [tuple(k) for k in instruction.get("keys", ())]
         self.backend = instruction.get("backend", "virtual")
         self.order = None
-        self.warming = False  # the test's first pass, run only to warm the process up
+        self.phase = self.mode  # what the pass running now is for: "warm", "locate" or "force"
+        self.passes_seen: list[dict] = []  # what each pass of "passes" left: its races or its forced order, outcome
 
-    def warm_up(self, item: pytest.Item, nextitem) -> None:
-        """Run the test once before the pass that counts, its reports not logged: a fresh process loads kernels,
-        builds caches and makes lazy state on first use, which moves ops' places and, on a GPU, can block the host
-        (a kernel's first launch loads its module) while a held stream sleeps. Both re-runs count the second pass."""
+    def run_passes(self, item: pytest.Item) -> None:
+        """A plain test's whole confirmation in this one process, its reports not logged: a warm-up pass (a fresh
+        process loads kernels, builds caches and makes lazy state on first use, which moves ops' places and, on a
+        GPU, can block the host while a held stream sleeps: a kernel's first launch loads its module), a pass that
+        finds the races' places, then a pass per race forcing its bad order."""
         from _pytest.runner import runtestprotocol
 
-        self.warming = True
-        try:
-            runtestprotocol(item, nextitem=item.parent, log=False)  # its own fixtures torn down, wider ones kept
-        finally:
-            self.warming = False
-            if hasattr(item, "_initrequest"):  # a function item's fixtures, set up afresh for the pass that counts
-                item._initrequest()
+        def one(phase: str) -> dict:
+            self.phase = phase
+            started = time.perf_counter()
+            try:
+                runtestprotocol(item, nextitem=item.parent, log=False)  # its own fixtures torn down, wider ones kept
+            finally:
+                if hasattr(item, "_initrequest"):  # a function item's fixtures, set up afresh for the next pass
+                    item._initrequest()
+            seen = self.passes_seen.pop() if self.passes_seen else {}
+            return dict(seen, seconds=round(time.perf_counter() - started, 3))
+
+        one("warm")
+        located = one("locate")
+        results = []
+        for key in self.keys:
+            self.plan = _plan(key, [located])
+            if self.plan is None:
+                results.append([list(key), {"problem": "the race did not show in a fresh process with the same "
+                                                       "seeds"}])
+                continue
+            results.append([list(key), dict(one("force"), plan=self.plan)])
+        self._write({"pid": os.getpid(), "outcome": located.get("outcome"), "results": results})
 
     def start(self, detector) -> None:
         seed_everything()
-        if self.mode != "force" or self.warming:
+        if self.phase != "force":
             return
         from ..detector.forced_order import ForcedOrder
 
@@ -303,14 +336,21 @@ class ConfirmRun:
             self.order.problem = problem
 
     def finish(self, detector, races: list[dict], outcome: str) -> None:
-        if self.warming:
+        if self.phase == "warm":
             return
         data: dict = {"pid": os.getpid(), "outcome": outcome}
-        if self.mode == "locate":
+        if self.phase == "locate":
             data["races"] = races
         elif self.order is not None:
             detector.force(None)
             data["forced"] = self.order.result(self.plan.get("dtype"))
+            self.order = None
+        if self.mode == "passes":
+            self.passes_seen.append(data)
+        else:
+            self._write(data)
+
+    def _write(self, data: dict) -> None:
         path = os.path.join(self.out, f"{os.getpid()}-{time.monotonic_ns()}.json")
         try:
             with open(path, "w", encoding="utf-8") as f:

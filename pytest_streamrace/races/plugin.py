@@ -151,10 +151,11 @@ class RaceChecks:
             capture.load_trace()
 
     @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_protocol(self, item: pytest.Item, nextitem) -> None:
-        if self.rerun is not None and self.role.kind != roles.RANK_CHILD and \
-                item.get_closest_marker("distributed") is None:
-            self.rerun.warm_up(item, nextitem)  # (a distributed item's ranks are fresh processes: not warmed)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem) -> bool | None:
+        if self.rerun is not None and self.rerun.mode == "passes":
+            self.rerun.run_passes(item)  # a plain test's confirmation: its passes, none logged
+            return True
+        return None
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_setup(self, item: pytest.Item):
