@@ -1,6 +1,6 @@
-"""Training jobs nobody here wrote, run under ``streamrace run`` as users run them: a DeepSpeed ZeRO-3 script under
-the ``deepspeed`` launcher, torchtitan's trainer under torchrun. Shared by tests/test_run_deepspeed_launcher.py (CPU) and
-tests/gpu/test_run_trainers.py (2 GPUs), so that a failure prints the same account of what the job did."""
+"""Training jobs nobody here wrote, run under ``streamrace run`` as users run them: a DeepSpeed ZeRO-3 script
+under the ``deepspeed`` launcher, torchtitan's trainer under torchrun. Shared by tests/test_run_deepspeed_launcher.py
+(CPU) and tests/gpu/test_run_trainers.py (2 GPUs), so that a failure prints the same account of what the job did."""
 
 from __future__ import annotations
 
@@ -126,8 +126,9 @@ def curve(text: str, pattern: re.Pattern = STEP_LINE) -> dict[int, tuple[str, ..
 
 
 # torchtitan's debug model (llama3 "debugmodel": 6 layers, dim 256, its test tokenizer), FSDP2 over the 2 GPUs
-# (data_parallel_shard_degree -1), checkpoints staged through DCP's DefaultStager (async_with_pinned_mem), seeded and
-# deterministic, no activation checkpointing or compile: the smallest job that reaches the staging race.
+# (data_parallel_shard_degree -1), checkpoints staged through DCP's DefaultStager (async_with_pinned_mem), seeded (and
+# deterministic where asked: torch's deterministic algorithms, as torchtitan's own loss comparisons run), no activation
+# checkpointing or compile: the smallest job that reaches the staging race.
 TORCHTITAN_CONFIG = """
 [job]
 dump_folder = "{dump}"
@@ -171,7 +172,7 @@ mode = "none"
 
 [debug]
 seed = 42
-deterministic = true
+deterministic = {deterministic}
 """
 
 WORDS = ("the a of to and in is it that for on with as was at by be this from or have an are not but one all which "
@@ -179,7 +180,7 @@ WORDS = ("the a of to and in is it that for on with as was at by be this from or
          "rank shard").split()
 
 
-def torchtitan_job(folder: Path, *, interval: int, log_freq: int, steps: int) -> Path:
+def torchtitan_job(folder: Path, *, interval: int, log_freq: int, steps: int, deterministic: bool = False) -> Path:
     """A job folder: a small text corpus (JSON lines, as torchtitan's c4_test), and the config; its path."""
     data = folder / "data"
     data.mkdir(parents=True, exist_ok=True)
@@ -189,7 +190,8 @@ def torchtitan_job(folder: Path, *, interval: int, log_freq: int, steps: int) ->
             f.write(json.dumps({"text": " ".join(rng.choice(WORDS) for _ in range(40)) + "."}) + "\n")
     config = folder / "job.toml"
     config.write_text(TORCHTITAN_CONFIG.format(dump=folder / "outputs", log_freq=log_freq, steps=steps,
-                                               interval=interval, tokenizer=TORCHTITAN_TOKENIZER, data=data))
+                                               interval=interval, tokenizer=TORCHTITAN_TOKENIZER, data=data,
+                                               deterministic=str(deterministic).lower()))
     return config
 
 
