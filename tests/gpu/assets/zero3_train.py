@@ -38,12 +38,12 @@ if not torch.cuda.is_available():
 
 import deepspeed  # noqa: E402  (after the accelerator is chosen)
 
-deepspeed.init_distributed()
 rank = int(os.environ.get("RANK", "0"))
 device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if torch.cuda.is_available() else \
     torch.device("cpu")
 if device.type == "cuda":
-    torch.cuda.set_device(device)
+    torch.cuda.set_device(device)  # before the process group: NCCL binds this rank to its GPU
+deepspeed.init_distributed()
 
 torch.manual_seed(0)
 model = torch.nn.Sequential(*[torch.nn.Linear(args.width, args.width) for _ in range(4)]).to(device)
