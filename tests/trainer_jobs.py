@@ -10,6 +10,7 @@ import os
 import random
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -64,14 +65,29 @@ def environ(**extra: str) -> dict:
     return env
 
 
-def run(command: list[str], cwd: Path, env: dict, timeout: float = 900) -> subprocess.CompletedProcess:
-    """The job to its end; a job that outlives `timeout` comes back with status 124 and what it printed so far."""
+def run(command: list[str], cwd: Path, env: dict, timeout: float = 300) -> subprocess.CompletedProcess:
+    """The job to its end, in a process group of its own. One that outlives `timeout` gets SIGTERM (`streamrace run`
+    and the launchers pass it on to their ranks, and the report is still written), SIGKILL for the whole group 30 s
+    later, and comes back with status 124 and what it printed: no rank is left holding a GPU for the next job."""
+    proc = subprocess.Popen([str(c) for c in command], cwd=cwd, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
-        return subprocess.run([str(c) for c in command], cwd=cwd, env=env, capture_output=True, text=True,
-                              timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        text = lambda b: b.decode(errors="replace") if isinstance(b, bytes) else (b or "")  # noqa: E731
-        return subprocess.CompletedProcess(exc.cmd, 124, text(exc.stdout), text(exc.stderr) + "\n[timed out]")
+        stdout, stderr = proc.communicate(timeout=timeout)
+        return subprocess.CompletedProcess(proc.args, proc.returncode, stdout, stderr)
+    except subprocess.TimeoutExpired:
+        for signo, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(proc.pid, signo)
+            except ProcessLookupError:
+                pass
+            try:
+                stdout, stderr = proc.communicate(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        else:
+            stdout, stderr = "", ""
+        return subprocess.CompletedProcess(proc.args, 124, stdout, f"{stderr}\n[timed out after {timeout:g} s]")
 
 
 def races(path: Path) -> list[dict]:
