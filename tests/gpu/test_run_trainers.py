@@ -90,7 +90,7 @@ def test_torchtitan_checkpoint_on_the_log_steps_reports_it_as_latent(tmp_path, r
     staged = _staging_reads(found)
     assert staged and all(r.get("latent") for r in staged), said
     assert {r["rank"] for r in staged} == {0, 1}, said
-    assert "latent stream races (ordered today only by a host sync" in out.stderr, said
+    assert "latent races (ordered today only by a host sync" in out.stderr, said  # the closing list
     record("latent", len(staged))
     record("ordered_by", sorted({r["latent"].get("op", "?") for r in staged}))
     failing, _, said = _titan(tmp_path / "fail", "--latent", "fail", interval=2, log_freq=2)
