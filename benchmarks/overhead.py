@@ -14,6 +14,12 @@ plain dispatch mode make dynamo skip compiling, so they get no number there (nan
 
     python benchmarks/overhead.py --latent   # the latent view's cost: --streamrace-latent=report against off
     python benchmarks/overhead.py --repeat 3 # fresh processes 3 times: steadier slowdowns
+    python benchmarks/overhead.py --model DDP --under run   # also under `streamrace run`, beside --streamrace
+
+With ``--under run`` a configuration "run" joins the row: plain's processes (one a rank), each started by
+``streamrace run --backend B --``, whose followed process runs the detector the command gives every process of a
+program; its slowdown prints beside the in-process detector's (``--streamrace``'s), and then the two compared
+("run vs in-process", 1.00x where the command adds nothing to a step).
 
 On two GPUs (after ``. scripts/device/setup.sh``), ``python benchmarks/overhead.py --steps 30 --repeat 3`` re-runs the
 four GPU rows of docs/validation.md's cost table.
@@ -48,6 +54,7 @@ OPTIONAL = ("capture-floor", "sanitizer")  # a row goes on without them (no comp
 
 
 LATENT_OFF = "-latent-off"  # a detector mode's suffix: Detector(latent=False), i.e. --streamrace-latent=off
+RUN = "run"  # plain's worker started under `streamrace run`: the detector of a followed process
 
 
 def _print(value) -> None:
@@ -169,13 +176,15 @@ class Configuration:
 
     answer_within = 600.0
 
-    def __init__(self, model: str, mode: str, steps: int, latent: bool, tmp: str):
+    def __init__(self, model: str, mode: str, steps: int, latent: bool, tmp: str, backend: str = "virtual"):
         self.mode = mode
         self.failure: str | None = None  # close()'s answer, once closed
         self.hung: list[int] = []  # the ranks that gave no answer in time
         ranks = MODELS[model][3]
-        command = [sys.executable, __file__, "--steps", str(steps), "--worker", model, mode] + (
-            ["--latent"] if latent else [])
+        command = [sys.executable, __file__, "--steps", str(steps), "--worker", model,
+                   "plain" if mode == RUN else mode] + (["--latent"] if latent else [])
+        if mode == RUN:  # a race on the correct step exits 3 there, which close() reports as this row's failure
+            command = [sys.executable, "-m", "pytest_streamrace", "run", "--backend", backend, "--", *command]
         from paired_overhead import rank_env
 
         env = rank_env() if ranks > 1 else None
@@ -253,7 +262,7 @@ class Configuration:
         return self.failure
 
 
-def measure_once(model: str, order: list, args, runs: dict) -> str:
+def measure_once(model: str, order: list, args, runs: dict, backend: str = "virtual") -> str:
     """One repeat of a row: a fresh process for each configuration (a process a rank), all started at once and waited
     for before any measures, then `args.cycles` cycles, each measuring every configuration once (one round of
     `args.steps` steps), in `order` rotated a place each cycle; the sanitizer, ten times slower than the rest, once
@@ -268,7 +277,7 @@ def measure_once(model: str, order: list, args, runs: dict) -> str:
     or ""."""
     cycled = [mode for mode in order if mode != "sanitizer"]
     with tempfile.TemporaryDirectory() as tmp:
-        started = {mode: Configuration(model, mode, args.steps, args.latent, tmp) for mode in order}
+        started = {mode: Configuration(model, mode, args.steps, args.latent, tmp, backend) for mode in order}
         ready: dict[str, Configuration] = {}
         for mode in order:
             runs[mode].append([])
@@ -330,6 +339,9 @@ def main() -> int:
                         help="measurements of each configuration a repeat, interleaved one round at a time")
     parser.add_argument("--latent", action="store_true",
                         help="read the loss back every step and compare --streamrace-latent=report against off")
+    parser.add_argument("--under", choices=[RUN], action="append", default=[],
+                        help="also measure plain's worker under `streamrace run` (a 'run' column beside the "
+                             "detector's)")
     args = parser.parse_args()
     if args.repeat < 1 or args.cycles < 1:
         parser.error("--repeat and --cycles must be at least 1")
@@ -351,6 +363,7 @@ def main() -> int:
     else:
         modes = ["plain", "empty-mode", "capture-floor"] + ([backend, "sanitizer"] if backend == "cuda"
                                                             else [backend])
+    modes += [RUN] if RUN in args.under else []
     where = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "CPU"
     print(f"torch {torch.__version__} on {where}; {args.repeat} repeat(s) of {args.cycles} cycles, a round of "
           f"{args.steps} steps each"
@@ -367,7 +380,7 @@ def main() -> int:
         began = time.monotonic()
         for rep in range(args.repeat):
             order = modes[rep % len(modes):] + modes[:rep % len(modes)]  # each repeat starts elsewhere
-            failure = measure_once(model, order, args, runs)
+            failure = measure_once(model, order, args, runs, backend)
             if failure:
                 print(f"{model}: {failure}", file=sys.stderr)
                 return 1
@@ -375,6 +388,8 @@ def main() -> int:
         slow = ", ".join(f"{m} {slowdown(runs, m)}" for m in modes[1:])
         if args.latent:
             slow += f"; latent view {slowdown(runs, backend, backend + LATENT_OFF)}"
+        if RUN in modes:
+            slow += f"; run vs in-process {slowdown(runs, RUN, backend)}"
         took = f" ({time.monotonic() - began:.0f} s)"
         print(f"{model:36} " + " ".join(f"{ms[m]:14.3f}" for m in modes) + f"  {slow}{took}", flush=True)  # as it comes
     return 0

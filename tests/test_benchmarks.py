@@ -17,18 +17,20 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_overhead_measures_the_launch_bound_and_ddp_rows_without_a_race():
     """A repeat starts its configurations afresh, together (one repeat here: each costs every start again); the DDP
-    row's a process a rank."""
+    row's a process a rank. `--under run` adds plain's workers started by `streamrace run` (a process a rank too),
+    whose slowdown is printed beside the in-process detector's and compared with it."""
     out = subprocess.run([sys.executable, "benchmarks/overhead.py", "--steps", "1", "--repeat", "1", "--cycles", "2",
-                          "--model", "launch-bound", "--model", "DDP"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600)
+                          "--model", "launch-bound", "--model", "DDP", "--under", "run"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     lines = out.stdout.splitlines()
     assert lines[0].endswith("1 repeat(s) of 2 cycles, a round of 1 steps each"), lines[0]
     header = next(line for line in lines if line.startswith("model"))
-    assert re.findall(r"(\S+) ms", header) == ["plain", "empty-mode", "capture-floor", "virtual"]
+    assert re.findall(r"(\S+) ms", header) == ["plain", "empty-mode", "capture-floor", "virtual", "run"]
     for row in ("launch-bound MLP", "DDP MLP (8x512, batch 32, 2 ranks)"):
         line = next(line for line in lines if line.startswith(row))
-        assert re.search(r"empty-mode \d+\.\d\dx, capture-floor \d+\.\d\dx, virtual \d+\.\d\dx \(\d+ s\)$", line), line
+        assert re.search(r"empty-mode \d+\.\d\dx, capture-floor \d+\.\d\dx, virtual \d+\.\d\dx, run \d+\.\d\dx; "
+                         r"run vs in-process \d+\.\d\dx \(\d+ s\)$", line), line
     assert not any(line.startswith(("larger", "compiled")) for line in lines)
 
 
