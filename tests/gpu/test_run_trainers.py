@@ -16,24 +16,26 @@ import trainer_jobs as jobs
 
 from pytest_streamrace import env
 
-pytestmark = [pytest.mark.gpu(count=2),
-              pytest.mark.skipif(len(env.visible_gpus()) < 2, reason="needs 2 CUDA GPUs")]
+pytestmark = pytest.mark.gpu(count=2)  # (tests/gpu/conftest.py skips it on a host with fewer GPUs, saying so)
 
+GPUS = len(env.visible_gpus()) >= 2  # a framework's absence is the reason only where the GPUs are there
 NO_TORCHTITAN = jobs.torchtitan_missing()
-TORCHTITAN = pytest.mark.skipif(NO_TORCHTITAN is not None, reason=NO_TORCHTITAN or "")
-DEEPSPEED = pytest.mark.skipif(not jobs.installed("deepspeed"), reason="deepspeed is not installed (its wheels: "
-                                                                       "docs/validation.md)")
+TORCHTITAN = pytest.mark.skipif(GPUS and NO_TORCHTITAN is not None, reason=NO_TORCHTITAN or "")
+DEEPSPEED = pytest.mark.skipif(GPUS and not jobs.installed("deepspeed"),
+                               reason="deepspeed is not installed (its wheels: docs/validation.md)")
 CLAIMS = {
-    35: "torchtitan 0.2.2's trainer (debug model, FSDP2 on 2 GPUs, async checkpointing with pinned memory) under "
-        "`streamrace run -- torchrun ...`, a checkpoint interval that is not a multiple of the log frequency: the "
-        "DCP staging race on both ranks, its read in torch's stager on the staging thread; exit 3",
-    36: "The same with the interval aligned to logging: the pair reported as latent (ordered by logging's read-back) "
-        "on both ranks, exit 0; with `--latent fail`, exit 3",
-    37: "Loss curves with and without `streamrace run` (torchtitan's debug model, seeded and deterministic; the "
-        "DeepSpeed ZeRO-3 script): identical, step by step, as printed",
-    38: "A DeepSpeed 0.19.8 ZeRO-3 script under the `deepspeed` launcher, under `streamrace run`: the ZeRO-3 gather "
-        "race on both ranks (accumulation 2, throughput timer unsynchronized; exit 3), latent in the stock "
-        "configuration (exit 0)",
+    35: "torchtitan 0.2.2's trainer (debug model, FSDP2 on 2 GPUs, async checkpointing with pinned memory) "
+        'under `streamrace run -- torchrun ...`, a checkpoint interval that is not a multiple of the log '
+        'frequency: the DCP staging race ([write-up](upstream/dcp-async-staging.md)) on both ranks, read in '
+        "torch's `_state_dict_stager.py` on the stager's thread; exit 3",
+    36: 'The same with the interval a multiple of the log frequency: the pair listed as latent on both ranks '
+        "(ordered by logging's read-back), exit 0; with `--latent fail`, exit 3",
+    37: "Loss curves with and without `streamrace run`, as the programs print them: torchtitan's debug model "
+        '(seeded, deterministic, 8 steps) and the DeepSpeed ZeRO-3 script (6 steps): identical',
+    38: 'A DeepSpeed ZeRO-3 script under the `deepspeed` launcher, under `streamrace run`: the ZeRO-3 gather '
+        'race ([write-up](upstream/zero3-param-gather.md)) on both ranks with accumulation 2 and the '
+        'throughput timer unsynchronized (exit 3), latent in the stock configuration (exit 0). On CPU '
+        '(virtual backend, gloo) the same, in CI: `pytest tests/test_run_deepspeed_launcher.py`',
 }
 STAGER_FILES = ("_state_dict_stager.py", "staging.py")  # torch DCP: StateDictStager's copy, DefaultStager's thread
 
