@@ -261,3 +261,25 @@ def test_the_trace_carries_each_race_s_confirmation(pytester):
     verdicts = sorted(e["args"]["confirmation"].split(":")[0] for e in events
                       if e.get("ph") == "s" and "confirmation" in e.get("args", {}))
     assert verdicts == ["confirmed", "not confirmed"]
+
+
+def test_a_latent_race_ordered_by_an_incidental_sync_is_forced_with_that_sync_skipped(pytester):
+    """A framework timer's synchronize (an incidental-sync rule's file) is all that orders the pair: the forced pass
+    skips syncs made from that file, and the race comes out confirmed; a read-back's latent race is not tried."""
+    from test_latent import CASES as LATENT, TIMER, line
+
+    pytester.makepyfile(test_cases=LATENT, timer=TIMER)
+    (pytester.path / "s.supp").write_text("incidental-sync:timer.py\n")
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "--streamrace-confirm",
+                                           "--streamrace-suppress", "s.supp", "--streamrace-json", "races.json",
+                                           "-p", "no:cacheprovider", "-k", "test_timer or test_read_back")
+    result.assert_outcomes(passed=3, deselected=2)
+    races = json.loads((pytester.path / "races.json").read_text())["races"]
+    timed = [r["confirmation"] for r in races if r["test"].endswith("test_timer")]
+    assert timed and all(c["status"] == "confirmed" for c in timed), timed
+    assert {c["skipped_sync"] for c in timed} == {f"timer.py:{line(TIMER, 'TIMER-SYNC')}"}
+    read_back = [r["confirmation"] for r in races if "test_read_back" in r["test"]]
+    assert read_back and all(c["status"] == "not-tried" and "that the program needs" in c["reason"]
+                             for c in read_back)
+    result.stdout.fnmatch_lines(["*confirmed: latent write-after-write *held back and the incidental sync at "
+                                 "timer.py:* skipped, the values left behind at * differed*"])

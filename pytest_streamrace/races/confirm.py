@@ -180,9 +180,12 @@ def _gist(output: bytes) -> str:
     return " | ".join(line.strip() for line in lines[-3:])
 
 
+INCIDENTAL = " (incidental)"  # the end of a latent race's sync op where an incidental-sync rule made it one
+
+
 def _why_not(data: dict) -> str | None:
-    if data.get("latent"):
-        return "a latent race: its order is kept today by a host sync at {}".format(
+    if data.get("latent") and not str(data["latent"].get("op", "")).endswith(INCIDENTAL):
+        return "a latent race: its order is kept today by a host sync at {} that the program needs".format(
             data["latent"].get("at") or data["latent"].get("op"))
     if data.get("kind") not in _FORCED:
         return "a free's reuse is not forced"
@@ -197,8 +200,11 @@ def _plan(k: tuple, located: list[dict] | None) -> dict | None:
     for found in located or ():
         for data in found.get("races", ()):
             if records_.key(data) == k and data["earlier"].get("ordinal") and data["later"].get("ordinal"):
-                return {"kind": data["kind"], "earlier": _side(data["earlier"]), "later": _side(data["later"]),
+                plan = {"kind": data["kind"], "earlier": _side(data["earlier"]), "later": _side(data["later"]),
                         "dtype": data["later"]["tensor"]["dtype"]}
+                if data.get("latent"):  # an incidental sync orders it today: the forced pass skips such syncs
+                    plan["skipped"] = data["latent"].get("at")
+                return plan
     return None
 
 
@@ -226,6 +232,8 @@ def _verdict(plan: dict, forced: list[dict], problem: str | None, outcome: str) 
     best = max(done, key=lambda r: (r.get("differing", 0), r.get("max_abs_diff", 0.0)))
     out = {k: v for k, v in best.items() if k != "status"}
     out["held"] = plan["earlier"]["at"]
+    if plan.get("skipped"):
+        out["skipped_sync"] = plan["skipped"]
     out["observed"] = plan["later"]["at"]
     out["runs"] = 1
     out["outcome"] = {"ordered": outcome, "forced": forced_outcome}
@@ -243,7 +251,8 @@ def describe(data: dict, result: dict) -> str:
         return f"not tried: {where}: {result.get('reason')}"
     rw = data["earlier"]["rw"]
     seen = "left behind" if data["kind"] == "write-after-write" else "read"
-    what = (f"with the {rw} at {result['held']} held back, the values {seen} at "
+    skipped = f" and the incidental sync at {result['skipped_sync']} skipped" if result.get("skipped_sync") else ""
+    what = (f"with the {rw} at {result['held']} held back{skipped}, the values {seen} at "
             f"{result['observed'] if data['kind'] != 'write-after-read' else result['held']}")
     if status == NOT_CONFIRMED:
         return f"not confirmed: {where}: {what} were identical in {result.get('runs', 1)} forced run"
@@ -289,6 +298,7 @@ class ConfirmRun:
         self.keys = [tuple(k) for k in instruction.get("keys", ())]
         self.backend = instruction.get("backend", "virtual")
         self.order = None
+        self.unskip = None  # puts back the syncs a forced pass skipped
         self.phase = self.mode  # what the pass running now is for: "warm", "locate" or "force"
         self.passes_seen: list[dict] = []  # what each pass of "passes" left: its races or its forced order, outcome
 
@@ -322,10 +332,14 @@ class ConfirmRun:
             results.append([list(key), dict(one("force"), plan=self.plan)])
         self._write({"pid": os.getpid(), "outcome": located.get("outcome"), "results": results})
 
-    def start(self, detector) -> None:
+    def start(self, detector, incidental=()) -> None:
         seed_everything()
         if self.phase != "force":
             return
+        if self.plan.get("skipped"):
+            from ..detector.forced_order import skip_syncs
+
+            self.unskip = skip_syncs(incidental)
         from ..detector.forced_order import ForcedOrder
 
         plan = self.plan
@@ -343,6 +357,9 @@ class ConfirmRun:
             data["races"] = races
         elif self.order is not None:
             detector.force(None)
+            if self.unskip is not None:
+                self.unskip()
+                self.unskip = None
             data["forced"] = self.order.result(self.plan.get("dtype"))
             self.order = None
         if self.mode == "passes":

@@ -172,7 +172,7 @@ class RaceChecks:
         item.stash[_statuses_key] = []
         item.stash[_latent_key] = [0, []]
         if self.rerun is not None:
-            self.rerun.start(detector)
+            self.rerun.start(detector, self.policy.incidental)
         return (yield)
 
     @pytest.hookimpl(wrapper=True)
