@@ -10,6 +10,10 @@ writes what it saw to a file of its own in a folder the parent reads.
 A race's confirmation is a dict on its record (``confirmation``): ``status`` "confirmed" (the bytes it touched change
 under the forced order, or the test's outcome does), "not-confirmed" (the same values in the forced run: the race
 cannot change what this test computes), or "not-tried" with the ``reason``; the numbers; and how long it took.
+
+``streamrace run --confirm`` shares the re-run's side (``ConfirmRun``, armed in each followed process by
+``children.child``) and the verdict (``plan_of``, ``verdict``, ``describe``); so this module imports pytest only for
+its annotations: a followed process of a user's program must not pay for it.
 """
 
 from __future__ import annotations
@@ -22,14 +26,17 @@ import subprocess
 import sys
 import tempfile
 import time
-
-import pytest
+from typing import TYPE_CHECKING
 
 from .. import env
 from . import record as records_
 
-# Variables a re-run must not inherit: it is no xdist worker, and no child of the test being confirmed.
-_NOT_INHERITED = (env.SUBPROCESS, env.RANK_SPEC, "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
+if TYPE_CHECKING:
+    import pytest
+
+# Variables a re-run must not inherit: it is no xdist worker, and no child of the test being confirmed; a repro's
+# progress lines are the original run's.
+_NOT_INHERITED = (env.SUBPROCESS, env.RANK_SPEC, env.PROGRESS, "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
                   "PYTEST_XDIST_TESTRUNUID", "PYTEST_CURRENT_TEST")
 _FORCED = {"read-after-write", "write-after-read", "write-after-write"}
 CONFIRMED, NOT_CONFIRMED, NOT_TRIED = "confirmed", "not-confirmed", "not-tried"
@@ -150,13 +157,28 @@ def attach(report: pytest.TestReport, confirmed: tuple[list[str], float]) -> Non
 
 
 def _without_cache_options(args: list[str]) -> list[str]:
-    """The carried options less those the re-run cannot take (the cache is off in it: --lf, --ff, --sw ...)."""
+    """The carried options less those the re-run cannot take (the cache is off in it: --lf, --ff, --sw ...; it
+    passes -q, which needs the terminal plugin an in-process caller such as the repro CLI turns off)."""
     dropped = {"--lf", "--last-failed", "--ff", "--failed-first", "--nf", "--new-first", "--sw", "--stepwise",
-               "--sw-skip", "--stepwise-skip", "--cache-clear"}
-    return [a for a in args if a not in dropped]
+               "--sw-skip", "--stepwise-skip", "--cache-clear", "-pno:terminal"}
+    out = []
+    for a in args:
+        if a == "no:terminal" and out and out[-1] == "-p":
+            out.pop()
+        elif a not in dropped:
+            out.append(a)
+    return out
 
 
 def _why_not(data: dict) -> str | None:
+    problem = why_not(data)
+    if problem is None and data.get("pid") is not None:
+        return "the race is in a process the test started; re-running that process is not supported"
+    return problem
+
+
+def why_not(data: dict) -> str | None:
+    """Why a race record cannot be forced (None: it can), wherever its process is."""
     if data.get("latent"):
         return "a latent race: its order is kept today by a host sync at {}".format(
             data["latent"].get("at") or data["latent"].get("op"))
@@ -164,8 +186,6 @@ def _why_not(data: dict) -> str | None:
         return "a free's reuse is not forced"
     if not data.get("earlier", {}).get("ordinal") or not data.get("later", {}).get("ordinal"):
         return "its ops were not captured (the C++ capture is off, or a model made them)"
-    if data.get("pid") is not None:
-        return "the race is in a process the test started; re-running that process is not supported"
     return None
 
 
@@ -173,9 +193,14 @@ def _plan(k: tuple, located: list[dict] | None) -> dict | None:
     for found in located or ():
         for data in found.get("races", ()):
             if records_.key(data) == k and data["earlier"].get("ordinal") and data["later"].get("ordinal"):
-                return {"kind": data["kind"], "earlier": _side(data["earlier"]), "later": _side(data["later"]),
-                        "dtype": data["later"]["tensor"]["dtype"]}
+                return plan_of(data)
     return None
+
+
+def plan_of(data: dict) -> dict:
+    """What a forced run needs of a race record (one with both ordinals): its kind and its two ops' places."""
+    return {"kind": data["kind"], "earlier": _side(data["earlier"]), "later": _side(data["later"]),
+            "dtype": data["later"]["tensor"]["dtype"]}
 
 
 def _side(access: dict) -> dict:
@@ -190,6 +215,12 @@ def _at(access: dict) -> str:
 
 
 def _verdict(plan: dict, forced: list[dict], problem: str | None, outcome: str) -> dict:
+    return verdict(plan, forced, problem, outcome)
+
+
+def verdict(plan: dict, forced: list[dict], problem: str | None, outcome: str) -> dict:
+    """A race's confirmation from the files a forced run's processes wrote (or why there are none), against the
+    outcome of the run that reported it."""
     if problem:
         return {"status": NOT_TRIED, "reason": problem}
     results = [f.get("forced") for f in forced if f.get("forced")]
@@ -210,8 +241,8 @@ def _verdict(plan: dict, forced: list[dict], problem: str | None, outcome: str) 
     return out
 
 
-def describe(data: dict, result: dict) -> str:
-    """One line (or two) a person reads: what was forced and what changed."""
+def describe(data: dict, result: dict, unit: str = "test") -> str:
+    """One line (or two) a person reads: what was forced and what changed (`unit`: what ran, "test" or "program")."""
     kind = records_.kind_of(data)
     where = f"{kind} {_at(data.get('earlier', {}))} -> {_at(data.get('later', {}))}"
     status = result["status"]
@@ -233,7 +264,7 @@ def describe(data: dict, result: dict) -> str:
         line += f"; {result['forced_nonfinite']:,} not finite"
     forced = (result.get("outcome") or {}).get("forced")
     if forced and forced != (result.get("outcome") or {}).get("ordered"):
-        line += f"; the test then {forced}"
+        line += f"; the {unit} then {forced}"
     return line
 
 
@@ -263,10 +294,13 @@ class ConfirmRun:
         self.out = instruction["out"]
         self.plan = instruction.get("plan")
         self.backend = instruction.get("backend", "virtual")
+        self.seed = instruction.get("seed", True)  # a program under ``streamrace run`` seeds itself
+        self.rank = instruction.get("rank")  # said in the file, where the re-run's processes have ranks
         self.order = None
 
     def start(self, detector) -> None:
-        seed_everything()
+        if self.seed:
+            seed_everything()
         if self.mode != "force":
             return
         from ..detector.forced_order import ForcedOrder
@@ -279,7 +313,7 @@ class ConfirmRun:
             self.order.problem = problem
 
     def finish(self, detector, races: list[dict], outcome: str) -> None:
-        data: dict = {"pid": os.getpid(), "outcome": outcome}
+        data: dict = {"pid": os.getpid(), "outcome": outcome, "rank": self.rank}
         if self.mode == "locate":
             data["races"] = races
         elif self.order is not None:
