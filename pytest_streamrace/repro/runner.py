@@ -144,6 +144,7 @@ def run_variant(repro, variant: str, backend: str, world_size: int, steps: int, 
                           verdict.races, verdict.numeric)
         if confirm:
             outcome.confirmations, outcome.confirmed = confirmations(verdict.verdict, verdict.races, collector.races)
+            outcome.seconds = max(0.0, outcome.seconds - outcome.confirmed["seconds"] / runs)  # the run's own time
         outcomes.append(outcome)
     return outcomes
 
