@@ -162,7 +162,8 @@ def forkserver_state(value: str, where: str = env.FORKSERVER_STATE) -> dict:
 
 
 def confirm_run(value: str, where: str = env.CONFIRM) -> dict:
-    """``STREAMRACE_CONFIRM``: set by ``--streamrace-confirm`` for the re-runs it starts, never by a user."""
+    """``STREAMRACE_CONFIRM``: set by ``--streamrace-confirm`` and ``streamrace run --confirm`` for the re-runs they
+    start, never by a user."""
     return _json_object(value, where, "the JSON --streamrace-confirm sets for its re-runs (unset it)", ("mode", "out"))
 
 

@@ -16,7 +16,9 @@ REPRO = "dcp_async_staging.py"
 
 
 def test_cli_verdicts_and_json_evidence(tmp_path):
-    stdout, doc = both_variants("dcp_async_staging", tmp_path)
+    stdout, doc = both_variants("dcp_async_staging", tmp_path, confirm=True)
+    # forced, the staging copy reads the parameters as they were before the step: every race confirmed
+    assert {c["status"] for r in doc["runs"] for c in r["confirmations"]} == {"confirmed"}
     assert "[unpatched] step 2/2 checkpointed" in stdout
     assert doc["backend"] == "virtual" and doc["framework"] == "torch" and doc["world_size"] == 2
     runs = {r["variant"]: r for r in doc["runs"]}

@@ -14,7 +14,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, r
     ("zero_bucket_reuse", {"write-after-read", "write-after-write"}),  # a copy into a buffer a reduction uses
 ])
 def test_cli_verdicts_and_json_evidence(tmp_path, name, bug_kinds):
-    stdout, doc = both_variants(name, tmp_path)
+    stdout, doc = both_variants(name, tmp_path, confirm=True)
+    # forced, each race changes the bucket's values: the general mechanism agrees with the referee race by race
+    assert {c["status"] for r in doc["runs"] for c in r["confirmations"]} == {"confirmed"}
     assert "[unpatched] forced run: step 2/2" in stdout  # progress while the ranks run
     assert doc["backend"] == "virtual" and doc["framework"].startswith("deepspeed ")
     runs = {r["variant"]: r for r in doc["runs"]}
@@ -46,7 +48,8 @@ def test_zero3_param_gather_cli(tmp_path):
     problem = registry.get("zero3_param_gather").framework.problem()
     if problem:
         pytest.skip(problem)
-    _, doc = both_variants("zero3_param_gather", tmp_path)
+    _, doc = both_variants("zero3_param_gather", tmp_path, confirm=True)
+    assert {c["status"] for r in doc["runs"] for c in r["confirmations"]} == {"confirmed"}
     runs = {r["variant"]: r for r in doc["runs"]}
     assert runs["patched"]["races"] == []
     races = runs["unpatched"]["races"]

@@ -19,6 +19,10 @@ whichever test is running when it hands a task's result back, so its races name 
 cuda backend judges captured ops in batches: a child drains them before ``os._exit``, at interpreter exit, before a
 multiprocessing queue hands a result back and before ``destroy_process_group`` (``process_patches``).
 
+Under ``streamrace run --confirm`` the program runs again with ``STREAMRACE_CONFIRM`` set (the race to force, per
+rank): each followed process whose rank has a plan arms it on its detector when that starts, and writes what the
+forced order changed to the instruction's folder when it ends (``races.confirm.ConfirmRun``).
+
 Opting out: ``STREAMRACE_SUBPROCESS=0`` (or removing the variable) in a child's environment. Nothing here may raise into
 the child: what fails is dropped (a broken child file only loses that child's races).
 """
@@ -46,6 +50,7 @@ class _State:
     trace_written = False
     rank: int | None = None  # the last rank the process group gave (it is gone after destroy_process_group)
     reported: set = set()  # (test, race key) written: a pool worker forgets races between tasks, not per test
+    confirm = None  # races.confirm.ConfirmRun: this process forces a race for streamrace run --confirm
 
 
 _state = _State()
@@ -178,6 +183,27 @@ def _start_detector(config: dict) -> None:
     detector.__enter__()
     _state.owns_detector = True
     _attach(detector)
+    _arm_confirmation(detector)
+
+
+def _arm_confirmation(detector) -> None:
+    """``streamrace run --confirm``'s re-run: force this rank's race (a process with no plan runs as it is)."""
+    raw = os.environ.get(env.CONFIRM)
+    if not raw:
+        return
+    try:
+        from .. import checks
+        from ..races.confirm import ConfirmRun
+
+        instruction = checks.confirm_run(raw)
+        rank = _rank()
+        plan = (instruction.get("plans") or {}).get("none" if rank is None else str(rank))
+        if plan is None:
+            return
+        _state.confirm = ConfirmRun(dict(instruction, plan=plan, rank=rank))
+        _state.confirm.start(detector)
+    except Exception:
+        _state.confirm = None
 
 
 def adopt(detector, config: dict, origin: str) -> None:
@@ -228,6 +254,12 @@ def _after_fork() -> None:
     _state.rank = None
     _state.reported = set()
     _state.origin = live_test(config["dir"], _state.origin)
+    if _state.confirm is not None:  # the plan is the forking process's: its ops are counted there
+        _state.confirm = None
+        try:
+            _state.detector.force(None)
+        except Exception:
+            pass
     queues = sys.modules.get("multiprocessing.queues")
     if queues is not None:
         _patch_queues(queues)
@@ -344,6 +376,12 @@ def _finish() -> None:
         return
     _drain()
     _recount()
+    confirm, _state.confirm = _state.confirm, None
+    if confirm is not None:
+        try:
+            confirm.finish(detector, [], "passed")
+        except Exception:
+            pass
     if not _config().get("trace") or _state.trace_written:
         return
     _state.trace_written = True

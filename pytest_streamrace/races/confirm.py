@@ -10,6 +10,10 @@ writes what it saw to a file of its own in a folder the parent reads.
 A race's confirmation is a dict on its record (``confirmation``): ``status`` "confirmed" (the bytes it touched change
 under the forced order, or the test's outcome does), "not-confirmed" (the same values in the forced run: the race
 cannot change what this test computes), or "not-tried" with the ``reason``; the numbers; and how long it took.
+
+``streamrace run --confirm`` shares the re-run's side (``ConfirmRun``, armed in each followed process by
+``children.child``) and the verdict (``plan_of``, ``verdict``, ``describe``); so this module imports pytest only for
+its annotations: a followed process of a user's program must not pay for it.
 """
 
 from __future__ import annotations
@@ -22,14 +26,17 @@ import subprocess
 import sys
 import tempfile
 import time
-
-import pytest
+from typing import TYPE_CHECKING
 
 from .. import env
 from . import record as records_
 
-# Variables a re-run must not inherit: it is no xdist worker, and no child of the test being confirmed.
-_NOT_INHERITED = (env.SUBPROCESS, env.RANK_SPEC, "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
+if TYPE_CHECKING:
+    import pytest
+
+# Variables a re-run must not inherit: it is no xdist worker, and no child of the test being confirmed; a repro's
+# progress lines are the original run's.
+_NOT_INHERITED = (env.SUBPROCESS, env.RANK_SPEC, env.PROGRESS, "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
                   "PYTEST_XDIST_TESTRUNUID", "PYTEST_CURRENT_TEST")
 _FORCED = {"read-after-write", "write-after-read", "write-after-write"}
 CONFIRMED, NOT_CONFIRMED, NOT_TRIED = "confirmed", "not-confirmed", "not-tried"
@@ -164,10 +171,17 @@ def attach(report: pytest.TestReport, confirmed: tuple[list[str], float]) -> Non
 
 
 def _without_cache_options(args: list[str]) -> list[str]:
-    """The carried options less those the re-run cannot take (the cache is off in it: --lf, --ff, --sw ...)."""
+    """The carried options less those the re-run cannot take (the cache is off in it: --lf, --ff, --sw ...; it
+    passes -q, which needs the terminal plugin an in-process caller such as the repro CLI turns off)."""
     dropped = {"--lf", "--last-failed", "--ff", "--failed-first", "--nf", "--new-first", "--sw", "--stepwise",
-               "--sw-skip", "--stepwise-skip", "--cache-clear"}
-    return [a for a in args if a not in dropped]
+               "--sw-skip", "--stepwise-skip", "--cache-clear", "-pno:terminal"}
+    out = []
+    for a in args:
+        if a == "no:terminal" and out and out[-1] == "-p":
+            out.pop()
+        elif a not in dropped:
+            out.append(a)
+    return out
 
 
 def _gist(output: bytes) -> str:
@@ -184,6 +198,14 @@ INCIDENTAL = " (incidental)"  # the end of a latent race's sync op where an inci
 
 
 def _why_not(data: dict) -> str | None:
+    problem = why_not(data)
+    if problem is None and data.get("pid") is not None:
+        return "the race is in a process the test started; re-running that process is not supported"
+    return problem
+
+
+def why_not(data: dict) -> str | None:
+    """Why a race record cannot be forced (None: it can), wherever its process is."""
     if data.get("latent") and not str(data["latent"].get("op", "")).endswith(INCIDENTAL):
         return "a latent race: its order is kept today by a host sync at {} that the program needs".format(
             data["latent"].get("at") or data["latent"].get("op"))
@@ -191,8 +213,6 @@ def _why_not(data: dict) -> str | None:
         return "a free's reuse is not forced"
     if not data.get("earlier", {}).get("ordinal") or not data.get("later", {}).get("ordinal"):
         return "its ops were not captured (the C++ capture is off, or a model made them)"
-    if data.get("pid") is not None:
-        return "the race is in a process the test started; re-running that process is not supported"
     return None
 
 
@@ -200,12 +220,25 @@ def _plan(k: tuple, located: list[dict] | None) -> dict | None:
     for found in located or ():
         for data in found.get("races", ()):
             if records_.key(data) == k and data["earlier"].get("ordinal") and data["later"].get("ordinal"):
-                plan = {"kind": data["kind"], "earlier": _side(data["earlier"]), "later": _side(data["later"]),
-                        "dtype": data["later"]["tensor"]["dtype"]}
-                if data.get("latent"):  # an incidental sync orders it today: the forced pass skips such syncs
-                    plan["skipped"] = data["latent"].get("at")
-                return plan
+                return plan_of(data)
     return None
+
+
+def plan_of(data: dict) -> dict:
+    """What a forced run needs of a race record (one with both ordinals): its kind and its two ops' places; for a
+    latent race (only an incidental sync orders it today), that sync, which the forced run skips."""
+    plan = {"kind": data["kind"], "earlier": _side(data["earlier"]), "later": _side(data["later"]),
+            "dtype": _dtype(data)}
+    if data.get("latent"):
+        plan["skipped"] = data["latent"].get("at")
+    return plan
+
+
+def _dtype(data: dict) -> str:
+    """The dtype the race's bytes are compared in: the later access's, unless it sees them as raw bytes (a copy of
+    untyped storage, as DCP's stager makes) and the earlier one knows better."""
+    later, earlier = data["later"]["tensor"]["dtype"], data["earlier"]["tensor"]["dtype"]
+    return earlier if later == "uint8" and earlier != "uint8" else later
 
 
 def _side(access: dict) -> dict:
@@ -220,6 +253,12 @@ def _at(access: dict) -> str:
 
 
 def _verdict(plan: dict, forced: list[dict], problem: str | None, outcome: str) -> dict:
+    return verdict(plan, forced, problem, outcome)
+
+
+def verdict(plan: dict, forced: list[dict], problem: str | None, outcome: str) -> dict:
+    """A race's confirmation from the files a forced run's processes wrote (or why there are none), against the
+    outcome of the run that reported it."""
     if problem:
         return {"status": NOT_TRIED, "reason": problem}
     results = [f.get("forced") for f in forced if f.get("forced")]
@@ -242,8 +281,8 @@ def _verdict(plan: dict, forced: list[dict], problem: str | None, outcome: str) 
     return out
 
 
-def describe(data: dict, result: dict) -> str:
-    """One line (or two) a person reads: what was forced and what changed."""
+def describe(data: dict, result: dict, unit: str = "test") -> str:
+    """One line (or two) a person reads: what was forced and what changed (`unit`: what ran, "test" or "program")."""
     kind = records_.kind_of(data)
     where = f"{kind} {_at(data.get('earlier', {}))} -> {_at(data.get('later', {}))}"
     status = result["status"]
@@ -266,7 +305,7 @@ def describe(data: dict, result: dict) -> str:
         line += f"; {result['forced_nonfinite']:,} not finite"
     forced = (result.get("outcome") or {}).get("forced")
     if forced and forced != (result.get("outcome") or {}).get("ordered"):
-        line += f"; the test then {forced}"
+        line += f"; the {unit} then {forced}"
     return line
 
 
@@ -297,6 +336,8 @@ class ConfirmRun:
         self.plan = instruction.get("plan")
         self.keys = [tuple(k) for k in instruction.get("keys", ())]
         self.backend = instruction.get("backend", "virtual")
+        self.seed = instruction.get("seed", True)  # a program under ``streamrace run`` seeds itself
+        self.rank = instruction.get("rank")  # said in the file, where the re-run's processes have ranks
         self.order = None
         self.unskip = None  # puts back the syncs a forced pass skipped
         self.phase = self.mode  # what the pass running now is for: "warm", "locate" or "force"
@@ -333,7 +374,8 @@ class ConfirmRun:
         self._write({"pid": os.getpid(), "outcome": located.get("outcome"), "results": results})
 
     def start(self, detector, incidental=()) -> None:
-        seed_everything()
+        if self.seed:
+            seed_everything()
         if self.phase != "force":
             return
         if self.plan.get("skipped"):
@@ -352,7 +394,7 @@ class ConfirmRun:
     def finish(self, detector, races: list[dict], outcome: str) -> None:
         if self.phase == "warm":
             return
-        data: dict = {"pid": os.getpid(), "outcome": outcome}
+        data: dict = {"pid": os.getpid(), "outcome": outcome, "rank": self.rank}
         if self.phase == "locate":
             data["races"] = races
         elif self.order is not None:

@@ -124,7 +124,7 @@ class Tally:
             from .confirm import describe
 
             lines.append("confirmations (each race forced into its bad order in a re-run):")
-            lines += [f"  {nodeid}: {describe(e['race'], e['race']['confirmation'])}"
+            lines += [f"  {nodeid}: {describe(e['race'], e['race']['confirmation'], self.unit)}"
                       for (nodeid, _), e in self.races.items() if e["race"].get("confirmation")]
             lines.append(confirmed)
         lines.append(self.closing_line())

@@ -41,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=_count, help="training steps per run (default: the repro's)")
     parser.add_argument("--repeat", type=_count, default=1,
                         help="runs per variant (in the same rank processes, one launch per variant)")
+    parser.add_argument("--confirm", action="store_true",
+                        help="force each race of a run into its bad order in a re-run of the variant and show "
+                             "whether the values it touched change, beside the referee's verdict")
     parser.add_argument("--json", metavar="PATH", help="write every run's verdict and evidence to PATH")
     parser.add_argument("--trace", metavar="PATH", help="write a Chrome-trace timeline of the last run to PATH")
     return parser
@@ -72,6 +75,10 @@ def _print_outcome(outcome, label: str) -> None:
         print(f"    ... {len(outcome.races) - 4} more (--json PATH for all)")
     for n in outcome.numeric:
         print(f"    numbers: {json.dumps(n, sort_keys=True)}")
+    for c in outcome.confirmations:
+        print(f"    {c['line']}")
+    if outcome.confirmed is not None:
+        print(f"    confirmation: {outcome.confirmed['summary']}  [{outcome.confirmed['seconds']:.1f} s]")
     if outcome.failure:
         print("    the run failed:\n" + "\n".join("      " + line for line in outcome.failure[-3000:].splitlines()))
 
@@ -96,7 +103,8 @@ def run(args) -> int:
     for variant in variants:
         runs = f" for {args.repeat} runs" if args.repeat > 1 else ""
         print(f"  [{variant}] starting {world_size} ranks{runs}...", flush=True)
-        results = run_variant(repro, variant, backend, world_size, args.steps or 0, args.repeat, args.trace)
+        results = run_variant(repro, variant, backend, world_size, args.steps or 0, args.repeat, args.trace,
+                              confirm=args.confirm)
         for i, outcome in enumerate(results, 1):
             outcomes.append(outcome)
             _print_outcome(outcome, f" run {i}/{len(results)}" if len(results) > 1 else "")
@@ -112,6 +120,10 @@ def run(args) -> int:
                            "runs": [vars(o) | {"expected": o.expected} for o in outcomes]}, f, indent=1)
         except OSError as exc:  # checked before the first rank; lost since (a full disk): the verdict stands
             print(f"warning: could not write --json {args.json}: {exc.strerror or exc}", file=sys.stderr)
+    if args.confirm:
+        disagree = [f"{o.variant}" for o in outcomes if o.confirmed and o.confirmed["agrees"] is False]
+        print(f"{repro.name}: confirmation " + (f"DISAGREES with the referee on {', '.join(disagree)}" if disagree
+                                                 else "agrees with the referee wherever it gave a verdict"))
     ok = all(o.expected for o in outcomes)
     print(f"{repro.name}: {'every variant got its expected verdict' if ok else 'NOT every variant got its expected verdict'}")
     return 0 if ok else 1

@@ -15,8 +15,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+
 from .. import env
-from ..races.record import EVIDENCE
+from ..races.record import EVIDENCE, RACES
+from ..races.record import key as race_key
 from .evidence import judge, per_run
 
 
@@ -38,6 +41,8 @@ class Outcome:
     races: list = field(default_factory=list)
     numeric: list = field(default_factory=list)
     failure: str = ""  # the item's report when the run itself failed (crash, hang, exception in a rank)
+    confirmations: list = field(default_factory=list)  # --confirm: per distinct race, its confirmation and line
+    confirmed: dict | None = None  # --confirm: {confirmed, races, agrees, summary, seconds}
 
     @property
     def expected(self) -> bool:
@@ -49,17 +54,23 @@ class _Collector:
 
     def __init__(self):
         self.evidence: list[dict] = []
+        self.races: list[dict] = []  # the detector's records, merged over the ranks (with their confirmations)
         self.failures: list[str] = []
         self.skipped = ""
 
+    @pytest.hookimpl(wrapper=True)
     def pytest_runtest_logreport(self, report):
+        """Around the plugin's own: it turns the teardown report's race records into their count for junit XML."""
         for key, value in report.user_properties:
             if key == EVIDENCE:
                 self.evidence.append(value)
+            elif key == RACES and report.when == "teardown" and isinstance(value, list):
+                self.races += value
         if report.failed:
             self.failures.append(f"[{report.when}] {report.longreprtext}")
         elif report.skipped and isinstance(report.longrepr, tuple):
             self.skipped = report.longrepr[2]
+        return (yield)
 
     def pytest_collectreport(self, report):
         if report.failed:
@@ -80,9 +91,10 @@ def _tail_progress(path: str, stop: threading.Event, prefix: str) -> None:
 
 
 def run_variant(repro, variant: str, backend: str, world_size: int, steps: int, repeat: int = 1,
-                trace: str | None = None, timeout: float = 600.0) -> list[Outcome]:
-    """Run `repeat` runs of one variant in one launch of its ranks; one Outcome per run."""
-    import pytest
+                trace: str | None = None, timeout: float = 600.0, confirm: bool = False) -> list[Outcome]:
+    """Run `repeat` runs of one variant in one launch of its ranks; one Outcome per run. With `confirm`, the
+    launcher re-runs the item with each race forced (``--streamrace-confirm``) and each outcome says what that
+    found beside the referee's verdict."""
 
     expect = repro.variant(variant).expect
     collector = _Collector()
@@ -95,6 +107,8 @@ def run_variant(repro, variant: str, backend: str, world_size: int, steps: int, 
                 f"--streamrace-timeout={timeout}"]
         if trace:
             args.append(f"--streamrace-trace={trace}")
+        if confirm:
+            args.append("--streamrace-confirm")
         settings = {env.PROGRESS: progress,
                     env.REPRO: json.dumps({"world_size": world_size, "steps": steps, "repeat": repeat})}
         saved = {k: os.environ.get(k) for k in settings}
@@ -126,6 +140,37 @@ def run_variant(repro, variant: str, backend: str, world_size: int, steps: int, 
     outcomes = []
     for i in range(runs):
         verdict = judge(per_run(collector.evidence, i), repro.relevant)
-        outcomes.append(Outcome(repro.name, variant, expect, backend, verdict.verdict, verdict.reason,
-                                seconds / runs, verdict.races, verdict.numeric))
+        outcome = Outcome(repro.name, variant, expect, backend, verdict.verdict, verdict.reason, seconds / runs,
+                          verdict.races, verdict.numeric)
+        if confirm:
+            outcome.confirmations, outcome.confirmed = confirmations(verdict.verdict, verdict.races, collector.races)
+            outcome.seconds = max(0.0, outcome.seconds - outcome.confirmed["seconds"] / runs)  # the run's own time
+        outcomes.append(outcome)
     return outcomes
+
+
+def confirmations(verdict: str, races: list[dict], confirmed: list[dict]) -> tuple[list[dict], dict]:
+    """The confirmation of each distinct race the verdict rests on (from the launcher's records, matched by
+    kind and both locations), and whether they agree with the referee's verdict: a reproduced bug agrees when at
+    least one of its races is confirmed, a clean variant when it has none to confirm."""
+    from ..races.confirm import CONFIRMED, describe
+
+    by_key = {race_key(r): r for r in confirmed if r.get("confirmation")}
+    out, seen = [], set()
+    for race in races:
+        k = race_key(race)
+        if k in seen:
+            continue
+        seen.add(k)
+        found = by_key.get(k)
+        result = dict(found["confirmation"]) if found else {"status": "not-tried",
+                                                            "reason": "the forced re-runs did not report this race"}
+        out.append(dict(result, line=describe(race, result)))
+    n = sum(1 for c in out if c["status"] == CONFIRMED)
+    agrees = {"reproduced": n > 0, "clean": not out}.get(verdict)
+    if agrees is None:
+        summary = f"confirmed {n} of {len(out)}; the referee gave no verdict ({verdict})"
+    else:
+        summary = f"confirmed {n} of {len(out)}; {'agrees' if agrees else 'disagrees'} with the referee ({verdict})"
+    seconds = max((float(c.get("test_seconds", 0.0)) for c in out), default=0.0)
+    return out, {"confirmed": n, "races": len(out), "agrees": agrees, "summary": summary, "seconds": seconds}

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 
 from .. import env
 from . import job, options
@@ -62,6 +63,7 @@ def _run(settings: options.Settings, backend: str, policy, mask: set) -> int:
         early = job.pending_interrupt()
         if early is not None:
             return 128 + early
+        started = time.monotonic()
         try:
             pid = job.spawn(settings.program, environ, mask)
         except job.NotFound as exc:
@@ -69,6 +71,11 @@ def _run(settings: options.Settings, backend: str, policy, mask: set) -> int:
             return exc.status
         status, signo = job.watch(pid, lambda: findings.feed(following.read()))
         findings.feed(following.read())
+        if settings.confirm and signo is None and findings.races:
+            from .confirm import confirm
+
+            confirm(settings.program, backend, environ[env.SUBPROCESS], list(findings.races.values()), status,
+                    time.monotonic() - started, mask)
         signal_name = signal.Signals(signo).name if signo is not None else None
         return findings.finish(status, signal_name, settings.json, settings.trace)
     finally:

@@ -45,10 +45,12 @@ def pending_interrupt() -> int | None:
     return info.si_signo if info is not None else None
 
 
-def spawn(argv: list[str], environ: dict, mask: set) -> int:
-    """Start the program; its pid. NotFound where it cannot be executed."""
+def spawn(argv: list[str], environ: dict, mask: set, quiet: bool = False) -> int:
+    """Start the program; its pid. NotFound where it cannot be executed. `quiet`: its output goes nowhere (a re-run's
+    for ``--confirm``: the program's output is the first run's)."""
+    actions = [(os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0), (os.POSIX_SPAWN_DUP2, 1, 2)] if quiet else []
     try:
-        return os.posix_spawnp(argv[0], argv, environ, setsigmask=mask)
+        return os.posix_spawnp(argv[0], argv, environ, setsigmask=mask, file_actions=actions)
     except FileNotFoundError:
         raise NotFound(f"streamrace run: {argv[0]}: command not found", 127) from None
     except PermissionError:

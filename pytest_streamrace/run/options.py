@@ -19,7 +19,11 @@ from .. import options
 PREFIX = "--streamrace-"
 USAGE = "streamrace run [options] -- PROGRAM [ARGS...]"
 NAMES = ("streamrace_backend", "streamrace_latent", "streamrace_suppressions", "streamrace_baseline",
-         "streamrace_baseline_update", "streamrace_report_only", "streamrace_json", "streamrace_trace")
+         "streamrace_baseline_update", "streamrace_report_only", "streamrace_json", "streamrace_trace",
+         "streamrace_confirm")
+HELP = {"streamrace_confirm": "after the program ends with races, run it again once per distinct race with that race "
+                              "forced into its bad order in every followed process, and report whether the values "
+                              "it touched change: confirmed, not confirmed or not tried (the exit status stays)"}
 _TRUE, _FALSE = ("1", "true", "yes", "y", "on", "t"), ("0", "false", "no", "n", "off", "f")
 
 
@@ -38,6 +42,7 @@ class Settings:
     report_only: bool = False
     json: str | None = None
     trace: str | None = None
+    confirm: bool = False
     rootdir: str = "."
 
 
@@ -65,7 +70,7 @@ def parser() -> argparse.ArgumentParser:
     for s in options.SETTINGS:
         if s.name not in NAMES:
             continue
-        kwargs = {"dest": _dest(s), "default": None, "help": s.help.replace(PREFIX, "--")}
+        kwargs = {"dest": _dest(s), "default": None, "help": HELP.get(s.name, s.help.replace(PREFIX, "--"))}
         if s.kind == "bool":
             kwargs["action"] = "store_true"
         elif s.kind == "paths":
