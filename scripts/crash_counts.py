@@ -48,12 +48,12 @@ dist.barrier()
 dist.destroy_process_group()
 """
 
-# What a dead process leaves in a job's output, most specific first: the launcher's rank report, torchrun's failure
-# table and its signal line, the C++ runtime, CPython, the shell's words for a core dump.
+# What a dead process leaves in a job's output: the launcher's rank report, torchrun's failure table (a rank killed
+# by a signal, and the peers torchrun then stops with SIGTERM), the C++ runtime, CPython, the shell's core-dump words.
 SIGNATURES = [
     (re.compile(r"rank \d+(?: of \d+)? died: ([^;\n]+)"), "rank died: {}"),
-    (re.compile(r"Signal \d+ \((SIG\w+)\) received by PID"), "torchrun: {} received"),
-    (re.compile(r"exitcode\s*:\s*(-\d+)"), "torchrun: rank exit code {}"),
+    (re.compile(r"Signal \d+ \((SIG\w+)\) received by PID"), "a rank got {} (torchrun)"),
+    (re.compile(r"exitcode\s*:\s*(-\d+)"), "a rank's exit code {} (torchrun)"),
     (re.compile(r"terminate called after throwing an instance of '([^']+)'"), "C++ terminate: {}"),
     (re.compile(r"Fatal Python error: (\w+)"), "Fatal Python error: {}"),
     (re.compile(r"(Segmentation fault|Aborted|Bus error)(?: \(core dumped\))?"), "{}"),
