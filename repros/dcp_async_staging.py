@@ -63,6 +63,15 @@ def _stager(ctx):
     return stager
 
 
+def _staged_once(stager) -> bool:
+    """torch 2.11's DefaultStager._stage ends with self._state_dict_stager.close(), which empties the StateDictStager's
+    deep-copy table: a second stage() then fails in its ranks with `KeyError: <class 'type'>` (the copy falls through
+    to __reduce_ex__ and looks up the table's entry for class objects). torch 2.13 no longer closes it there. Such a
+    stager stages once, so the repro makes a new one for the next checkpoint."""
+    inner = getattr(stager, "_state_dict_stager", None)
+    return inner is not None and not getattr(inner, "_deepcopy_dispatch", True)
+
+
 def _shared_dir(ctx) -> str:
     import torch.distributed as dist
 
@@ -108,6 +117,9 @@ def run(ctx) -> dict | None:
                                        async_stager=stager, process_group=group)
                 saved.staging_completion.result()  # training may go on once staging completed
                 saved.upload_completion.result()
+                if _staged_once(stager):
+                    stager.close()
+                    stager = _stager(ctx)
                 ctx.progress(f"step {step + 1}/{ctx.steps} checkpointed")
         return _referee(ctx, model, checkpoint, group) if cuda else None
     finally:

@@ -1,5 +1,7 @@
 """The tests' own fixtures: pytester's subprocess sessions forked warm (see warm_pytest.py)."""
 
+import signal
+
 import pytest
 import warm_pytest
 
@@ -13,6 +15,11 @@ def _warm_sessions(request):
 
 
 def pytest_configure(config):
+    # Tests of Ctrl-C send SIGINT to the processes they start, as a terminal does. A shell starts a background job
+    # (`cmd &`, nohup) with SIGINT ignored, every process below inherits that, and Python then installs no
+    # KeyboardInterrupt handler: those tests would fail only there. The processes the suite starts get the default.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     config.addinivalue_line("markers", "cold_start: run pytester's sessions as fresh interpreters (what a fresh "
                                        "interpreter imports is the test's subject)")
     config.addinivalue_line("markers", "gpu(count=1): needs COUNT CUDA GPUs (tests/gpu skips it without them); "
