@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from pytest_streamrace import env
 
 CLAIMS = {
     41: 'Crash counts on NCCL: the stock DDP and FSDP2 items (`tests/stacks/`), N fresh pytest sessions plain'

@@ -6,7 +6,6 @@ import os
 
 import pytest
 
-from pytest_streamrace import env
 
 CLAIMS = {
     40: "torch DCP's async staging through FSDP2 (`init_device_mesh`, `fully_shard`; NCCL ranks, DCP on a "

@@ -6,7 +6,6 @@ import json
 import pytest
 from repro_cli import repro
 
-from pytest_streamrace import env
 
 CLAIMS = {
     42: '`dcp_async_staging` on 2 GPUs with its referee (the checkpoint loaded back against the model): '
