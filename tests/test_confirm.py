@@ -224,10 +224,12 @@ CORPUS_BENIGN = {"test_async_collective_output_read_before_wait", "test_sync_col
 CORPUS_NOT_TRIED = {"test_free_while_another_stream_reads"}
 
 
-# On a GPU, one rank's collective can be held back only with the stream its read runs on, and an in-place collective
-# reads what it writes: those two are not tried there.
+# On a GPU, one rank's collective can be held back only with the stream its read runs on, and a later write that
+# reads what it writes (an in-place collective, the bucket's division) leaves bytes the forced run cannot compare
+# with the ordered run's: those three are not tried there.
 CORPUS_NOT_TRIED_CUDA = {"test_async_collective_output_read_before_wait",
-                         "test_collective_on_stream_that_waited_on_the_wrong_stream"}
+                         "test_collective_on_stream_that_waited_on_the_wrong_stream",
+                         "test_multi_producer_bucket_reduction_waits_on_one_producer"}
 
 
 def check_corpus(pytester, backend: str) -> None:

@@ -136,8 +136,13 @@ class Confirmer:
                 results[k] = {"status": NOT_TRIED, "reason": "the race did not show in a fresh process with the same "
                                                               "seeds"}
                 continue
-            forced, problem = self._run(item, {"mode": "force", "plan": plan, "backend": backend})
-            result = _verdict(plan, forced, problem, outcome)
+            while True:
+                forced, problem = self._run(item, {"mode": "force", "plan": plan, "backend": backend})
+                result = _verdict(plan, forced, problem, outcome)
+                longer = _longer_hold(result)
+                if longer is None:
+                    break
+                plan = dict(plan, delay_ms=longer)
             result["seconds"] = round(time.perf_counter() - one, 3)
             results[k] = result
         total = round(time.perf_counter() - started, 3)
@@ -147,9 +152,14 @@ class Confirmer:
         return [describe(todo[k][0], results[k]) for k in todo], total
 
 
-    def _in_one_process(self, item, tryable: dict, outcome: str, backend: str, results: dict) -> None:
-        found, problem = self._run(item, {"mode": "passes", "keys": [list(k) for k in tryable], "backend": backend})
+    def _in_one_process(self, item, tryable: dict, outcome: str, backend: str, results: dict,
+                        delay_ms: float | None = None) -> None:
+        instruction = {"mode": "passes", "keys": [list(k) for k in tryable], "backend": backend}
+        if delay_ms is not None:
+            instruction["delay_ms"] = delay_ms
+        found, problem = self._run(item, instruction)
         passes = {tuple(k): seen for f in found for k, seen in f.get("results", ())}
+        retry: dict = {}
         for k in tryable:
             seen = passes.get(k)
             if problem or seen is None or "problem" in seen:
@@ -157,6 +167,26 @@ class Confirmer:
                 results[k] = {"status": NOT_TRIED, "reason": reason}
                 continue
             results[k] = dict(_verdict(seen["plan"], [seen], None, outcome), seconds=seen.get("seconds", 0.0))
+            longer = _longer_hold(results[k])
+            if longer is not None:
+                retry[k] = longer
+        if retry:  # once more, those races with the longest hold any of them needs
+            self._in_one_process(item, {k: tryable[k] for k in retry}, outcome, backend, results, max(retry.values()))
+
+
+MAX_HOLD_MS = 10_000.0
+
+
+def _longer_hold(result: dict) -> float | None:
+    """The hold to try next where a GPU hold was too short to invert the order, else None: the host took longer
+    between the two accesses than the held stream slept (a communicator's first use, a kernel's first launch), so
+    the held access ran first anyway. Twice what it took, up to MAX_HOLD_MS."""
+    delay, gap = result.get("delay_ms"), result.get("host_gap_ms", 0.0)
+    if delay is None or delay >= MAX_HOLD_MS:
+        return None
+    short = (result["status"] == NOT_TRIED and "did not invert" in str(result.get("reason"))) or \
+        (result["status"] == NOT_CONFIRMED and result.get("held_by") and gap > delay / 2)
+    return min(MAX_HOLD_MS, 2 * (gap + delay)) if short else None
 
 
 def attach(report: pytest.TestReport, confirmed: tuple[list[str], float]) -> None:
@@ -266,8 +296,11 @@ def verdict(plan: dict, forced: list[dict], problem: str | None, outcome: str) -
     outcomes = [f.get("outcome") for f in forced if f.get("outcome")]
     forced_outcome = next((o for o in outcomes if o != "passed"), outcomes[0] if outcomes else None)
     if not done:
-        reasons = [r.get("reason") for r in results if r.get("reason")]
-        return {"status": NOT_TRIED, "reason": reasons[0] if reasons else "the re-run never reached the race"}
+        tried = [r for r in results if r.get("reason")]
+        if not tried:
+            return {"status": NOT_TRIED, "reason": "the re-run never reached the race"}
+        numbers = {k: tried[0][k] for k in ("delay_ms", "host_gap_ms", "lead_ms") if k in tried[0]}
+        return {"status": NOT_TRIED, "reason": tried[0]["reason"], **numbers}
     best = max(done, key=lambda r: (r.get("differing", 0), r.get("max_abs_diff", 0.0)))
     out = {k: v for k, v in best.items() if k != "status"}
     out["held"] = plan["earlier"]["at"]
@@ -335,6 +368,7 @@ class ConfirmRun:
         self.out = instruction["out"]
         self.plan = instruction.get("plan")
         self.keys = [tuple(k) for k in instruction.get("keys", ())]
+        self.delay_ms = instruction.get("delay_ms")  # a GPU hold's length, where a first one was too short
         self.backend = instruction.get("backend", "virtual")
         self.seed = instruction.get("seed", True)  # a program under ``streamrace run`` seeds itself
         self.rank = instruction.get("rank")  # said in the file, where the re-run's processes have ranks
@@ -366,6 +400,8 @@ class ConfirmRun:
         results = []
         for key in self.keys:
             self.plan = _plan(key, [located])
+            if self.plan is not None and self.delay_ms is not None:
+                self.plan["delay_ms"] = self.delay_ms
             if self.plan is None:
                 results.append([list(key), {"problem": "the race did not show in a fresh process with the same "
                                                        "seeds"}])
