@@ -255,8 +255,12 @@ def serve() -> None:
     while True:
         # A warm-up waits until no rank runs: an import under way would hold back the report of a rank's exit,
         # which the parent waits for, and new ranks' requests come first.
+        # The warm-up first where both are ready: the ranks that named a module exited before the parent, told of
+        # their exit, asked for the next ranks, which must find it imported.
         readable, _, _ = select.select([0] if _ranks else [0, needed_r], [], [], 0.01)
-        if 0 in readable:
+        if needed_r in readable:
+            _warm(os.read(needed_r, 1 << 16).decode().split(), pending)
+        elif 0 in readable:
             chunk = os.read(0, 1 << 16)
             if not chunk:
                 _stop()
@@ -273,8 +277,6 @@ def serve() -> None:
                     _run_rank(request)
                 _ranks.add(pid)
                 _send({"pid": pid})
-        elif needed_r in readable:
-            _warm(os.read(needed_r, 1 << 16).decode().split(), pending)
         _reap()
 
 if __name__ == "__main__":
