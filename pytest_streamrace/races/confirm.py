@@ -93,13 +93,7 @@ class Confirmer:
                                       start_new_session=True)
             except subprocess.TimeoutExpired:
                 return [], f"the re-run ran past {self.timeout:g} s"
-            found = []
-            for name in sorted(os.listdir(folder)):
-                try:
-                    with open(os.path.join(folder, name), encoding="utf-8") as f:
-                        found.append(json.load(f))
-                except (OSError, ValueError):
-                    continue
+            found = read_files(folder)
             if not found:
                 return [], f"the re-run reported nothing (exit {done.returncode}): {_gist(done.stdout)}"
             return found, None
@@ -212,6 +206,18 @@ def _without_cache_options(args: list[str]) -> list[str]:
         elif a not in dropped:
             out.append(a)
     return out
+
+
+def read_files(folder: str) -> list[dict]:
+    """What a re-run's processes wrote into `folder`, a JSON file each (one cut short by a crash is left out)."""
+    found = []
+    for name in sorted(os.listdir(folder)):
+        try:
+            with open(os.path.join(folder, name), encoding="utf-8") as f:
+                found.append(json.load(f))
+        except (OSError, ValueError):
+            continue
+    return found
 
 
 def _gist(output: bytes) -> str:

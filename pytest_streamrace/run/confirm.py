@@ -101,13 +101,7 @@ def _rerun(program: list[str], backend: str, variable: str, plans: dict, limit: 
                 _signal(pid, signal.SIGKILL)
 
         status, signo = job.watch(pid, tick)
-        found = []
-        for name in sorted(os.listdir(folder)):
-            try:
-                with open(os.path.join(folder, name), encoding="utf-8") as f:
-                    found.append(json.load(f))
-            except (OSError, ValueError):
-                continue
+        found = confirming.read_files(folder)
         if sent:
             return found, status, signo, f"the re-run ran past {limit:g} s"
         return found, status, signo, None
