@@ -89,7 +89,6 @@ class ForcedOrder:
         self.delay_ms = float(delay_ms)
         self.seen: dict[str, str] = {}  # side -> the op found at its place ("earlier"/"later")
         self.candidates: dict[int, tuple] = {}  # storage ptr -> (bytes view, snapshot) at the earlier access
-        self.storage = None  # the bytes both accesses touched
         self.ordered = self.forced = None  # snapshots: what the access saw (or left) in each order
         self.events = None
         self.host = {}
@@ -106,9 +105,6 @@ class ForcedOrder:
         ordinals = sorted({self.earlier.ordinal, self.later.ordinal})
         capture.set_forcing(self._called, ordinals)
 
-    @staticmethod
-    def uninstall(capture) -> None:
-        capture.set_forcing(None, [])
 
     # the capture's calls
 
@@ -131,16 +127,16 @@ class ForcedOrder:
                             f"forcing failed at the {name} access: {type(exc).__name__}: {exc}")
                     return
 
-    def _covering(self, tensors, side: Side) -> list[torch.Tensor]:
+    def _covering(self, tensors) -> list[torch.Tensor]:
         return [t for t in tensors if t.untyped_storage().nbytes() >= self.hi and t.numel() > 0]
 
-    def _region(self, view: torch.Tensor, side: Side | None = None) -> torch.Tensor:
+    def _region(self, view: torch.Tensor) -> torch.Tensor:
         return view[self.lo:self.hi]
 
     def _earlier_before(self, inputs, outputs) -> None:
         self.host["earlier"] = time.perf_counter()
         holds = self.cuda and self._holds_here()
-        covering = self._covering(inputs, self.earlier)
+        covering = self._covering(inputs)
         for t in covering:  # before the hold: the bytes a held-back read sees if it comes first (WAR, cuda)
             view = _bytes_of(t)
             self.candidates[t.untyped_storage().data_ptr()] = {"view": view, "first": self._region(view).clone()}
@@ -170,12 +166,12 @@ class ForcedOrder:
 
     def _earlier_after(self, inputs, outputs) -> None:
         # after the earlier access: what it wrote (RAW: the ordered read's bytes; WAW: the forced run's leftovers)
-        for t in self._covering(inputs + outputs, self.earlier):
+        for t in self._covering(inputs + outputs):
             entry = self.candidates.setdefault(t.untyped_storage().data_ptr(), {"view": _bytes_of(t)})
             entry["after"] = self._region(entry["view"]).clone()
 
     def _shared(self, tensors) -> dict | None:
-        for t in self._covering(tensors, self.later):
+        for t in self._covering(tensors):
             found = self.candidates.get(t.untyped_storage().data_ptr())
             if found is not None:
                 return found

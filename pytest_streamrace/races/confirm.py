@@ -132,7 +132,7 @@ class Confirmer:
                 continue
             while True:
                 forced, problem = self._run(item, {"mode": "force", "plan": plan, "backend": backend})
-                result = _verdict(plan, forced, problem, outcome)
+                result = verdict(plan, forced, problem, outcome)
                 longer = _longer_hold(result)
                 if longer is None:
                     break
@@ -160,7 +160,7 @@ class Confirmer:
                 reason = problem or (seen or {}).get("problem") or "the re-run never reached the race"
                 results[k] = {"status": NOT_TRIED, "reason": reason}
                 continue
-            results[k] = dict(_verdict(seen["plan"], [seen], None, outcome), seconds=seen.get("seconds", 0.0))
+            results[k] = dict(verdict(seen["plan"], [seen], None, outcome), seconds=seen.get("seconds", 0.0))
             longer = _longer_hold(results[k])
             if longer is not None:
                 retry[k] = longer
@@ -286,10 +286,6 @@ def _side(access: dict) -> dict:
 
 def _at(access: dict) -> str:
     return records_.location(access.get("frames") or ())
-
-
-def _verdict(plan: dict, forced: list[dict], problem: str | None, outcome: str) -> dict:
-    return verdict(plan, forced, problem, outcome)
 
 
 def verdict(plan: dict, forced: list[dict], problem: str | None, outcome: str) -> dict:
