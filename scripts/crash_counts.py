@@ -12,12 +12,17 @@ gloo training loop, or `--script PATH`); a run is right when it exits 3 (its rac
 `stacks`: each run is one fresh `pytest` session over tests/stacks/stack_ddp.py and stack_fsdp2.py, once plain and
 once with `--streamrace` (`--backend`: the detector's backend, default auto: cuda with 2 GPUs); right when it exits 0.
 Prints a table (runs, right, failed, crashed, the crashes' signatures) per job; exits 1 when any run crashed.
+
+`--parallel K` runs K runs at once (fresh processes still; a host with spare GPUs counts faster), and
+`--devices "0,1;2,3"` gives the concurrent runs those GPU sets in turn (CUDA_VISIBLE_DEVICES).
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import concurrent.futures
+import itertools
 import os
 import re
 import signal
@@ -130,9 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="auto", help="the detector's backend (default auto)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a run may take (default 600)")
     parser.add_argument("--logs", help="keep the output of every run that was not right here")
+    parser.add_argument("--parallel", type=int, default=1, help="runs at once (default 1)")
+    parser.add_argument("--devices", help='GPU sets the concurrent runs take in turn, e.g. "0,1;2,3"')
     args = parser.parse_args(argv)
-    if args.runs < 1:
-        print("crash_counts: --runs must be at least 1", file=sys.stderr)
+    if args.runs < 1 or args.parallel < 1:
+        print("crash_counts: --runs and --parallel must be at least 1", file=sys.stderr)
         return 2
     if args.script and not Path(args.script).is_file():
         print(f"crash_counts: --script {args.script}: no such file", file=sys.stderr)
@@ -154,12 +161,20 @@ def main(argv: list[str] | None = None) -> int:
                 (Tally("stacks, --streamrace", {0}), [*pytest, "--streamrace", f"--streamrace-backend={args.backend}"],
                  ROOT)]
     print(f"crash_counts: {args.job}, {args.runs} run(s) a job; logs of runs that were not right: {logs}", flush=True)
-    for i in range(args.runs):
-        for tally, command, cwd in jobs:
-            code, output, seconds = run_once(command, cwd, args.timeout, env)
+    devices = itertools.cycle(args.devices.split(";") if args.devices else [None])
+    runs = [(i, tally, command, cwd, next(devices)) for i in range(args.runs) for tally, command, cwd in jobs]
+
+    def one(run):
+        i, tally, command, cwd, gpus = run
+        mine = env if gpus is None else {**env, "CUDA_VISIBLE_DEVICES": gpus}
+        return run, run_once(command, cwd, args.timeout, mine)
+
+    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+        for (i, tally, _, _, gpus), (code, output, seconds) in pool.map(one, runs):
             label = re.sub(r"\W+", "-", tally.name).strip("-")
             verdict = tally.add(code, output, seconds, logs / f"{label}-{i + 1}.log")
-            print(f"  {tally.name} {i + 1}/{args.runs}: {verdict} [{seconds:.1f} s]", flush=True)
+            where = f" on GPUs {gpus}" if gpus else ""
+            print(f"  {tally.name} {i + 1}/{args.runs}{where}: {verdict} [{seconds:.1f} s]", flush=True)
     print(f"\n{'job':<28} {'runs':>4} {'right':>5} {'failed':>6} {'crashed':>7} {'median s':>8}  signatures")
     for tally, _, _ in jobs:
         print(tally.row())

@@ -3,7 +3,10 @@
 writes it): one markdown row per validation row, with the page's columns (#, claim, result, hardware and torch, date,
 re-run). The claims come from the tests themselves (their modules' CLAIMS), so the page cannot drift from them.
 
-    python scripts/render_validation.py RESULTS.json [--row N ...]
+    python scripts/render_validation.py RESULTS.json [RESULTS.json ...] [--row N ...]
+
+Several files (the GPU rows run in slices, or on several hosts at once) render together: each row from the last file
+given that has it, with that file's machine and date.
 """
 
 from __future__ import annotations
@@ -69,17 +72,20 @@ def _hardware(machine: dict, items: list[dict]) -> str:
     return text
 
 
-def rows(data: dict, only: list[int] | None = None) -> list[str]:
-    by_row: dict[int, list[dict]] = {}
-    for item in data["items"]:
-        for row in item["rows"]:
-            by_row.setdefault(int(row), []).append(item)
-    machine = data["machine"]
+def rows(results: list[dict], only: list[int] | None = None) -> list[str]:
+    """The table's rows; a row that several results files hold comes from the last of them."""
+    by_row: dict[int, tuple[dict, list[dict]]] = {}
+    for data in results:
+        mine: dict[int, list[dict]] = {}
+        for item in data["items"]:
+            for row in item["rows"]:
+                mine.setdefault(int(row), []).append(item)
+        by_row.update({row: (data["machine"], items) for row, items in mine.items()})
     out = []
     for row in sorted(by_row):
         if only and row not in only:
             continue
-        items = by_row[row]
+        machine, items = by_row[row]
         claim = next((i["claims"][str(row)] for i in items if str(row) in i.get("claims", {})), "(no claim recorded)")
         out.append(f"| {row} | {claim} | {_result(items)} | {_hardware(machine, items)} | {machine.get('date')} | "
                    f"`pytest -m gpu tests/gpu --validates {row}` |")
@@ -93,19 +99,23 @@ class _Parser(argparse.ArgumentParser):
 
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(prog="render_validation.py", description=__doc__.split("\n\n")[0])
-    parser.add_argument("results", help="the results file of `pytest -m gpu tests/gpu` (gpu-results.json)")
+    parser.add_argument("results", nargs="+", help="results files of `pytest -m gpu tests/gpu` (gpu-results.json); "
+                        "a row in several comes from the last")
     parser.add_argument("--row", type=int, action="append", help="render only row N (repeatable)")
     args = parser.parse_args(argv)
-    try:
-        with open(args.results, encoding="utf-8") as f:
-            data = json.load(f)
-        table = rows(data, args.row)
-    except OSError as exc:
-        print(f"render_validation.py: cannot read {args.results}: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    except (ValueError, KeyError, TypeError) as exc:
-        print(f"render_validation.py: {args.results} is not a results file of tests/gpu ({exc!r})", file=sys.stderr)
-        return 2
+    results = []
+    for path in args.results:
+        try:
+            with open(path, encoding="utf-8") as f:
+                results.append(json.load(f))
+            rows(results[-1:])
+        except OSError as exc:
+            print(f"render_validation.py: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
+            return 2
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            print(f"render_validation.py: {path} is not a results file of tests/gpu ({exc!r})", file=sys.stderr)
+            return 2
+    table = rows(results, args.row)
     print("| # | claim | result | hardware, torch | date | re-run |")
     print("|---|---|---|---|---|---|")
     print("\n".join(table))

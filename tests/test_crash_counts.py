@@ -30,11 +30,16 @@ def _row(stdout: str) -> list[str]:
     return line.removeprefix("streamrace run -- torchrun").split(maxsplit=5)
 
 
-def test_a_racy_torchrun_job_that_reports_its_races_is_right(tmp_path):
+def test_racy_torchrun_jobs_that_report_their_races_are_right_run_one_by_one_or_at_once(tmp_path):
     out = _crash_counts("torchrun", "--runs", "1", "--logs", str(tmp_path))
     assert out.returncode == 0, out.stdout + out.stderr
     runs, right, failed, crashed, _, causes = _row(out.stdout)
     assert (runs, right, failed, crashed, causes) == ("1", "1", "0", "0", "-")
+    out = _crash_counts("torchrun", "--runs", "2", "--parallel", "2", "--devices", "0;1", "--logs", str(tmp_path))
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert _row(out.stdout)[:4] + _row(out.stdout)[5:] == ["2", "2", "0", "0", "-"]
+    assert sorted(line.split(": ")[0] for line in out.stdout.splitlines() if " on GPUs " in line) == [
+        "  streamrace run -- torchrun 1/2 on GPUs 0", "  streamrace run -- torchrun 2/2 on GPUs 1"]
 
 
 def test_a_rank_that_aborts_is_counted_as_a_crash_with_its_signal(tmp_path):
@@ -50,7 +55,8 @@ def test_a_rank_that_aborts_is_counted_as_a_crash_with_its_signal(tmp_path):
 
 
 def test_bad_arguments_get_one_line_and_exit_2(tmp_path):
-    for args, said in ((["--runs", "0"], "--runs must be at least 1"),
+    for args, said in ((["--runs", "0"], "--runs and --parallel must be at least 1"),
+                       (["--parallel", "0"], "--runs and --parallel must be at least 1"),
                        (["--script", str(tmp_path / "missing.py")], "no such file")):
         out = _crash_counts("torchrun", *args)
         assert out.returncode == 2 and said in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr

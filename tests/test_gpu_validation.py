@@ -100,6 +100,21 @@ def test_the_results_file_records_each_row_item_and_renders_as_the_page_table(py
     assert _render(path, "--row", "902").stdout.count("| 90") == 1
 
 
+def test_results_of_several_slices_render_together_each_row_from_the_last_file_that_has_it(pytester):
+    first, second = pytester.path / "a.json", pytester.path / "b.json"
+    _session(pytester, "--gpu-results", str(first))
+    _session(pytester, "--gpu-results", str(second), "--validates", "901", "--gpu-repeat", "7")
+    data = json.loads(second.read_text())
+    data["machine"]["date"] = "2099-01-02"
+    second.write_text(json.dumps(data))
+    rendered = _render(first, second)
+    assert rendered.returncode == 0, rendered.stderr
+    table = {line.split(" | ")[0]: line for line in rendered.stdout.splitlines()[2:]}
+    assert sorted(table) == ["| 901", "| 902", "| 903"]
+    assert "runs 7" in table["| 901"] and "2099-01-02" in table["| 901"]
+    assert "2099-01-02" not in table["| 902"] and "**failed**" in table["| 903"]
+
+
 def test_validates_selects_rows_and_a_gpu_session_writes_under_OUT(pytester, monkeypatch):
     monkeypatch.setenv("OUT", str(pytester.path / "device-out"))
     result = _session(pytester, "--validates", "902", "-m", "gpu or not gpu")
