@@ -285,3 +285,22 @@ def test_a_latent_race_ordered_by_an_incidental_sync_is_forced_with_that_sync_sk
                              for c in read_back)
     result.stdout.fnmatch_lines(["*confirmed: latent write-after-write *held back and the incidental sync at "
                                  "timer.py:* skipped, the values left behind at * differed*"])
+
+
+def test_a_hold_the_host_waited_out_is_not_tried_longer_and_a_gpu_re_run_loads_its_kernels_up_front():
+    """A host that spent the hold itself between the two accesses (it synchronized with the held stream) gets no
+    longer hold, which would only make it wait longer; a host that was merely slow (a communicator's first use) does.
+    A forced GPU re-run without a warm-up loads every kernel as its context is made: a lazy load at the later
+    access's first launch would wait for the held stream too."""
+    from pytest_streamrace.detector.forced_order import host_waited
+    from pytest_streamrace.races.confirm import MAX_HOLD_MS, _longer_hold, forcing_environ
+
+    assert host_waited(200.0, 200.1) and host_waited(10_000.0, 10_003.2)
+    assert not host_waited(200.0, 735.0) and not host_waited(200.0, 17.7)
+    slow = {"status": "not-tried", "reason": "a 200 ms hold did not invert the order", "delay_ms": 200.0,
+            "host_gap_ms": 735.0}
+    assert _longer_hold(slow) == 2 * (735.0 + 200.0)
+    assert _longer_hold(dict(slow, host_gap_ms=200.1, host_waited=True)) is None
+    assert _longer_hold(dict(slow, delay_ms=MAX_HOLD_MS)) is None
+    assert forcing_environ({"CUDA_MODULE_LOADING": "LAZY"}, "cuda") == {"CUDA_MODULE_LOADING": "EAGER"}
+    assert forcing_environ({}, "virtual") == {}

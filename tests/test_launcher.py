@@ -420,6 +420,34 @@ def test_ranks_fork_from_a_single_threaded_server_and_print_their_stack_when_the
     assert "Extension modules:" not in segv
 
 
+NATIVE_THREAD_CRASH = """
+import pytest, torch.distributed as dist
+
+@pytest.mark.distributed(world_size=2)
+def test_a_library_thread_crashes(rank):
+    if rank == 1:
+        from pytest_streamrace.detector import capture
+
+        capture.load().crash_on_a_native_thread()  # SIGSEGV on a thread that runs no Python, as NCCL's would
+    dist.barrier()
+"""
+
+
+def test_a_rank_that_crashes_on_a_native_thread_under_the_detector_shows_that_thread_s_native_stack(run):
+    """faulthandler's dump names no frame of a thread without Python; under the detector the crashing thread's native
+    frames come first, then faulthandler's Python stacks."""
+    result = run(NATIVE_THREAD_CRASH, "--streamrace", "--streamrace-backend=virtual")
+    result.assert_outcomes(failed=1)
+    segv = section(result.stdout.str(), "test_a_library_thread_crashes")
+    assert "distributed test rank 1 of 2 died: killed by signal SIGSEGV" in segv
+    native = segv.index("streamrace: native stack of the thread that got signal 11 (Segmentation fault), thread id ")
+    assert '"sr-native-test", innermost first:' in segv[native:]
+    frames = segv[native:].split("innermost first:", 1)[1].split("Fatal Python error", 1)[0].strip().splitlines()
+    assert frames and all("[0x" in frame for frame in frames), frames
+    assert segv.index("Fatal Python error: Segmentation fault") > native
+    assert "in test_a_library_thread_crashes" in segv  # the main thread's Python stack, from faulthandler
+
+
 STRAY_THREAD = """
 import sys, threading, time
 if sys.argv[0].endswith("forkserver.py"):

@@ -1651,6 +1651,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("unbind_nodes", &node_streams::stop);
   m.def("bind_graph", &node_streams::bind_roots, py::arg("roots"), py::arg("caller"));
   m.def("around", &around, py::arg("before"), py::arg("call"), py::arg("after"));
+  m.def("report_fatal_signals", &fatal_signals::install, py::arg("fd"));
+  m.def("crash_on_a_native_thread", &fatal_signals::crash_on_a_native_thread);
   for (auto& def : traced_defs)
     m.attr(def.ml_name) = py::reinterpret_steal<py::object>(PyCFunction_NewEx(&def, nullptr, m.attr("__name__").ptr()));
   m.attr("free_from_trace") = py::capsule(reinterpret_cast<void*>(&free_from_trace), "streamrace.free_from_trace");

@@ -69,7 +69,25 @@ def load():
                               RuntimeWarning, stacklevel=2)
             except Warning:  # warnings made errors (-W error): the fallback must still run, every backend loads this
                 pass
+    if _extension is not None and _reported_in != os.getpid():  # again in a forked rank: its own output
+        _report_fatal_signals(_extension)
     return _extension
+
+
+_reported_in = 0  # the process whose output a fatal signal's native stack goes to
+
+
+def _report_fatal_signals(extension) -> None:
+    """A fatal signal's native stack (``fatal_signals.cpp``), in front of faulthandler's Python stacks: into the
+    rank's output where the launcher names it (pytest's capture holds fd 2 while a test runs), else stderr."""
+    path = os.environ.get(env.CRASH_OUTPUT)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC) if path else 2
+    except OSError:
+        fd = 2
+    global _reported_in
+    _reported_in = os.getpid()
+    extension.report_fatal_signals(fd)
 
 
 _trace = None
@@ -253,11 +271,12 @@ def _ninja_on_path() -> None:
 
 def sources() -> list[str]:
     """The extension's C++ sources (package data), in the order they are joined: the happens-before core
-    (``hb_core.cpp``), the virtual model's node binding (``node_streams.cpp``), the capture (``capture.cpp``), which
-    uses both and whose module binds them, then its kernel entry (``kernel_entry.cpp``), which hands it ops."""
+    (``hb_core.cpp``), the virtual model's node binding (``node_streams.cpp``), the native stack of a fatal signal
+    (``fatal_signals.cpp``), the capture (``capture.cpp``), which uses them and whose module binds them, then its
+    kernel entry (``kernel_entry.cpp``), which hands it ops."""
     files = importlib.resources.files(__package__)
     return [files.joinpath(name).read_text(encoding="utf-8")
-            for name in ("hb_core.cpp", "node_streams.cpp", "capture.cpp", "kernel_entry.cpp")]
+            for name in ("hb_core.cpp", "node_streams.cpp", "fatal_signals.cpp", "capture.cpp", "kernel_entry.cpp")]
 
 
 def failure() -> str | None:

@@ -206,6 +206,11 @@ class ForcedOrder:
             return
         region = self._region(entry["view"])
         if self.cuda:
+            if self.peer and host_waited(self.delay_ms, out.get("host_gap_ms", 0.0)):  # its read waited for the hold
+                return dict(out, status="not-tried", host_waited=True,
+                            reason=f"the host waited out the last rank's {self.delay_ms:g} ms hold before it issued "
+                                   f"the later access ({out['host_gap_ms']:.1f} ms after the collective): something "
+                                   f"between the two synchronizes with the collective, so no hold inverts them")
             if self.events is not None:
                 self.events[1].record(torch.cuda.current_stream())  # the later access has run by here on its stream
             if self.kind == RAW:
@@ -265,10 +270,20 @@ class ForcedOrder:
         if self.ordered is None or self.forced is None:
             return dict(out, status="not-tried", reason="the two accesses shared no bytes in the re-run")
         if self.cuda:
+            if self.peer and host_waited(self.delay_ms, out.get("host_gap_ms", 0.0)):  # its read waited for the hold
+                return dict(out, status="not-tried", host_waited=True,
+                            reason=f"the host waited out the last rank's {self.delay_ms:g} ms hold before it issued "
+                                   f"the later access ({out['host_gap_ms']:.1f} ms after the collective): something "
+                                   f"between the two synchronizes with the collective, so no hold inverts them")
             if self.events is not None:
                 lead = self.events[1].elapsed_time(self.events[0])  # > 0: the held access started after the later one
                 out["inverted"] = lead > 0
                 out["lead_ms"] = round(lead, 3)
+                if lead <= 0 and host_waited(self.delay_ms, out.get("host_gap_ms", 0.0)):
+                    return dict(out, status="not-tried", host_waited=True,
+                                reason=f"the host waited out the {self.delay_ms:g} ms hold before it issued the "
+                                       f"later access ({out['host_gap_ms']:.1f} ms after the held one): something "
+                                       f"between the two synchronizes with the held stream, so no hold inverts them")
                 if lead <= 0:
                     return dict(out, status="not-tried",
                                 reason=f"a {self.delay_ms:g} ms hold did not invert the order (the later access "
@@ -304,6 +319,12 @@ def skip_syncs(globs) -> "callable":
         for owner, name, original in saved:
             setattr(owner, name, original)
     return undo
+
+
+def host_waited(delay_ms: float, gap_ms: float) -> bool:
+    """Whether the host spent the hold itself between the two accesses (about the hold's length, not more): it waited
+    for the held stream, and a longer hold only makes it wait longer."""
+    return 0.9 * delay_ms <= gap_ms <= 1.25 * delay_ms + 50.0
 
 
 _CYCLES: list[float] = []

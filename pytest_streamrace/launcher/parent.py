@@ -74,7 +74,7 @@ class ParentPlugin:
                                     stacks=os.path.join(workdir, f"rank{rank}.stacks"),
                                     release=os.path.join(workdir, "release"), timeout=timeout, device=device)
                     output = os.path.join(workdir, f"rank{rank}.out")
-                    pid = self.server.spawn(self._argv(item, workdir, rank), _env(spec), cwd, output)
+                    pid = self.server.spawn(self._argv(item, workdir, rank), _env(spec, output), cwd, output)
                     runs.append(RankRun(spec, pid, output))
             except LaunchError as exc:
                 reap(self.server, runs)  # what did start
@@ -124,9 +124,10 @@ class ParentPlugin:
         return argv
 
 
-def _env(spec: RankSpec) -> dict[str, str]:
+def _env(spec: RankSpec, output: str) -> dict[str, str]:
     environ = dict(os.environ)
     environ[env.RANK_SPEC] = spec.to_json()
+    environ[env.CRASH_OUTPUT] = output  # pytest's capture has fd 2 while a test runs: a crash's stack goes here
     environ.update(RANK=str(spec.rank), WORLD_SIZE=str(spec.world_size), LOCAL_RANK=str(spec.rank),
                    LOCAL_WORLD_SIZE=str(spec.world_size))
     environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # nothing listens beyond loopback

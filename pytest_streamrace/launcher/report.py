@@ -276,11 +276,18 @@ def _clean_stack(stack: str) -> str:
     return "\n".join(kept).strip()
 
 
+NATIVE_STACK = "streamrace: native stack of the thread that got signal"
+
+
 def _fatal_dump(output: str) -> str:
     """faulthandler's dump of a fatal signal, from its first line: every thread's stack, the crashing one marked
     "Current thread" wherever it falls (innermost frames first, so a tail would keep the outermost ones and, of a
-    native thread's crash, only other threads' stacks). Without the list of extension modules; "" if none."""
+    native thread's crash, only other threads' stacks), after the crashing thread's native frames where the capture
+    wrote them (a fatal signal under the detector). Without the list of extension modules; "" if none."""
     start = output.rfind("Fatal Python error:")
+    native = output.rfind(NATIVE_STACK, 0, start if start >= 0 else len(output))
+    if native >= 0:  # the crashing thread's native frames (detector/fatal_signals.cpp), written just before
+        start = native
     if start < 0:
         return ""
     kept = [ln for ln in _clean_stack(output[start:]).splitlines() if not ln.startswith("Extension modules:")]

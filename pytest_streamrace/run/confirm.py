@@ -82,9 +82,10 @@ def _rerun(program: list[str], backend: str, variable: str, plans: dict, limit: 
     data_dir = tempfile.mkdtemp(prefix="streamrace-confirm-sub-")  # its races are not the program's report
     try:
         following = dict(json.loads(variable), dir=data_dir)
-        environ = {**os.environ, env.SUBPROCESS: json.dumps(following),
-                   env.CONFIRM: json.dumps({"mode": "force", "out": folder, "plans": plans, "backend": backend,
-                                            "seed": False})}
+        environ = confirming.forcing_environ({
+            **os.environ, env.SUBPROCESS: json.dumps(following),
+            env.CONFIRM: json.dumps({"mode": "force", "out": folder, "plans": plans, "backend": backend, "seed": False})},
+            backend)
         try:
             pid = job.spawn(program, environ, mask, quiet=True)
         except job.NotFound as exc:

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from repro_cli import repro
+from gpu_support import extensions_dir, framework_env, repro
 
 CLAIMS = {
     49: '`--confirm` on the repros on GPUs (cuda backend, NCCL): each unpatched variant confirmed, agreeing '
@@ -19,30 +19,34 @@ CLAIMS = {
 
 pytestmark = pytest.mark.gpu
 
-REPROS = ["zero_overlap", "zero_bucket_reuse", "zero3_param_gather", "megatron_instances", "deepcompile_zero1",
-          "dcp_async_staging"]
+# each repro's framework as the referee rows run it (test_repros_gpu.py): the version, and a JIT cache of its own
+REPROS = {"zero_overlap": {"deepspeed": "0.19.8"}, "zero_bucket_reuse": {"deepspeed": "0.19.8"},
+          "zero3_param_gather": {"deepspeed": "0.19.8"}, "megatron_instances": {"megatron_core": "0.15.2"},
+          "deepcompile_zero1": {"deepspeed": "0.19.8"}, "dcp_async_staging": {}}
 
 
 @pytest.mark.gpu(count=2)
 @pytest.mark.validates(49)
-@pytest.mark.parametrize("name", REPROS)
-def test_each_repro_is_confirmed_on_gpus_agreeing_with_its_referee(tmp_path, name):
+@pytest.mark.parametrize("name", list(REPROS))
+def test_each_repro_is_confirmed_on_gpus_agreeing_with_its_referee(request, tmp_path, name, gpu_result):
     from pytest_streamrace.repro import registry
 
-    spec = registry.get(name)
-    problem = spec.framework.problem() if spec.framework else None
-    if problem:
-        pytest.skip(problem)
-    if torch.cuda.device_count() < spec.world_size:
-        pytest.skip(f"{name} needs {spec.world_size} GPUs")
-    path = tmp_path / "out.json"
-    out = repro(name, "--backend", "cuda", "--confirm", "--json", str(path), timeout=1800)
-    assert out.returncode == 0, out.stdout + out.stderr
-    runs = {r["variant"]: r for r in json.loads(path.read_text())["runs"]}
+    if torch.cuda.device_count() < registry.get(name).world_size:
+        pytest.skip(f"{name} needs {registry.get(name).world_size} GPUs")
+    env = framework_env(request.config, **REPROS[name])
+    for framework, version in REPROS[name].items():
+        env["TORCH_EXTENSIONS_DIR"] = extensions_dir(framework.replace("_", "-"), version)
+        gpu_result.record(framework.replace("_", "-"), version)
+    data = repro(name, "--confirm", config=request.config, timeout=1800, env=env, json_path=tmp_path / "out.json")
+    runs = {r["variant"]: r for r in data["runs"]}
+    assert data["returncode"] == 0 and set(runs) == {"unpatched", "patched"}, data["output"][-4000:]
     unpatched, patched = runs["unpatched"], runs["patched"]
     assert unpatched["verdict"] == "reproduced" and unpatched["confirmed"]["agrees"] is True, unpatched["confirmed"]
     assert patched["verdict"] == "clean" and patched["confirmed"]["agrees"] is True, patched["confirmed"]
-    print(name, unpatched["confirmed"]["summary"], [c["line"] for c in unpatched["confirmations"]])
+    gpu_result.record("unpatched", unpatched["confirmed"]["summary"])
+    gpu_result.record("confirmations", [c["line"] for c in unpatched["confirmations"]])
+    gpu_result.record("run s", round(unpatched["seconds"], 1))
+    gpu_result.record("confirmation s", round(unpatched["confirmed"]["seconds"], 1))
 
 
 @pytest.mark.validates(49)
