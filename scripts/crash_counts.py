@@ -79,15 +79,30 @@ def signatures(returncode: int, output: str) -> list[str]:
     return found
 
 
+RUNNING: set = set()  # the runs' process groups, ended if the count is interrupted
+
+
 def run_once(command: list[str], cwd: Path, timeout: float, env: dict) -> tuple[int, str, float]:
     start = time.monotonic()
+    with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          start_new_session=True) as job:
+        RUNNING.add(job.pid)
+        try:
+            output, _ = job.communicate(timeout=timeout)
+            return job.returncode, output, time.monotonic() - start
+        except subprocess.TimeoutExpired:
+            _end(job.pid)
+            output, _ = job.communicate()
+            return 124, output + f"\n[crash_counts] timed out after {timeout:.0f} s", time.monotonic() - start
+        finally:
+            RUNNING.discard(job.pid)
+
+
+def _end(pid: int) -> None:
     try:
-        out = subprocess.run(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                             timeout=timeout)
-        return out.returncode, out.stdout, time.monotonic() - start
-    except subprocess.TimeoutExpired as exc:
-        output = exc.stdout.decode(errors="replace") if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        return 124, output + f"\n[crash_counts] timed out after {timeout:.0f} s", time.monotonic() - start
+        os.killpg(pid, signal.SIGKILL)
+    except OSError:
+        pass
 
 
 class Tally:
@@ -169,16 +184,25 @@ def main(argv: list[str] | None = None) -> int:
         mine = env if gpus is None else {**env, "CUDA_VISIBLE_DEVICES": gpus}
         return run, run_once(command, cwd, args.timeout, mine)
 
-    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+    pool = concurrent.futures.ThreadPoolExecutor(args.parallel)
+    interrupted = False
+    try:
         for (i, tally, _, _, gpus), (code, output, seconds) in pool.map(one, runs):
             label = re.sub(r"\W+", "-", tally.name).strip("-")
             verdict = tally.add(code, output, seconds, logs / f"{label}-{i + 1}.log")
             where = f" on GPUs {gpus}" if gpus else ""
             print(f"  {tally.name} {i + 1}/{args.runs}{where}: {verdict} [{seconds:.1f} s]", flush=True)
+    except KeyboardInterrupt:  # the counts so far still print; the runs under way are ended, not counted
+        interrupted = True
+        pool.shutdown(wait=False, cancel_futures=True)
+        for pid in list(RUNNING):
+            _end(pid)
+        print("\ncrash_counts: interrupted; the table counts the runs that finished", flush=True)
+    pool.shutdown(wait=True)
     print(f"\n{'job':<28} {'runs':>4} {'right':>5} {'failed':>6} {'crashed':>7} {'median s':>8}  signatures")
     for tally, _, _ in jobs:
         print(tally.row())
-    return 1 if any(tally.crashed for tally, _, _ in jobs) else 0
+    return 1 if any(tally.crashed for tally, _, _ in jobs) else 130 if interrupted else 0
 
 
 if __name__ == "__main__":
