@@ -99,8 +99,8 @@ def test_the_tutorial_runs_as_it_says(pytester, monkeypatch):
 
 
 def test_the_tutorials_build_line_is_the_one_the_plugin_prints(capsys):
-    """The first session's line on stderr, as the page shows it: the folder under TORCH_EXTENSIONS_DIR named by the
-    capture's prefix, torch's version and a hash (`<hash>` on the page)."""
+    """The first pytest session's line on stderr, as the page shows it: the folder under TORCH_EXTENSIONS_DIR named by
+    the capture's prefix, torch's version and a hash (`<hash>` on the page)."""
     import torch
 
     from pytest_streamrace.detector import capture
