@@ -1,7 +1,7 @@
 """The tutorial (docs/tutorial.md) stays true: its code blocks, put into files as its text says, run with its
 command, print the output it shows (the races, their line numbers, the summary) and exit as it says, step by step.
 Only what differs between machines is left out of the comparison: the platform and plugins lines, the rootdir and the
-time a session took."""
+time a session took. The README's `pytest --streamrace` quick start is held to its shown report the same way."""
 
 from __future__ import annotations
 
@@ -11,19 +11,19 @@ from pathlib import Path
 
 import pytest
 
-PAGE = Path(__file__).resolve().parents[1] / "docs" / "tutorial.md"
+ROOT = Path(__file__).resolve().parents[1]
 WHERE = "/tmp/tutorial"  # the directory the page ran in, as its output names it
 
 
-def _blocks() -> dict[str, list[str]]:
+def _blocks(page: Path) -> dict[str, list[str]]:
     """The page's fenced blocks in order, by language ("" for program output)."""
     out: dict[str, list[str]] = {}
-    for lang, body in re.findall(r"^```(\w*)\n(.*?)^```$", PAGE.read_text(encoding="utf-8"), re.S | re.M):
+    for lang, body in re.findall(r"^```(\w*)\n(.*?)^```$", page.read_text(encoding="utf-8"), re.S | re.M):
         out.setdefault(lang, []).append(body)
     return out
 
 
-BLOCKS = _blocks()
+BLOCKS = _blocks(ROOT / "docs" / "tutorial.md")
 
 
 def _put_def(source: str, block: str) -> str:
@@ -54,7 +54,7 @@ def _run(pytester: pytest.Pytester, command: str):
 
 
 def _equal_widths(shown: list[str], real: list[str]) -> None:
-    """pytest centres its rule lines on the terminal's width; a longer time makes the last rule one character shorter."""
+    """pytest centres its rule lines on the terminal's width: a longer time makes the last rule a character shorter."""
     for i, (a, b) in enumerate(zip(shown, real)):
         if a != b and a.strip("=") != a and a.strip("=").strip() == b.strip("=").strip():
             real[i] = a
@@ -112,3 +112,14 @@ def test_the_tutorials_build_line_is_the_one_the_plugin_prints(capsys):
     assert capsys.readouterr().err.strip() == build
     name, _ = capture._where("streamrace_capture", "", torch)
     assert re.fullmatch(rf"streamrace_capture_{re.sub(r'[^0-9A-Za-z]', '_', torch.__version__)}_[0-9a-f]{{10}}", name)
+
+
+def test_the_readmes_quick_start_reports_as_shown(pytester, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    blocks = _blocks(ROOT / "README.md")
+    command, elided, *shown = blocks[""][0].rstrip("\n").splitlines()
+    assert command == "$ pytest --streamrace test_x.py" and elided == "..."
+    (pytester.path / "test_x.py").write_text(blocks["python"][0])
+    result = pytester.runpytest_subprocess(*command.split()[2:])
+    assert "\n".join(shown) in "\n".join(_normal(result.stdout.str(), pytester.path))
+    assert result.ret == 1
