@@ -16,7 +16,8 @@ PAGES = [ROOT / "README.md", ROOT / "CHANGELOG.md", *sorted((ROOT / "docs").rglo
 PAGES = [p for p in PAGES if "evidence" not in p.relative_to(ROOT).parts]
 
 DATED = re.compile(r"\b(first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|[a-z]+teenth"
-                   r"|twent[a-z-]*)[- ]session|\bsession [0-9]+|\bissues? [0-9]+|\bissue[0-9]+", re.I)
+                   r"|twent[a-z-]*|thirt[a-z-]*|[0-9]+(st|nd|rd|th))[- ]session|\bsession [0-9]+|\bwork[- ]sessions?\b"
+                   r"|\bissues? [0-9]+|\bissue[0-9]+", re.I)
 UPSTREAM = ("DeepSpeed ", "Megatron-LM ", "PyTorch ", "deepspeed")  # what may stand before an upstream number
 
 

@@ -18,7 +18,6 @@ import pytest_streamrace
 PACKAGE = pathlib.Path(pytest_streamrace.__file__).parent
 ROOT = PACKAGE.name
 PYPROJECT = pathlib.Path(__file__).resolve().parents[1] / "pyproject.toml"
-# Part cycles other branches remove; the lead deletes an entry when its branch lands.
 MAX_LOOSE = 7
 
 

@@ -1,11 +1,14 @@
 """docs/reference.md names everything the plugin adds, as pytest itself lists it to a user (``--help``, ``--markers``,
-``--fixtures``), and every ``STREAMRACE_*`` variable the package reads or sets: adding one without documenting it
-fails here, and so does documenting an option that does not exist."""
+``--fixtures``), every option of the repro CLI and every ``STREAMRACE_*`` variable the package reads or sets, and
+docs/how-to/running.md every option of ``streamrace run`` (as each command's ``--help`` lists them): adding one
+without documenting it fails here, and so does documenting a pytest option that does not exist."""
 
 from __future__ import annotations
 
 import ast
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,6 +39,28 @@ def test_every_option_and_ini_key_is_documented(pytester: pytest.Pytester):
 def test_the_reference_names_no_option_that_does_not_exist(pytester: pytest.Pytester):
     flags = set(re.findall(r"^  (--streamrace[\w-]*)", _help(pytester), re.M))
     assert sorted(set(re.findall(r"(--streamrace[\w-]*)", REFERENCE)) - flags) == []
+
+
+def _cli_flags(*module_and_args: str) -> set[str]:
+    """The flags a command of the package lists in its --help (but --help)."""
+    out = subprocess.run([sys.executable, "-m", *module_and_args, "--help"], capture_output=True, text=True,
+                         check=True).stdout
+    return set(re.findall(r"^  (--[\w-]+)", out, re.M)) - {"--help"}
+
+
+def test_every_repro_cli_option_is_documented():
+    flags = _cli_flags("pytest_streamrace.repro")
+    assert {"--variant", "--confirm"} <= flags
+    section = REFERENCE[REFERENCE.index("## The repro CLI"):]
+    assert sorted(f for f in flags if not re.search(re.escape(f) + r"\b", section)) == []
+
+
+def test_every_streamrace_run_option_is_documented():
+    """`streamrace run`'s options are documented in its how-to's table, each as `--option ...`."""
+    flags = _cli_flags("pytest_streamrace", "run")
+    assert {"--backend", "--confirm"} <= flags
+    page = (ROOT / "docs" / "how-to" / "running.md").read_text(encoding="utf-8")
+    assert sorted(f for f in flags if f"| `{f}" not in page and f", `{f}" not in page) == []
 
 
 def test_every_marker_is_documented(pytester: pytest.Pytester):

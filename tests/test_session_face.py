@@ -1,4 +1,4 @@
-"""The Detector's public face: what callers used to take from its happens-before core and tracker."""
+"""The Detector's public face: what callers take from it rather than from its happens-before core and tracker."""
 
 import pytest
 import torch

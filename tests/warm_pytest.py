@@ -1,6 +1,6 @@
 """Test support: pytester's ``python -m pytest`` sessions forked from a process that has imported torch.
 
-The suite starts about a hundred inner pytest sessions, and each used to spend 1.5-2.5 s of CPU importing torch before
+The suite starts about a hundred inner pytest sessions, and each would spend 1.5-2.5 s of CPU importing torch before
 its first line of pytest ran: on a 2-core CI machine, a fifth of the suite. Here each xdist worker keeps one server
 (this file, run as a script) that imports torch and pytest once and forks a session per request. From pytest's entry
 point on, a forked session is the session a user starts: the same argv, environment, working directory, ``sys.path``
