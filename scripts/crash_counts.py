@@ -14,7 +14,8 @@ once with `--streamrace` (`--backend`: the detector's backend, default auto: cud
 Prints a table (runs, right, failed, crashed, the crashes' signatures) per job; exits 1 when any run crashed.
 
 `--parallel K` runs K runs at once (fresh processes still; a host with spare GPUs counts faster), and
-`--devices "0,1;2,3"` gives the concurrent runs those GPU sets in turn (CUDA_VISIBLE_DEVICES).
+`--devices "0,1;2,3"` gives the concurrent runs those GPU sets in turn (CUDA_VISIBLE_DEVICES); `--only streamrace`
+counts one kind of stacks session. Ctrl-C prints the table of the runs that finished.
 """
 
 from __future__ import annotations
@@ -150,6 +151,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default="auto", help="the detector's backend (default auto)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds a run may take (default 600)")
     parser.add_argument("--logs", help="keep the output of every run that was not right here")
+    parser.add_argument("--only", choices=["plain", "streamrace"], help="stacks: only the plain or only the "
+                        "--streamrace sessions")
     parser.add_argument("--parallel", type=int, default=1, help="runs at once (default 1)")
     parser.add_argument("--devices", help='GPU sets the concurrent runs take in turn, e.g. "0,1;2,3"')
     args = parser.parse_args(argv)
@@ -175,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs = [(Tally("stacks, plain", {0}), pytest, ROOT),
                 (Tally("stacks, --streamrace", {0}), [*pytest, "--streamrace", f"--streamrace-backend={args.backend}"],
                  ROOT)]
+        jobs = [job for job in jobs if args.only is None or job[0].name.endswith(args.only)]
     print(f"crash_counts: {args.job}, {args.runs} run(s) a job; logs of runs that were not right: {logs}", flush=True)
     devices = itertools.cycle(args.devices.split(";") if args.devices else [None])
     runs = [(i, tally, command, cwd, next(devices)) for i in range(args.runs) for tally, command, cwd in jobs]
