@@ -5,7 +5,9 @@ A test with races is re-run in fresh processes (``python -m pytest NODEID`` with
 places on their threads: ``Site.ordinal``), then once per distinct race with that race's earlier access held back
 (``detector/forced_order.py``). Both re-runs seed Python's, NumPy's and torch's generators the same way, so the
 second takes the path the first did. Each process of a re-run (rank processes too, which inherit the variable)
-writes what it saw to a file of its own in a folder the parent reads.
+writes what it saw to a file of its own in a folder the parent reads. A plain test's re-run runs its passes in one
+process (``run_passes``) unless its races were in processes it started: those get their plans by rank from the
+variable (``plans``; ``ForRank``), as the processes of a program under ``streamrace run --confirm`` do.
 
 A race's confirmation is a dict on its record (``confirmation``): ``status`` "confirmed" (the bytes it touched change
 under the forced order, or the test's outcome does), "not-confirmed" (the same values in the forced run: the race
@@ -118,8 +120,9 @@ class Confirmer:
             self._in_one_process(item, tryable, outcome, backend, results)
             tryable = {}
         located = None
-        if tryable:  # a distributed item's ranks, or the processes a test starts, run it once each (a pass's plan
-            # cannot reach processes started before it): a re-run to find the races, one to force each
+        if tryable:  # a distributed item's ranks, and the processes a test starts, are new in each run, and a pass's
+            # plan lives in the re-run's own process: a re-run to find the races, one to force each, each process told
+            # its plan by the variable
             located, problem = self._run(item, {"mode": "locate"})
             if problem:
                 for k in tryable:
