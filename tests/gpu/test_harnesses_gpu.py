@@ -16,6 +16,8 @@ CLAIMS = {
     50: "`--streamrace-confirm` on a race in the rank processes another harness starts: in DeepSpeed 0.19.8's own "
         "`test_zero.py::TestZeroToFP32::test_2_param_groups[*-3]` (its `DistributedTest`, 2 ranks, NCCL), the ZeRO-3 "
         "parameter gather's read-after-write on the partition is confirmed",
+    52: "`--streamrace-confirm` on NCCL ranks started by `MultiProcessTestCase` and `torch.multiprocessing.spawn`: "
+        "each racy twin's race confirmed on both ranks, the clean twins not re-run",
 }
 
 pytestmark = pytest.mark.gpu(count=2)
@@ -35,6 +37,26 @@ def test_multiprocess_test_case_and_spawn_racy_twins_fail_only_under_streamrace(
     assert "stream race on ranks 0, 1: read-after-write" in checked.stdout
     gpu_result.record("plain", "4 passed")
     gpu_result.record("--streamrace", "2 clean passed, 2 racy failed")
+
+
+@pytest.mark.validates(52)
+def test_multiprocess_test_case_and_spawn_racy_twins_are_confirmed(request, tmp_path, gpu_result):
+    env = framework_env(request.config, expecttest=None)
+    cases = str(ROOT / "tests" / "gpu" / "harness_cases.py")
+    done = run([*PYTEST, cases, "-n", "0", "-rA", "--streamrace", "--streamrace-confirm", "--streamrace-json",
+                str(tmp_path / "races.json")], timeout=600, env=env)
+    assert counts(done.stdout) == {"passed": 2, "failed": 2}, done.stdout[-4000:]
+    found = races(tmp_path / "races.json")
+    by_test: dict = {}
+    for race in found:
+        by_test.setdefault(race["test"].split("::")[-1], []).append(race["confirmation"])
+    gpu_result.record("verdicts", {name: sorted(c["status"] for c in found) for name, found in by_test.items()})
+    assert sorted(by_test) == ["test_racy", "test_spawn_racy"], sorted(by_test)  # the clean twins had none
+    assert all(c["status"] == "confirmed" for found in by_test.values() for c in found), by_test
+    best = max((c for found in by_test.values() for c in found), key=lambda c: c.get("max_abs_diff", 0.0))
+    gpu_result.record("max |Δ|", best.get("max_abs_diff"))  # x read as 2 for 4
+    gpu_result.record("elements", f'{best.get("differing")} of {best.get("elements")}')
+    gpu_result.record("confirmation seconds", {name: found[0].get("test_seconds") for name, found in by_test.items()})
 
 
 def _deepspeed_tests(config) -> Path:
