@@ -222,7 +222,10 @@ def adopt(detector, config: dict, origin: str) -> None:
     _state.stood_down = False  # (the pytest process stood down; this child of it is followed)
     _attach(detector)
     if os.environ.get(env.CONFIRM):  # a forced re-run of the test: not the test's plan (its process's ops), its own
-        detector.force(None)
+        try:
+            detector.force(None)
+        except Exception:
+            pass
         _arm_confirmation(detector)
     queues = sys.modules.get("multiprocessing.queues")
     if queues is not None:
