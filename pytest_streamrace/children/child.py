@@ -19,9 +19,11 @@ whichever test is running when it hands a task's result back, so its races name 
 cuda backend judges captured ops in batches: a child drains them before ``os._exit``, at interpreter exit, before a
 multiprocessing queue hands a result back and before ``destroy_process_group`` (``process_patches``).
 
-Under ``streamrace run --confirm`` the program runs again with ``STREAMRACE_CONFIRM`` set (the race to force, per
-rank): each followed process whose rank has a plan arms it on its detector when that starts, and writes what the
-forced order changed to the instruction's folder when it ends (``races.confirm.ConfirmRun``).
+Under ``streamrace run --confirm``, and in ``--streamrace-confirm``'s re-runs of a test whose races were in the
+processes it started, the program (the test) runs again with ``STREAMRACE_CONFIRM`` set (the race to force, per rank):
+each followed process arms the plans on its detector when that starts (or when it is forked, by a process that had no
+rank yet: a forkserver, a pool), uses its rank's once the capture reaches one of their ops, and writes what the forced
+order changed to the instruction's folder when it ends (``races.confirm.ConfirmRun``).
 
 Opting out: ``STREAMRACE_SUBPROCESS=0`` (or removing the variable) in a child's environment. Nothing here may raise into
 the child: what fails is dropped (a broken child file only loses that child's races).
@@ -187,7 +189,10 @@ def _start_detector(config: dict) -> None:
 
 
 def _arm_confirmation(detector) -> None:
-    """``streamrace run --confirm``'s re-run: force this rank's race (a process with no plan runs as it is)."""
+    """A forced re-run (``streamrace run --confirm``, ``--streamrace-confirm``): force this rank's race, with the plan
+    its rank picks once the capture reaches the race's ops (a process whose rank has no plan runs as it is). Not
+    seeded: under the cuda backend this runs inside torch.cuda's lazy initialization, which a seed call would wait
+    on."""
     raw = os.environ.get(env.CONFIRM)
     if not raw:
         return
@@ -196,12 +201,10 @@ def _arm_confirmation(detector) -> None:
         from ..races.confirm import ConfirmRun
 
         instruction = checks.confirm_run(raw)
-        rank = _rank()
-        plan = (instruction.get("plans") or {}).get("none" if rank is None else str(rank))
-        if plan is None:
+        if not instruction.get("plans"):
             return
-        _state.confirm = ConfirmRun(dict(instruction, plan=plan, rank=rank))
-        _state.confirm.start(detector)
+        _state.confirm = ConfirmRun(dict(instruction, seed=False), rank_of=_rank)
+        _state.confirm.start(detector, (_config() or {}).get("incidental", ()))
     except Exception:
         _state.confirm = None
 
@@ -216,7 +219,14 @@ def adopt(detector, config: dict, origin: str) -> None:
     _state.fd = None
     _state.reported = set()
     _state.owns_detector = False
+    _state.stood_down = False  # (the pytest process stood down; this child of it is followed)
     _attach(detector)
+    if os.environ.get(env.CONFIRM):  # a forced re-run of the test: not the test's plan (its process's ops), its own
+        try:
+            detector.force(None)
+        except Exception:
+            pass
+        _arm_confirmation(detector)
     queues = sys.modules.get("multiprocessing.queues")
     if queues is not None:
         _patch_queues(queues)
@@ -248,18 +258,21 @@ def _after_fork() -> None:
     config = _config()
     if config is None:
         return
+    ranked = _rank() is not None  # the forking process's rank (this one's is not known yet)
     _state.pid = os.getpid()
     _state.fd = None
     _state.trace_written = False
     _state.rank = None
     _state.reported = set()
     _state.origin = live_test(config["dir"], _state.origin)
-    if _state.confirm is not None:  # the plan is the forking process's: its ops are counted there
+    if _state.confirm is not None:  # the forking process's plan: its ops were counted there
         _state.confirm = None
         try:
             _state.detector.force(None)
         except Exception:
             pass
+        if not ranked:  # forked before its parent had a rank (a forkserver, a pool): a rank process of its own
+            _arm_confirmation(_state.detector)
     queues = sys.modules.get("multiprocessing.queues")
     if queues is not None:
         _patch_queues(queues)
@@ -358,6 +371,13 @@ def _task_done() -> None:
     _drain()
     detector = _state.detector
     if detector is not None and _is_pool_worker():
+        confirm = _state.confirm
+        if confirm is not None and confirm.picked():  # a pool's workers may never exit (terminated at its end)
+            _state.confirm = None
+            try:
+                confirm.finish(detector, [], "passed")
+            except Exception:
+                pass
         try:
             detector.forget_races()
         except Exception:

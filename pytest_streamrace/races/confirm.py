@@ -5,7 +5,9 @@ A test with races is re-run in fresh processes (``python -m pytest NODEID`` with
 places on their threads: ``Site.ordinal``), then once per distinct race with that race's earlier access held back
 (``detector/forced_order.py``). Both re-runs seed Python's, NumPy's and torch's generators the same way, so the
 second takes the path the first did. Each process of a re-run (rank processes too, which inherit the variable)
-writes what it saw to a file of its own in a folder the parent reads.
+writes what it saw to a file of its own in a folder the parent reads. A plain test's re-run runs its passes in one
+process (``run_passes``) unless its races were in processes it started: those get their plans by rank from the
+variable (``plans``; ``ForRank``), as the processes of a program under ``streamrace run --confirm`` do.
 
 A race's confirmation is a dict on its record (``confirmation``): ``status`` "confirmed" (the bytes it touched change
 under the forced order, or the test's outcome does), "not-confirmed" (the same values in the forced run: the race
@@ -119,17 +121,20 @@ class Confirmer:
         for data in records:
             todo.setdefault(records_.key(data), []).append(data)
         results: dict[tuple, dict] = {}
-        why_not = (lambda data: "a test of a torchrun session is not re-run (its peers would have to be): run it "
-                   "under @pytest.mark.distributed") if self.torchrun else _why_not
-        tryable = {k: group[0] for k, group in todo.items() if why_not(group[0]) is None}
+        unforced = (lambda data: "a test of a torchrun session is not re-run (its peers would have to be): run it "
+                    "under @pytest.mark.distributed") if self.torchrun else why_not
+        tryable = {k: group[0] for k, group in todo.items() if unforced(group[0]) is None}
         for k, group in todo.items():
             if k not in tryable:
-                results[k] = {"status": NOT_TRIED, "reason": why_not(group[0])}
-        if tryable and item.get_closest_marker("distributed") is None:
+                results[k] = {"status": NOT_TRIED, "reason": unforced(group[0])}
+        in_children = any(data.get("pid") is not None for k in tryable for data in todo[k])
+        if tryable and item.get_closest_marker("distributed") is None and not in_children:
             self._in_one_process(item, tryable, outcome, backend, results)
             tryable = {}
         located = None
-        if tryable:  # a distributed item's ranks run it once each: a re-run to find the races, one to force each
+        if tryable:  # a distributed item's ranks, and the processes a test starts, are new in each run, and a pass's
+            # plan lives in the re-run's own process: a re-run to find the races, one to force each, each process told
+            # its plan by the variable
             located, problem = self._run(item, {"mode": "locate"})
             if problem:
                 for k in tryable:
@@ -137,18 +142,19 @@ class Confirmer:
                 tryable = {}
         for k, data in tryable.items():
             one = time.perf_counter()
-            plan = _plan(k, located)
-            if plan is None:
+            forcing = _forcing(k, located)
+            if forcing is None:
                 results[k] = {"status": NOT_TRIED, "reason": "the race did not show in a fresh process with the same "
                                                               "seeds"}
                 continue
             while True:
-                forced, problem = self._run(item, {"mode": "force", "plan": plan, "backend": backend})
-                result = verdict(plan, forced, problem, outcome)
+                forced, problem = self._run(item, dict(forcing, mode="force", backend=backend))
+                result = verdict(forcing.get("plan") or next(iter(forcing["plans"].values())), forced, problem,
+                                 outcome)
                 longer = _longer_hold(result)
                 if longer is None:
                     break
-                plan = dict(plan, delay_ms=longer)
+                forcing = _held_longer(forcing, longer)
             result["seconds"] = round(time.perf_counter() - one, 3)
             results[k] = result
         total = round(time.perf_counter() - started, 3)
@@ -245,13 +251,6 @@ def _gist(output: bytes) -> str:
 INCIDENTAL = " (incidental)"  # the end of a latent race's sync op where an incidental-sync rule made it one
 
 
-def _why_not(data: dict) -> str | None:
-    problem = why_not(data)
-    if problem is None and data.get("pid") is not None:
-        return "the race is in a process the test started; re-running that process is not supported"
-    return problem
-
-
 def why_not(data: dict) -> str | None:
     """Why a race record cannot be forced (None: it can), wherever its process is."""
     if data.get("latent") and not str(data["latent"].get("op", "")).endswith(INCIDENTAL):
@@ -270,6 +269,36 @@ def _plan(k: tuple, located: list[dict] | None) -> dict | None:
             if records_.key(data) == k and data["earlier"].get("ordinal") and data["later"].get("ordinal"):
                 return plan_of(data)
     return None
+
+
+def _forcing(k: tuple, located: list[dict] | None) -> dict | None:
+    """A forced re-run's plans for race `k` as the locating re-run placed it: ``plan`` for the test's own process
+    (each rank's, for a distributed item), and ``plans`` by rank (``rank_key``) for the processes the test started,
+    which pick theirs when the capture first reaches one of its ops (``ForRank``). None: it did not show."""
+    own, plans = None, {}
+    for found in located or ():
+        for data in found.get("races", ()):
+            if records_.key(data) != k or not (data["earlier"].get("ordinal") and data["later"].get("ordinal")):
+                continue
+            if data.get("pid") is None:
+                own = own or plan_of(data)
+            else:
+                plans.setdefault(rank_key(data.get("rank")), plan_of(data))
+    if own is None and not plans:
+        return None
+    return {"plan": own, "plans": plans} if plans else {"plan": own}
+
+
+def _held_longer(forcing: dict, delay_ms: float) -> dict:
+    out = {"plan": dict(forcing["plan"], delay_ms=delay_ms) if forcing.get("plan") else None}
+    if "plans" in forcing:
+        out["plans"] = {rank: dict(plan, delay_ms=delay_ms) for rank, plan in forcing["plans"].items()}
+    return out
+
+
+def rank_key(rank) -> str:
+    """A plan's key in ``plans``: the rank its process reported ("none": a process without one)."""
+    return "none" if rank is None else str(rank)
 
 
 def plan_of(data: dict) -> dict:
@@ -375,18 +404,24 @@ def confirm_distributed(item: pytest.Item, reports: list, backend: str) -> None:
 
 
 class ConfirmRun:
-    """In a re-run (``STREAMRACE_CONFIRM`` set): seeds, forces the planned race, writes what it saw."""
+    """In a re-run (``STREAMRACE_CONFIRM`` set): seeds, forces the planned race, writes what it saw.
 
-    def __init__(self, instruction: dict):
-        self.mode = instruction["mode"]  # "passes" (a plain test), or "locate" / "force" (a distributed item's ranks)
+    The test's own process (or a distributed item's rank) forces ``plan``; a process the test (or a program under
+    ``streamrace run``) started is given `rank_of` and forces its rank's plan of ``plans`` (``ForRank``)."""
+
+    def __init__(self, instruction: dict, rank_of=None):
+        self.mode = instruction["mode"]  # "passes" (a plain test), or "locate" / "force" (one re-run each)
         self.out = instruction["out"]
         self.plan = instruction.get("plan")
+        self.plans = (instruction.get("plans") or {}) if rank_of is not None else {}
+        self.rank_of = rank_of
         self.keys = [tuple(k) for k in instruction.get("keys", ())]
         self.delay_ms = instruction.get("delay_ms")  # a GPU hold's length, where a first one was too short
         self.backend = instruction.get("backend", "virtual")
         self.seed = instruction.get("seed", True)  # a program under ``streamrace run`` seeds itself
         self.rank = instruction.get("rank")  # said in the file, where the re-run's processes have ranks
-        self.order = None
+        self.order = None  # what the capture calls: a ForcedOrder, or a ForRank of them
+        self.orders: dict = {}  # plan key ("own", or a rank_key) -> its ForcedOrder
         self.unskip = None  # puts back the syncs a forced pass skipped
         self.phase = self.mode  # what the pass running now is for: "warm", "locate" or "force"
         self.passes_seen: list[dict] = []  # what each pass of "passes" left: its races or its forced order, outcome
@@ -423,28 +458,39 @@ class ConfirmRun:
             results.append([list(key), dict(one("force"), plan=self.plan)])
         self._write({"pid": os.getpid(), "outcome": located.get("outcome"), "results": results})
 
+    def _plans(self) -> dict:
+        if self.rank_of is not None:
+            return self.plans
+        return {"own": self.plan} if self.plan else {}
+
     def start(self, detector, incidental=()) -> None:
         if self.seed:
             seed_everything()
-        if self.phase != "force":
-            return
-        if self.plan.get("skipped"):
+        plans = self._plans()
+        if self.phase != "force" or not plans:
+            return  # (a test whose race is in a process it started forces nothing itself)
+        if any(plan.get("skipped") for plan in plans.values()):
             from ..detector.forced_order import skip_syncs
 
             self.unskip = skip_syncs(incidental)
         from ..detector.forced_order import ForcedOrder
 
-        plan = self.plan
-        self.order = ForcedOrder(plan["kind"], plan["earlier"], plan["later"], self.backend,
-                                 float(plan.get("delay_ms", 200.0)))
+        self.orders = {key: ForcedOrder(plan["kind"], plan["earlier"], plan["later"], self.backend,
+                                        float(plan.get("delay_ms", 200.0))) for key, plan in plans.items()}
+        self.order = self.orders["own"] if self.rank_of is None else ForRank(self.orders, self.rank_of)
         problem = detector.force(self.order)
-        if problem:
-            self.order.problem = problem
+        for order in self.orders.values():
+            order.problem = order.problem or problem
+
+    def picked(self) -> bool:
+        """Whether this followed process has reached its rank's race (its forced order is in use)."""
+        return isinstance(self.order, ForRank) and self.order.key is not None
 
     def finish(self, detector, races: list[dict], outcome: str) -> None:
         if self.phase == "warm":
             return
-        data: dict = {"pid": os.getpid(), "outcome": outcome, "rank": self.rank}
+        rank = self.rank if self.rank_of is None else self.rank_of()
+        data: dict = {"pid": os.getpid(), "outcome": outcome, "rank": rank}
         if self.phase == "locate":
             data["races"] = races
         elif self.order is not None:
@@ -452,8 +498,11 @@ class ConfirmRun:
             if self.unskip is not None:
                 self.unskip()
                 self.unskip = None
-            data["forced"] = self.order.result(self.plan.get("dtype"))
+            key = "own" if self.rank_of is None else self.order.key or rank_key(rank)
             self.order = None
+            if key not in self.orders:
+                return  # a process of a rank with no plan: it ran as it is, and has nothing to say
+            data["forced"] = self.orders[key].result(self._plans()[key].get("dtype"))
         if self.mode == "passes":
             self.passes_seen.append(data)
         else:
@@ -466,6 +515,26 @@ class ConfirmRun:
                 json.dump(data, f)
         except OSError:
             pass
+
+
+class ForRank:
+    """The forced orders of a process a test or program started, one per rank that reported the race; the process
+    uses its own rank's, picked when the capture first reaches one of their ops, not when it starts: a harness's rank
+    process learns its rank later (``init_process_group``, ``RANK`` set by the harness in the child)."""
+
+    def __init__(self, orders: dict, rank_of):
+        self.orders, self.rank_of = orders, rank_of
+        self.key: str | None = None  # the rank_key of the order in use, once picked
+
+    def install(self, capture) -> None:
+        capture.set_forcing(self._called, sorted({side.ordinal for order in self.orders.values()
+                                                  for side in (order.earlier, order.later)}))
+
+    def _called(self, *args) -> None:
+        if self.key is None and rank_key(self.rank_of()) in self.orders:
+            self.key = rank_key(self.rank_of())
+        if self.key is not None:
+            self.orders[self.key]._called(*args)
 
 
 def outcome_of(excinfo) -> str:

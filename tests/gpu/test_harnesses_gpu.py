@@ -1,8 +1,10 @@
 """Rank processes that other harnesses start, on NCCL (cuda backend, one GPU a rank): PyTorch's MultiProcessTestCase
 and torch.multiprocessing.spawn (tests/gpu/harness_cases.py), and DeepSpeed's own ZeRO tests (held out: code none of
-us wrote), each run plain and under `--streamrace`, outcomes compared test by test."""
+us wrote), each run plain and under `--streamrace`, outcomes compared test by test; and the race found in DeepSpeed's
+own test confirmed there under `--streamrace-confirm`."""
 
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -11,6 +13,11 @@ from gpu_support import PYTEST, ROOT, counts, framework_env, junit_outcomes, rac
 CLAIMS = {
     9: "Rank processes started by other harnesses (`MultiProcessTestCase`, `torch.multiprocessing.spawn`) on NCCL",
     12: "Held out, DeepSpeed's own ZeRO tests on NCCL",
+    50: "`--streamrace-confirm` on a race in the rank processes another harness starts: in DeepSpeed 0.19.8's own "
+        "`test_zero.py::TestZeroToFP32::test_2_param_groups[*-3]` (its `DistributedTest`, 2 ranks, NCCL), the ZeRO-3 "
+        "parameter gather's read-after-write on the partition is confirmed",
+    52: "`--streamrace-confirm` on NCCL ranks started by `MultiProcessTestCase` and `torch.multiprocessing.spawn`: "
+        "each racy twin's race confirmed on both ranks, the clean twins not re-run",
 }
 
 pytestmark = pytest.mark.gpu(count=2)
@@ -30,6 +37,26 @@ def test_multiprocess_test_case_and_spawn_racy_twins_fail_only_under_streamrace(
     assert "stream race on ranks 0, 1: read-after-write" in checked.stdout
     gpu_result.record("plain", "4 passed")
     gpu_result.record("--streamrace", "2 clean passed, 2 racy failed")
+
+
+@pytest.mark.validates(52)
+def test_multiprocess_test_case_and_spawn_racy_twins_are_confirmed(request, tmp_path, gpu_result):
+    env = framework_env(request.config, expecttest=None)
+    cases = str(ROOT / "tests" / "gpu" / "harness_cases.py")
+    done = run([*PYTEST, cases, "-n", "0", "-rA", "--streamrace", "--streamrace-confirm", "--streamrace-json",
+                str(tmp_path / "races.json")], timeout=600, env=env)
+    assert counts(done.stdout) == {"passed": 2, "failed": 2}, done.stdout[-4000:]
+    found = races(tmp_path / "races.json")
+    by_test: dict = {}
+    for race in found:
+        by_test.setdefault(race["test"].split("::")[-1], []).append(race["confirmation"])
+    gpu_result.record("verdicts", {name: sorted(c["status"] for c in found) for name, found in by_test.items()})
+    assert sorted(by_test) == ["test_racy", "test_spawn_racy"], sorted(by_test)  # the clean twins had none
+    assert all(c["status"] == "confirmed" for found in by_test.values() for c in found), by_test
+    best = max((c for found in by_test.values() for c in found), key=lambda c: c.get("max_abs_diff", 0.0))
+    gpu_result.record("max |Δ|", best.get("max_abs_diff"))  # x read as 2 for 4
+    gpu_result.record("elements", f'{best.get("differing")} of {best.get("elements")}')
+    gpu_result.record("confirmation seconds", {name: found[0].get("test_seconds") for name, found in by_test.items()})
 
 
 def _deepspeed_tests(config) -> Path:
@@ -99,3 +126,34 @@ def test_deepspeed_zero_tests_differ_only_where_zero3_gathers_too_early(request,
     gpu_result.record("deepspeed", "0.19.8")
     assert all(name.startswith("test_2_param_groups[") and name.endswith("-3]") for name in differ), differ
     assert {r["test"].split("::")[-1] for r in found} <= set(differ)
+
+
+def _zero3_gather(race: dict) -> bool:
+    """The race of docs/upstream/zero3-param-gather.md: the step's copy into the partition (stage3.py), then the
+    next forward's all-gather reading it."""
+    frames = race.get("earlier", {}).get("frames") or []
+    return race.get("kind") == "read-after-write" and any(f["file"].endswith("runtime/zero/stage3.py")
+                                                          for f in frames)
+
+
+@pytest.mark.validates(50)
+def test_the_zero3_gather_race_in_deepspeed_s_own_test_is_confirmed(request, tmp_path, gpu_result):
+    env = framework_env(request.config, deepspeed="0.19.8")
+    tests = _deepspeed_tests(request.config)
+    started = time.perf_counter()
+    done = run([*PYTEST, "unit/v1/zero/test_zero.py", "-k", "TestZeroToFP32 and test_2_param_groups", "-q", "-rA",
+                "--streamrace", "--streamrace-confirm", "--streamrace-json", str(tmp_path / "races.json")],
+               timeout=600, env={**env, "OMP_NUM_THREADS": "4"}, cwd=tests)
+    seconds = round(time.perf_counter() - started, 1)
+    found = [r for r in races(tmp_path / "races.json") if r["test"].endswith("-3]") and _zero3_gather(r)]
+    assert found, done.stdout[-4000:]
+    confirmed = [r["confirmation"] for r in found if r["confirmation"]["status"] == "confirmed"]
+    gpu_result.record("verdicts", sorted({f'{r["test"].split("::")[-1]} rank {r.get("rank")}: '
+                                          f'{r["confirmation"]["status"]}' for r in found}))
+    gpu_result.record("deepspeed", "0.19.8")
+    gpu_result.record("test seconds", seconds)
+    assert confirmed, [(r["test"], r["confirmation"]) for r in found]
+    best = max(confirmed, key=lambda c: c.get("max_abs_diff", 0.0))
+    gpu_result.record("max |Δ|", best.get("max_abs_diff"))
+    gpu_result.record("elements", f'{best.get("differing")} of {best.get("elements")}')
+    gpu_result.record("confirmation seconds", best.get("test_seconds"))
