@@ -156,6 +156,11 @@ def progress_file(value: str, where: str = env.PROGRESS) -> str:
     return output_file(value, where)
 
 
+def crash_output(value: str, where: str = env.CRASH_OUTPUT) -> str:
+    """``STREAMRACE_CRASH_OUTPUT``: the file a rank's output goes to, where a fatal signal's native stack is written."""
+    return output_file(value, where)
+
+
 def forkserver_state(value: str, where: str = env.FORKSERVER_STATE) -> dict:
     """``STREAMRACE_FORKSERVER_STATE``: set by the rank fork server for its own re-execution, never by a user."""
     return _json_object(value, where, "the JSON the rank fork server sets for itself (unset it)")
@@ -169,7 +174,8 @@ def confirm_run(value: str, where: str = env.CONFIRM) -> dict:
 
 ENVIRONMENT = {env.NATIVE: native, env.SUBPROCESS: subprocess_config, env.RANK_SPEC: rank_spec,
                env.REPRO: repro_settings, env.PROGRESS: progress_file,
-               env.FORKSERVER_STATE: forkserver_state, env.CONFIRM: confirm_run}  # every variable env.py names
+               env.FORKSERVER_STATE: forkserver_state, env.CONFIRM: confirm_run,
+               env.CRASH_OUTPUT: crash_output}  # every variable env.py names
 
 
 def environment(environ=os.environ) -> None:

@@ -94,6 +94,7 @@ BAD_ENV = {
     env.PROGRESS: ["afile/progress", "afolder"],
     env.FORKSERVER_STATE: ["x", "[1]"],
     env.CONFIRM: ["x", '{"mode": "locate"}'],
+    env.CRASH_OUTPUT: ["afile/output", "afolder"],
 }
 
 
