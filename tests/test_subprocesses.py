@@ -476,3 +476,60 @@ def test_a_session_leaves_nothing_in_site_packages(pytester, tmp_path, monkeypat
     pytester.runpytest_subprocess("--streamrace", "-p", "no:cacheprovider").assert_outcomes(passed=1)
     assert not os.path.exists(left)
     assert _site_files(folder) - before == set()
+
+
+ENVIRONMENT_ARRAY = """
+import ctypes, os, subprocess, sys
+
+libc = ctypes.CDLL(None)
+seen = []
+
+
+def array():
+    # the variable in the C environment that the threads of this process read (glibc's getenv, without a lock)
+    libc.getenv.restype = ctypes.c_char_p
+    return "present" if libc.getenv(b"STREAMRACE_SUBPROCESS") is not None else "absent"
+
+
+def pytest_sessionstart(session):
+    seen.append(("session start", array()))
+
+
+def pytest_runtest_logfinish(nodeid):
+    seen.append(("after " + nodeid.split("::")[-1], array()))
+
+
+def pytest_sessionfinish(session):
+    with open("arrays.txt", "w") as f:
+        f.write("\\n".join(f"{when}: {state}" for when, state in seen))
+"""
+
+TESTS_OF_THE_ARRAY = """
+import os, subprocess, sys
+from conftest import array, seen
+
+
+def test_first():
+    seen.append(("in test_first", array()))
+    assert os.environ["STREAMRACE_SUBPROCESS"].endswith('"test": "test_env.py::test_first"}')
+    subprocess.run([sys.executable, "-c", "pass"], check=True)
+
+
+def test_second():
+    seen.append(("in test_second", array()))
+"""
+
+
+def test_the_session_never_adds_or_removes_a_variable_while_tests_run(pytester):
+    """A test names its owner in the environment of the processes it starts; adding or removing a variable can move
+    the C environment's array while another thread reads it (NCCL's heartbeat monitor does, as it starts: ranks died
+    of SIGSEGV in getenv). So the variable is there from the session's start to its end and only its value changes
+    from test to test (pytest's own PYTEST_CURRENT_TEST comes and goes around each test, outside the item, where a
+    rank has no thread of its process group yet)."""
+    pytester.makeconftest(ENVIRONMENT_ARRAY)
+    pytester.makepyfile(test_env=TESTS_OF_THE_ARRAY)
+    result = pytester.runpytest_subprocess("--streamrace", "-p", "no:cacheprovider", "-p", "no:randomly")
+    result.assert_outcomes(passed=2)
+    assert (pytester.path / "arrays.txt").read_text().splitlines() == [
+        "session start: present", "in test_first: present", "after test_first: present", "in test_second: present",
+        "after test_second: present"]

@@ -74,8 +74,10 @@ def config_from_env(environ=os.environ) -> dict | None:
 def _config() -> dict | None:
     if _state.parsed is None and _state.raw:
         _state.parsed = config_from_env({env.SUBPROCESS: _state.raw}) or {}
-        if not _state.origin:  # as when exec'd: the live file may have moved on already
-            _state.origin = str(_state.parsed.get("test", ""))
+        if not _state.origin and _state.parsed:  # exec'd: the owner the variable names (the live file may have
+            _state.origin = str(_state.parsed.get("test", ""))  # moved on already)
+            if not _state.origin:
+                _state.parsed = {}  # started while no test ran (a session's fixture, say): not followed
     return _state.parsed or None
 
 

@@ -16,7 +16,6 @@ import os
 import shutil
 import tempfile
 
-from .. import env
 from . import child
 from .startup_hook import StartupHook
 
@@ -36,21 +35,18 @@ class Following:
         self._write_current("")
 
     def variable(self, owner: str) -> str:
-        """The value of ``STREAMRACE_SUBPROCESS`` for processes that work for `owner`."""
+        """The value of ``STREAMRACE_SUBPROCESS`` for processes that work for `owner` ("": none, not followed)."""
         return json.dumps({"dir": self.dir, "backend": self.backend, "trace": self.trace, "latent": self.latent,
                            "incidental": list(self.incidental), "test": owner})
 
     def follow(self, owner: str) -> None:
         """Processes started from now on (by exec, or forked from a followed one) work for `owner`."""
         self._write_current(owner)
-        os.environ[env.SUBPROCESS] = self.variable(owner)
 
     def unfollow(self) -> None:
         self._write_current("")
-        os.environ.pop(env.SUBPROCESS, None)
 
     def close(self) -> None:
-        os.environ.pop(env.SUBPROCESS, None)
         self.hook.remove()
         shutil.rmtree(self.dir, ignore_errors=True)
 

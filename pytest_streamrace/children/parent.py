@@ -3,8 +3,9 @@
 ``streamrace run`` uses as well), modelled on coverage.py's subprocess measurement: a start-up hook gated by an
 environment variable, one data file per process, combined here.
 
-While a test runs (from the start of its setup to the end of its teardown) this process's environment carries
-``STREAMRACE_SUBPROCESS`` and the live file ``<dir>/current`` names the test. At each judging point of the test
+While a test runs (from the start of its setup to the end of its teardown) this process's environment's
+``STREAMRACE_SUBPROCESS`` and the live file ``<dir>/current`` name the test (the variable is there for the whole
+session, naming no test between tests). At each judging point of the test
 (its call and teardown reports) the children's files are read on from where they were left: races of this test fail
 it like its own ones, and their notes (what they could not model) join the test's hints; races of a test that
 already finished (a child that outlived it) go to the "after their test" section of the terminal summary and to
@@ -34,6 +35,11 @@ class Children(Following):
 
     def __init__(self, backend: str, trace: bool):
         super().__init__(backend, trace)
+        # The variable is added once, as the session is configured (no thread of the session's yet), and only its
+        # value changes while the session runs: adding or removing a variable can move the environment's array while
+        # another thread reads it (glibc's getenv takes no lock, and threads a session starts read it: NCCL's
+        # heartbeat monitor, as it starts), while a new value of a present one is one pointer stored in place.
+        os.environ[env.SUBPROCESS] = self.variable("")  # owned by no test: a process started now is not followed
         self.current = ""
         self.finished: set[str] = set()
         self.after: list[dict] = []  # race dicts with "test": races of tests that had finished
@@ -47,6 +53,7 @@ class Children(Following):
         self.current = nodeid
         self.notes = []
         self.follow(nodeid)
+        os.environ[env.SUBPROCESS] = self.variable(nodeid)
         if not self._forks_armed:
             self._forks_armed = True
             os.register_at_fork(after_in_child=self._forked)
@@ -55,6 +62,11 @@ class Children(Following):
         self.finished.add(self.current)
         self.current = ""
         self.unfollow()
+        os.environ[env.SUBPROCESS] = self.variable("")
+
+    def close(self) -> None:
+        os.environ.pop(env.SUBPROCESS, None)
+        super().close()
 
     def _forked(self) -> None:
         """A child forked from this pytest process while a test runs: it reports the test's detector's races."""

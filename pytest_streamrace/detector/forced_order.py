@@ -206,11 +206,6 @@ class ForcedOrder:
             return
         region = self._region(entry["view"])
         if self.cuda:
-            if self.peer and host_waited(self.delay_ms, out.get("host_gap_ms", 0.0)):  # its read waited for the hold
-                return dict(out, status="not-tried", host_waited=True,
-                            reason=f"the host waited out the last rank's {self.delay_ms:g} ms hold before it issued "
-                                   f"the later access ({out['host_gap_ms']:.1f} ms after the collective): something "
-                                   f"between the two synchronizes with the collective, so no hold inverts them")
             if self.events is not None:
                 self.events[1].record(torch.cuda.current_stream())  # the later access has run by here on its stream
             if self.kind == RAW:
