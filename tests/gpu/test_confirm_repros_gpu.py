@@ -41,10 +41,12 @@ def test_each_repro_is_confirmed_on_gpus_agreeing_with_its_referee(request, tmp_
     runs = {r["variant"]: r for r in data["runs"]}
     assert data["returncode"] == 0 and set(runs) == {"unpatched", "patched"}, data["output"][-4000:]
     unpatched, patched = runs["unpatched"], runs["patched"]
-    assert unpatched["verdict"] == "reproduced" and unpatched["confirmed"]["agrees"] is True, unpatched["confirmed"]
+    said = [c["line"] for c in unpatched["confirmations"]]
+    assert unpatched["verdict"] == "reproduced" and unpatched["confirmed"]["agrees"] is True, (unpatched["confirmed"],
+                                                                                              said)
     assert patched["verdict"] == "clean" and patched["confirmed"]["agrees"] is True, patched["confirmed"]
     gpu_result.record("unpatched", unpatched["confirmed"]["summary"])
-    gpu_result.record("confirmations", [c["line"] for c in unpatched["confirmations"]])
+    gpu_result.record("confirmations", said)
     gpu_result.record("run s", round(unpatched["seconds"], 1))
     gpu_result.record("confirmation s", round(unpatched["confirmed"]["seconds"], 1))
 

@@ -31,7 +31,7 @@ CLAIMS = {
     36: 'The same with the interval a multiple of the log frequency: the pair listed as latent on both ranks '
         "(ordered by logging's read-back), exit 0; with `--latent fail`, exit 3",
     37: "Loss curves with and without `streamrace run`, as the programs print them: torchtitan's debug model "
-        '(seeded, deterministic, 8 steps) and the DeepSpeed ZeRO-3 script (6 steps): identical',
+        '(seeded, deterministic, 6 steps) and the DeepSpeed ZeRO-3 script (6 steps): identical',
     38: 'A DeepSpeed ZeRO-3 script under the `deepspeed` launcher, under `streamrace run`: the ZeRO-3 gather '
         'race ([write-up](upstream/zero3-param-gather.md)) on both ranks with accumulation 2 and the '
         'throughput timer unsynchronized (exit 3), latent in the stock configuration (exit 0). On CPU '
@@ -57,7 +57,10 @@ def _staging_reads(found: list[dict]) -> list[dict]:
 
 
 def _titan(folder, *run_args, interval, log_freq, steps=5):
-    """A fresh job folder each run: torchtitan resumes from a checkpoint it finds in its dump folder."""
+    """A fresh job folder each run: torchtitan resumes from a checkpoint it finds in its dump folder. Two checkpoints a
+    run at most: with torch 2.11 the third async one fails in torch's StateDictStager (KeyError: <class 'type'>), with
+    or without `streamrace run` (its DefaultStager reuses a stager it closed; the repro dcp_async_staging makes a new
+    stager per checkpoint for that reason)."""
     config = jobs.torchtitan_job(folder, interval=interval, log_freq=log_freq, steps=steps)
     path = folder / "races.json"
     command = [*jobs.STREAMRACE_RUN, "--backend", "cuda", "--json", path, *run_args, "--",
@@ -85,9 +88,9 @@ def test_torchtitan_checkpoint_off_the_log_steps_reports_the_dcp_staging_race(tm
 @TORCHTITAN
 @pytest.mark.validates(36)
 def test_torchtitan_checkpoint_on_the_log_steps_reports_it_as_latent(tmp_path, record):
-    """Checkpointed (staged) at 2 and 4, both logged: logging's read-back orders each step before its staging copies.
-    Exit 0 with the pair listed as latent on both ranks; with `--latent fail` the run fails (exit 3)."""
-    out, found, said = _titan(tmp_path / "report", interval=2, log_freq=2)
+    """Steps 1-4, checkpointed (staged) at 2 and 4, both logged: logging's read-back orders each step before its staging
+    copies. Exit 0 with the pair listed as latent on both ranks; with `--latent fail` the run fails (exit 3)."""
+    out, found, said = _titan(tmp_path / "report", interval=2, log_freq=2, steps=4)
     assert out.returncode == 0, said
     staged = _staging_reads(found)
     assert staged and all(r.get("latent") for r in staged), said
@@ -95,27 +98,27 @@ def test_torchtitan_checkpoint_on_the_log_steps_reports_it_as_latent(tmp_path, r
     assert "latent races (ordered today only by a host sync" in out.stderr, said  # the closing list
     record("latent", len(staged))
     record("ordered_by", sorted({r["latent"].get("op", "?") for r in staged}))
-    failing, _, said = _titan(tmp_path / "fail", "--latent", "fail", interval=2, log_freq=2)
+    failing, _, said = _titan(tmp_path / "fail", "--latent", "fail", interval=2, log_freq=2, steps=4)
     assert failing.returncode == 3, said
 
 
 @TORCHTITAN
 @pytest.mark.validates(37)
 def test_torchtitan_loss_curve_is_the_same_under_streamrace_run(tmp_path, record):
-    """8 steps logged every step, staged at 3 and 6 (the racy configuration: the race does not touch training), seeded
+    """6 steps logged every step, staged at 3 and 6 (the racy configuration: the race does not touch training), seeded
     and deterministic: each step's loss and grad norm as torchtitan prints them, the same with and without
     `streamrace run` (under --report-only, so that the run's status is the program's)."""
-    config = jobs.torchtitan_job(tmp_path / "plain", interval=3, log_freq=1, steps=8, deterministic=True)
+    config = jobs.torchtitan_job(tmp_path / "plain", interval=3, log_freq=1, steps=6, deterministic=True)
     plain = jobs.run(jobs.torchtitan_command(config), config.parent, jobs.environ())
     assert plain.returncode == 0, jobs.account(plain)
-    config = jobs.torchtitan_job(tmp_path / "under", interval=3, log_freq=1, steps=8, deterministic=True)  # afresh
+    config = jobs.torchtitan_job(tmp_path / "under", interval=3, log_freq=1, steps=6, deterministic=True)  # afresh
     path = config.parent / "races.json"
     under = jobs.run([*jobs.STREAMRACE_RUN, "--backend", "cuda", "--report-only", "--json", path, "--",
                       *jobs.torchtitan_command(config)], config.parent, jobs.environ())
     assert under.returncode == 0, jobs.account(under, path)
     expected = jobs.curve(plain.stdout + plain.stderr, jobs.TITAN_LINE)
     got = jobs.curve(under.stdout + under.stderr, jobs.TITAN_LINE)
-    assert sorted(expected) == list(range(1, 9)), jobs.account(plain)
+    assert sorted(expected) == list(range(1, 7)), jobs.account(plain)
     assert got == expected, f"plain {expected}\nunder streamrace run {got}"
     record("steps", len(got))
     record("losses", [float(v[0]) for v in got.values()])
