@@ -56,7 +56,7 @@ def _result(items: list[dict]) -> str:
         if shown:
             numbers.append((f"`{name(item)}`: " if len(ran) > 1 else "")
                            + ", ".join(f"{k} {_value(v)}" for k, v in shown.items()))
-    return text + (": " + "; ".join(numbers) if numbers else "")
+    return (text + (": " + "; ".join(numbers) if numbers else "")).replace("|", "\\|")  # a table cell's pipes
 
 
 def _hardware(machine: dict, items: list[dict]) -> str:

@@ -25,6 +25,7 @@ CLAIMS = {901: "A measured claim", 902: "A claim half on GPUs", 903: "A claim th
 def test_measures(gpu_result, gpu_repeat):
     gpu_result.record("right", "26/26")
     gpu_result.record("runs", gpu_repeat)
+    gpu_result.record("max |d|", 0.5)
 
 
 @pytest.mark.validates(902)
@@ -75,7 +76,7 @@ def test_the_results_file_records_each_row_item_and_renders_as_the_page_table(py
     assert sorted(items) == ["test_measures", "test_needs_many_gpus", "test_runs_here", "test_skipped_by_its_own_mark",
                              "test_wrong"]
     assert items["test_skipped_by_its_own_mark"]["reason"] == "its own reason"
-    assert items["test_measures"]["numbers"] == {"right": "26/26", "runs": 5}
+    assert items["test_measures"]["numbers"] == {"right": "26/26", "runs": 5, "max |d|": 0.5}
     assert items["test_measures"]["claims"] == {"901": "A measured claim"}
     assert items["test_needs_many_gpus"]["outcome"] == "skipped"
     assert items["test_needs_many_gpus"]["reason"] == "needs 64 CUDA GPUs, this host has 0"
@@ -90,7 +91,7 @@ def test_the_results_file_records_each_row_item_and_renders_as_the_page_table(py
     assert rendered.stdout.splitlines() == [
         "| # | claim | result | hardware, torch | date | re-run |",
         "|---|---|---|---|---|---|",
-        f"| 901 | A measured claim | **passed**: right 26/26, runs 5 | CPU, {torch} | {date} | "
+        f"| 901 | A measured claim | **passed**: right 26/26, runs 5, max \\|d\\| 0.5 | CPU, {torch} | {date} | "
         "`pytest -m gpu tests/gpu --validates 901` |",
         f"| 902 | A claim half on GPUs | **passed** (1 of 3 items; the rest skipped: its own reason; needs 64 CUDA GPUs, "
         f"this host has 0) | CPU, {torch} | {date} | `pytest -m gpu tests/gpu --validates 902` |",
