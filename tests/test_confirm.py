@@ -111,9 +111,9 @@ def _line(pytester, marker: str) -> int:
     raise AssertionError(marker)
 
 
-def run_cases(pytester, backend: str, *extra: str):
-    """The cases under --streamrace-confirm: (the run, {test name: [records]}, runs per test)."""
-    pytester.makepyfile(test_cases=CASES)
+def run_cases(pytester, backend: str, *extra: str, files: dict | None = None):
+    """The cases (or `files`) under --streamrace-confirm: (the run, {test name: [records]}, runs per test)."""
+    pytester.makepyfile(**(files or {"test_cases": CASES}))
     result = pytester.runpytest_subprocess("--streamrace", f"--streamrace-backend={backend}", "--streamrace-confirm",
                                            "--streamrace-json=races.json", "-p", "no:cacheprovider", *extra)
     by_test: dict = {}

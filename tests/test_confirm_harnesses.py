@@ -6,6 +6,8 @@ processes in a re-run and confirmed with the values that changed; a clean twin i
 
 import json
 
+from test_confirm import run_cases
+
 BODY = """
 import torch
 import torch.distributed as dist
@@ -129,16 +131,7 @@ def _line(marker: str) -> int:
 
 def run(pytester, **files):
     """The files' tests under --streamrace-confirm: (the run, {test name: [records]}, rank runs per test)."""
-    pytester.makepyfile(body=BODY, **files)
-    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "--streamrace-confirm",
-                                           "--streamrace-json=races.json", "-p", "no:cacheprovider", "-rA")
-    by_test: dict = {}
-    for race in json.loads((pytester.path / "races.json").read_text())["races"]:
-        by_test.setdefault(race["test"].split("::")[-1], []).append(race)
-    runs: dict = {}
-    for name in (pytester.path / "runs.txt").read_text().split():
-        runs[name] = runs.get(name, 0) + 1
-    return result, by_test, runs
+    return run_cases(pytester, "virtual", "-rA", files=dict(body=BODY, **files))
 
 
 def check_confirmed(result, by_test: dict, racy: dict, ranks: tuple) -> None:
