@@ -176,3 +176,35 @@ def test_the_validation_page_states_each_claim_as_its_tests_do():
     assert {row: claim for row, (claim, _) in claims.items() if cells.get(row) != claim} == {}
     reruns = {int(row) for row in re.findall(r"--validates (\d+)", page)}
     assert sorted(reruns - set(claims)) == []
+
+
+LANES = """
+import os
+import pytest
+
+CLAIMS = {904: "A claim checked in lanes"}
+
+
+@pytest.mark.validates(904)
+@pytest.mark.parametrize("n", range(4))
+def test_lane(gpu_result, n):
+    gpu_result.record("lane", os.environ.get("CUDA_VISIBLE_DEVICES"))
+"""
+
+
+def test_xdist_workers_each_see_their_own_gpus_and_the_controller_writes_every_lane_s_results(pytester, monkeypatch):
+    """`-n 2 --gpus-per-worker 2` on a host whose GPUs are 4-7: one worker sees 4,5, the other 6,7 (set before either
+    makes a CUDA context), and the one results file holds every item; too few GPUs for the lanes is one usage line."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    pytester.makeconftest((GPU / "conftest.py").read_text(encoding="utf-8"))
+    pytester.makeini("[pytest]\nmarkers =\n    gpu(count=1): a GPU item\n    validates(N): a validation row\n")
+    pytester.makepyfile(test_lanes=LANES)
+    path = pytester.path / "results.json"
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--gpus-per-worker", "2",
+                                           "--gpu-results", str(path))
+    result.assert_outcomes(passed=4)
+    lanes = [item["numbers"]["lane"] for item in json.loads(path.read_text())["items"]]
+    assert len(lanes) == 4 and set(lanes) == {"4,5", "6,7"}, lanes
+    wide = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "3", "--gpus-per-worker", "2")
+    assert wide.ret == 4  # usage error
+    wide.stderr.fnmatch_lines(["*--gpus-per-worker 2 with -n 3 needs 6 GPUs, this host has 4*"])

@@ -6,7 +6,8 @@ item marked `validates` is recorded (its rows and their claims, outcome, duratio
 `gpu_result` fixture), and a session that selected `-m gpu`, `--validates` or `--gpu-results` writes the records with
 the machine's facts to `--gpu-results` (default `$OUT/gpu-results.json` where OUT is set, else `gpu-results.json`).
 A row's claim lives beside its tests, in the module's `CLAIMS = {row: claim}`, so the page cannot drift from them.
-Records travel in the reports' user_properties, so they reach the controlling process under xdist too.
+Records travel in the reports' user_properties, so they reach the controlling process under xdist too; with
+`-n K --gpus-per-worker N` each worker sees N GPUs of its own, so a host with K*N GPUs runs K lanes of items at once.
 """
 
 from __future__ import annotations
@@ -36,6 +37,9 @@ def pytest_addoption(parser):
                     help="where scripts/device/setup.sh installed the carried framework wheels, one folder a version")
     group.addoption("--deepspeed-tests", metavar="DIR", default=".gpu/ds-tests/tests",
                     help="DeepSpeed's own tests folder (from its repository), for the held-out rows")
+    group.addoption("--gpus-per-worker", metavar="N", type=int, default=None,
+                    help="with -n K (xdist): each worker sees N GPUs of its own (CUDA_VISIBLE_DEVICES), so a host "
+                         "with K*N GPUs runs K lanes at once")
 
 
 def _option(config, name, default=None):
@@ -43,8 +47,41 @@ def _option(config, name, default=None):
 
 
 def pytest_configure(config):
-    if not hasattr(config, "workerinput"):  # an xdist worker's reports reach the controller, which writes
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is None:  # an xdist worker's reports reach the controller, which writes
+        _check_lanes(config)
         config.pluginmanager.register(_Recorder(config), "streamrace-gpu-results")
+    elif _option(config, "gpus_per_worker"):
+        _pin_lane(_option(config, "gpus_per_worker"), int(str(workerinput["workerid"]).removeprefix("gw")))
+
+
+def _host_gpus() -> list[str]:
+    """The GPUs the lanes divide: CUDA_VISIBLE_DEVICES's, else every one the driver lists (no CUDA context made)."""
+    mask = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if mask is not None:
+        return [entry.strip() for entry in mask.split(",") if entry.strip()]
+    try:
+        return [str(i) for i in range(len(os.listdir("/proc/driver/nvidia/gpus")))]
+    except OSError:
+        return []
+
+
+def _check_lanes(config) -> None:
+    per, workers = _option(config, "gpus_per_worker"), getattr(config.option, "numprocesses", None)
+    if not per:
+        return
+    if per < 1 or not isinstance(workers, int) or workers < 1:
+        raise pytest.UsageError("--gpus-per-worker N needs N >= 1 and -n K (pytest-xdist workers)")
+    have = len(_host_gpus())
+    if per * workers > have:
+        raise pytest.UsageError(f"--gpus-per-worker {per} with -n {workers} needs {per * workers} GPUs, "
+                                f"this host has {have}")
+
+
+def _pin_lane(per: int, index: int) -> None:
+    """This worker's GPUs, set before anything in it makes a CUDA context (and before any thread reads the
+    environment)."""
+    os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(_host_gpus()[index * per:(index + 1) * per])
 
 
 def _wants_results(config) -> bool:
