@@ -94,6 +94,7 @@ class ForcedOrder:
         self.host = {}
         self.problem: str | None = None
         self.unwritten = False
+        self.read_modify_write = False  # a later write that reads what it writes, compared by what it read (cuda)
         self._op = ""  # the op the capture called about
         self.entry = None  # the candidate both accesses touch
         self.peer = False  # a rank that does not hold its collective back, and sees the other order (cuda)
@@ -218,10 +219,15 @@ class ForcedOrder:
             elif self.kind == WAW and self.later.op in OVERWRITES:
                 self.ordered = region.clone()  # the later write's bytes: what the ordered run leaves
                 self.forced = entry.get("after")  # the held write lands last
+            elif self.kind == WAW and not self._op.startswith("c10d::"):
+                # the later write also reads what it writes (div_, add_): it ran on the bytes the held write had not
+                # written yet, so what it read is compared, as for a read-after-write
+                self.forced, self.ordered = entry.get("held"), entry.get("after")
+                self.read_modify_write = True
             elif self.kind == WAW:
                 self.problem = self.problem or (
-                    f"the later write ({self.later.op}) also reads the bytes it writes: what the ordered run leaves "
-                    "is not in the forced one")
+                    f"the later write ({self.later.op}) is a collective that also reads the bytes it writes, on its "
+                    "communicator's stream: what it read is not observed")
             return
         if self.kind == RAW:
             if self.forced is not None and self.ordered is not None and torch.equal(region, self.forced):
@@ -287,6 +293,8 @@ class ForcedOrder:
         out.update(compare(self.ordered, self.forced, dtype))
         if self.unwritten:
             out["unwritten"] = True
+        if self.read_modify_write:
+            out["read_modify_write"] = True
         out["status"] = "forced"
         return out
 

@@ -365,7 +365,7 @@ def describe(data: dict, result: dict, unit: str = "test") -> str:
     if status == NOT_TRIED:
         return f"not tried: {where}: {result.get('reason')}"
     rw = data["earlier"]["rw"]
-    seen = "left behind" if data["kind"] == "write-after-write" else "read"
+    seen = "left behind" if data["kind"] == "write-after-write" and not result.get("read_modify_write") else "read"
     skipped = f" and the incidental sync at {result['skipped_sync']} skipped" if result.get("skipped_sync") else ""
     what = (f"with the {rw} at {result['held']} held back{skipped}, the values {seen} at "
             f"{result['observed'] if data['kind'] != 'write-after-read' else result['held']}")
