@@ -35,6 +35,17 @@ void put_number(long value) {  // async-signal-safe: no stdio
   put(digits + i);
 }
 
+const char* name_of(int signo) {  // strsignal may take the locale's lock: not in a signal handler
+  switch (signo) {
+    case SIGSEGV: return "Segmentation fault";
+    case SIGBUS: return "Bus error";
+    case SIGFPE: return "Floating point exception";
+    case SIGILL: return "Illegal instruction";
+    case SIGABRT: return "Aborted";
+    default: return "?";
+  }
+}
+
 void on_signal(int signo, siginfo_t*, void*) {
   static volatile sig_atomic_t entered = 0;
   if (!entered) {  // a second fault while writing: straight on to the displaced handler
@@ -44,7 +55,7 @@ void on_signal(int signo, siginfo_t*, void*) {
     put("streamrace: native stack of the thread that got signal ");
     put_number(signo);
     put(" (");
-    put(strsignal(signo));
+    put(name_of(signo));
     put("), thread id ");
     put_number(static_cast<long>(syscall(SYS_gettid)));
     put(" \"");
