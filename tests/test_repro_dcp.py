@@ -74,37 +74,9 @@ def test_show_names_the_fix_and_the_torch_versions():
     assert "dcp_async_staging" in repro("list").stdout
 
 
-USER_TEST = """
-import threading
-
-import pytest, torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-from pytest_streamrace.frameworks.accelerator import accelerator_available
-from pytest_streamrace.repros.dcp_async_staging import staging_fix
-
-
-@pytest.fixture
-def setup(tmp_path, streamrace_device):
-    torch.manual_seed(0)
-    model = torch.nn.Linear(16, 16).to(streamrace_device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-    if streamrace_device.type == "cpu":
-        with accelerator_available(), pytest.warns(UserWarning, match="pin_memory"):
-            stager = DefaultStager(StagingOptions(True, True, True, True))  # STAGER
-    else:
-        stager = DefaultStager(StagingOptions(True, True, True, True))
-    def step():
-        model(torch.randn(4, 16, device=streamrace_device)).sum().backward()
-        optimizer.step()                                        # STEP
-        optimizer.zero_grad()
-    def save(n):
-        return dcp.async_save({"model": model.state_dict()}, checkpoint_id=tmp_path / str(n), async_stager=stager,
-                              no_dist=True)
-    yield step, save
-    stager.close()
-
+# The four orders of a step and its staging, as a user writes them: the same tests over a plain model (USER_TEST) and
+# over FSDP2 ranks (FSDP2_TEST), each after its own `setup` fixture.
+ORDERS = """
 
 @pytest.mark.streamrace(expect="race")
 def test_staging_right_after_the_step(setup):
@@ -155,6 +127,40 @@ def test_synchronize_stage_wait_then_step(setup):
     step()
     saved.upload_completion.result()
 """
+
+USER_TEST = """
+import threading
+
+import pytest, torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+from pytest_streamrace.frameworks.accelerator import accelerator_available
+from pytest_streamrace.repros.dcp_async_staging import staging_fix
+
+
+@pytest.fixture
+def setup(tmp_path, streamrace_device):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 16).to(streamrace_device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    if streamrace_device.type == "cpu":
+        with accelerator_available(), pytest.warns(UserWarning, match="pin_memory"):
+            stager = DefaultStager(StagingOptions(True, True, True, True))  # STAGER
+    else:
+        stager = DefaultStager(StagingOptions(True, True, True, True))
+    def step():
+        model(torch.randn(4, 16, device=streamrace_device)).sum().backward()
+        optimizer.step()                                        # STEP
+        optimizer.zero_grad()
+    def save(n):
+        return dcp.async_save({"model": model.state_dict()}, checkpoint_id=tmp_path / str(n), async_stager=stager,
+                              no_dist=True)
+    yield step, save
+    stager.close()
+
+
+""" + ORDERS
 
 
 def _outcomes(result) -> dict:
@@ -234,55 +240,7 @@ def setup(tmp_path, streamrace_device):
     dist.barrier(group=gloo)
 
 
-@pytest.mark.streamrace(expect="race")
-def test_staging_right_after_the_step(setup):
-    step, save = setup
-    step()
-    saved = save(0)
-    saved.staging_completion.result()
-    saved.upload_completion.result()
-
-
-@pytest.mark.streamrace(expect="clean")
-def test_staging_right_after_the_step_with_the_fix(setup):
-    step, save = setup
-    with staging_fix(True):
-        step()
-        saved = save(0)
-        saved.staging_completion.result()
-        saved.upload_completion.result()
-        step()
-
-
-@pytest.mark.streamrace(expect="race")
-def test_next_step_before_staging_completes(setup, monkeypatch):
-    step, save = setup
-    gate = threading.Event()  # staging starts only once the next step was issued: this run's order, every time
-    stage = DefaultStager._stage
-
-    def gated(self, *args, **kwargs):
-        gate.wait()
-        return stage(self, *args, **kwargs)
-    monkeypatch.setattr(DefaultStager, "_stage", gated)
-    step()
-    torch.accelerator.synchronize()
-    saved = save(0)
-    step()                                                      # NEXT-STEP
-    gate.set()
-    saved.staging_completion.result()
-    saved.upload_completion.result()
-
-
-@pytest.mark.streamrace(expect="clean")
-def test_synchronize_stage_wait_then_step(setup):
-    step, save = setup
-    step()
-    torch.accelerator.synchronize()
-    saved = save(0)
-    saved.staging_completion.result()
-    step()
-    saved.upload_completion.result()
-"""
+""" + ORDERS
 
 
 def run_fsdp2_orders(pytester, backend: str):

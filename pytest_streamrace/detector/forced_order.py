@@ -106,7 +106,6 @@ class ForcedOrder:
         ordinals = sorted({self.earlier.ordinal, self.later.ordinal})
         capture.set_forcing(self._called, ordinals)
 
-
     # the capture's calls
 
     def _called(self, when: str, ordinal: int, thread: int, op: str, stream: int, inputs, outputs) -> None:
@@ -249,6 +248,13 @@ class ForcedOrder:
 
     # the result
 
+    def _waited_out(self, out: dict, whose: str, since: str, held: str) -> dict:
+        """Not tried: the host spent the hold itself between the two accesses (`host_waited`)."""
+        return dict(out, status="not-tried", host_waited=True,
+                    reason=f"the host waited out {whose or 'the '}{self.delay_ms:g} ms hold before it issued the later "
+                           f"access ({out['host_gap_ms']:.1f} ms after {since}): something between the two "
+                           f"synchronizes with {held}, so no hold inverts them")
+
     def result(self, dtype: str | None = None) -> dict:
         """What the forced run saw: status "forced" with the values, or "not-tried" with the reason."""
         out: dict = {"kind": self.kind, "held": "earlier", "backend": "cuda" if self.cuda else "virtual"}
@@ -272,19 +278,13 @@ class ForcedOrder:
             return dict(out, status="not-tried", reason="the two accesses shared no bytes in the re-run")
         if self.cuda:
             if self.peer and host_waited(self.delay_ms, out.get("host_gap_ms", 0.0)):  # its read waited for the hold
-                return dict(out, status="not-tried", host_waited=True,
-                            reason=f"the host waited out the last rank's {self.delay_ms:g} ms hold before it issued "
-                                   f"the later access ({out['host_gap_ms']:.1f} ms after the collective): something "
-                                   f"between the two synchronizes with the collective, so no hold inverts them")
+                return self._waited_out(out, "the last rank's ", "the collective", "the collective")
             if self.events is not None:
                 lead = self.events[1].elapsed_time(self.events[0])  # > 0: the held access started after the later one
                 out["inverted"] = lead > 0
                 out["lead_ms"] = round(lead, 3)
                 if lead <= 0 and host_waited(self.delay_ms, out.get("host_gap_ms", 0.0)):
-                    return dict(out, status="not-tried", host_waited=True,
-                                reason=f"the host waited out the {self.delay_ms:g} ms hold before it issued the "
-                                       f"later access ({out['host_gap_ms']:.1f} ms after the held one): something "
-                                       f"between the two synchronizes with the held stream, so no hold inverts them")
+                    return self._waited_out(out, "", "the held one", "the held stream")
                 if lead <= 0:
                     return dict(out, status="not-tried",
                                 reason=f"a {self.delay_ms:g} ms hold did not invert the order (the later access "
