@@ -103,6 +103,24 @@ def test_allreduce_read_before_wait(rank, streamrace_device):
     work.wait()
 '''
 
+BUCKET = '''
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed(world_size=2)
+def test_bucket_reduced_before_its_copy(rank, streamrace_device):
+    grad = torch.full((64,), float(rank + 1), device=streamrace_device)
+    bucket = torch.zeros(64, device=streamrace_device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        bucket.copy_(grad)                              # the bucket filled on a side stream
+    dist.all_reduce(bucket)                             # reduced in place with no wait on it (DeepSpeed #8061)
+    torch.cuda.current_stream().wait_stream(side)
+'''
+
 
 def _line(pytester, marker: str) -> int:
     for number, text in enumerate((pytester.path / "test_cases.py").read_text().splitlines(), 1):
@@ -208,6 +226,28 @@ def test_a_collective_read_before_wait_is_confirmed_on_gloo_ranks(pytester):
     check_collective(pytester, "virtual")
 
 
+def check_bucket(pytester, backend: str) -> None:
+    """A write-after-write whose later write, an in-place all-reduce, reads what it writes: confirmed on both ranks
+    (in order the bucket holds 1 + 2 = 3; forced, the all-reduce ran on the zeros and the copy landed last)."""
+    pytester.makepyfile(test_bucket=BUCKET)
+    result = pytester.runpytest_subprocess("--streamrace", f"--streamrace-backend={backend}", "--streamrace-confirm",
+                                           "--streamrace-json=races.json", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    races = json.loads((pytester.path / "races.json").read_text())["races"]
+    assert sorted(r["rank"] for r in races) == [0, 1], races
+    for race in races:
+        assert race["kind"] == "write-after-write", race["kind"]
+        confirmation = race["confirmation"]
+        assert confirmation["status"] == "confirmed", json.dumps(confirmation)
+        assert confirmation["differing"] == 64
+    result.stdout.fnmatch_lines(["*confirmed: write-after-write test_bucket.py:*-> test_bucket.py:*: with the write "
+                                 "at *held back, the values * at * differed by max |Δ| = * in 64 of 64 elements"])
+
+
+def test_a_bucket_reduced_before_its_copy_is_confirmed_on_gloo_ranks(pytester):
+    check_bucket(pytester, "virtual")
+
+
 @pytest.mark.parametrize("confirm", ["--streamrace-confirm", "-ostreamrace_confirm=true"])
 def test_the_ini_key_and_the_option_both_turn_it_on(pytester, confirm):
     pytester.makepyfile(test_cases=CASES)
@@ -224,12 +264,10 @@ CORPUS_BENIGN = {"test_async_collective_output_read_before_wait", "test_sync_col
 CORPUS_NOT_TRIED = {"test_free_while_another_stream_reads"}
 
 
-# On a GPU, one rank's collective can be held back only with the stream its read runs on, and a later write that is
-# an in-place collective reads on its communicator's stream, where the forced run does not observe it: those two are
-# not tried there. (A later write that reads what it writes on the stream it was issued on, the bucket's division, is
-# compared by what it read.)
-CORPUS_NOT_TRIED_CUDA = {"test_async_collective_output_read_before_wait",
-                         "test_collective_on_stream_that_waited_on_the_wrong_stream"}
+# On a GPU, one rank's collective can be held back only with the stream its read runs on: a world of one has no peer
+# to see the other order, so that case is not tried there. (A later write that reads what it writes, the bucket's
+# division or an in-place collective, is judged by `left_behind`: the one-rank all-reduce leaves what it read.)
+CORPUS_NOT_TRIED_CUDA = {"test_async_collective_output_read_before_wait"}
 
 
 def check_corpus(pytester, backend: str) -> None:
@@ -285,6 +323,27 @@ def test_a_latent_race_ordered_by_an_incidental_sync_is_forced_with_that_sync_sk
                              for c in read_back)
     result.stdout.fnmatch_lines(["*confirmed: latent write-after-write *held back and the incidental sync at "
                                  "timer.py:* skipped, the values left behind at * differed*"])
+
+
+def test_a_later_write_that_reads_what_it_writes_is_judged_by_what_each_order_leaves():
+    """GPU snapshots of a forced write-after-write whose later write read the bytes before the held write: exact where
+    the held write wrote what was there, benign where the later write is an identity, else what it read differs."""
+    import torch
+
+    from pytest_streamrace.detector.forced_order import left_behind
+
+    ones, twos = torch.ones(4), torch.full((4,), 2.0)
+    assert left_behind(None, ones, ones) is None
+    ordered, forced, how = left_behind(twos, twos, ones)  # x.copy_(x) held; x.div_(2) left 1s; in order, the same 1s
+    assert how == "left behind" and torch.equal(ordered, ones) and torch.equal(forced, twos)
+    ordered, forced, how = left_behind(ones, twos, ones)  # x.mul_(1), or an all-reduce whose peers held zeros
+    assert how == "identity" and torch.equal(ordered, forced)
+    zeros = torch.zeros(4)
+    assert left_behind(zeros, twos, zeros, one_rank=True)[2] == "identity"  # a one-rank all-reduce
+    ordered, forced, how = left_behind(zeros, twos, zeros)  # an all-reduce of zero buckets: it tells nothing
+    assert how == "read" and torch.equal(ordered, twos) and torch.equal(forced, zeros)
+    ordered, forced, how = left_behind(ones, twos, torch.full((4,), 0.5))  # div_ ran on the old bytes
+    assert how == "read" and torch.equal(ordered, twos) and torch.equal(forced, ones)
 
 
 def test_a_hold_the_host_waited_out_is_not_tried_longer_and_a_gpu_re_run_loads_its_kernels_up_front():

@@ -370,7 +370,8 @@ def describe(data: dict, result: dict, unit: str = "test") -> str:
     what = (f"with the {rw} at {result['held']} held back{skipped}, the values {seen} at "
             f"{result['observed'] if data['kind'] != 'write-after-read' else result['held']}")
     if status == NOT_CONFIRMED:
-        return f"not confirmed: {where}: {what} were identical in {result.get('runs', 1)} forced run"
+        why = " (the later write leaves what it reads unchanged here)" if result.get("identity") else ""
+        return f"not confirmed: {where}: {what} were identical in {result.get('runs', 1)} forced run{why}"
     line = f"confirmed: {where}: {what} differed"
     if "max_abs_diff" in result:
         line += f" by max |Δ| = {result['max_abs_diff']:.6g}"
