@@ -8,11 +8,12 @@ their phase); ``roles`` says which process this is. This module only wires them 
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
 
-from . import checks, env, options, roles
+from . import checks, env, nccl_conf, options, roles
 from .forcing import fixtures as forcing
 from .launcher import marker
 from .races import plugin as races
@@ -80,6 +81,7 @@ def pytest_configure(config: pytest.Config) -> None:
         from .children.parent import Children
 
         child.stand_down()  # started by a test under --streamrace: this session checks for itself
+        os.environ.update(nccl_conf.variables(os.environ))  # before the session starts a thread (nccl_conf.py)
         backend = config.stash[_backend_key] = races.resolve_backend(config)
         children = Children(backend, bool(options.get(config, "streamrace_trace")))  # the processes tests start
         config.pluginmanager.register(races.RaceChecks(config, backend, children), "streamrace-checks")

@@ -14,7 +14,7 @@ import tempfile
 
 import pytest
 
-from .. import env, options
+from .. import env, nccl_conf, options
 from . import marker, placement, report
 from .ranks import LaunchError, shared
 from .spec import RankSpec
@@ -134,4 +134,4 @@ def _env(spec: RankSpec, output: str) -> dict[str, str]:
     environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     environ.pop("TORCHELASTIC_RUN_ID", None)
     environ.pop("PYTEST_CURRENT_TEST", None)
-    return environ
+    return nccl_conf.preset(environ)

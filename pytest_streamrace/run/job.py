@@ -16,6 +16,8 @@ import os
 import signal
 from typing import Callable
 
+from .. import nccl_conf
+
 TERMINATING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 WATCHED = (*TERMINATING, signal.SIGCHLD)
 POLL = 0.5  # seconds between reads of the followed processes' records while the program runs
@@ -50,7 +52,7 @@ def spawn(argv: list[str], environ: dict, mask: set, quiet: bool = False) -> int
     for ``--confirm``: the program's output is the first run's)."""
     actions = [(os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0), (os.POSIX_SPAWN_DUP2, 1, 2)] if quiet else []
     try:
-        return os.posix_spawnp(argv[0], argv, environ, setsigmask=mask, file_actions=actions)
+        return os.posix_spawnp(argv[0], argv, nccl_conf.preset(environ), setsigmask=mask, file_actions=actions)
     except FileNotFoundError:
         raise NotFound(f"streamrace run: {argv[0]}: command not found", 127) from None
     except PermissionError:

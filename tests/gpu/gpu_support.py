@@ -115,6 +115,11 @@ def repro(name: str, *args: str, config, timeout: float, env: dict | None = None
     return data
 
 
+def gist(output: str, keep: int = 2500) -> str:
+    """A long run's output for a failure message: its start (what failed first) and its end."""
+    return output if len(output) <= 2 * keep else f"{output[:keep]}\n[...]\n{output[-keep:]}"
+
+
 def verdicts(data: dict, variant: str) -> dict[str, int]:
     out: dict[str, int] = {}
     for r in data["runs"]:

@@ -9,7 +9,7 @@ import textwrap
 
 import pytest
 import torch
-from gpu_support import extensions_dir, framework_env, repro
+from gpu_support import extensions_dir, framework_env, gist, repro
 
 CLAIMS = {
     49: '`--confirm` on the repros on GPUs (cuda backend, NCCL): each unpatched variant confirmed, agreeing '
@@ -39,7 +39,7 @@ def test_each_repro_is_confirmed_on_gpus_agreeing_with_its_referee(request, tmp_
         gpu_result.record(framework.replace("_", "-"), version)
     data = repro(name, "--confirm", config=request.config, timeout=1800, env=env, json_path=tmp_path / "out.json")
     runs = {r["variant"]: r for r in data["runs"]}
-    assert data["returncode"] == 0 and set(runs) == {"unpatched", "patched"}, data["output"][-4000:]
+    assert data["returncode"] == 0 and set(runs) == {"unpatched", "patched"}, gist(data["output"])
     unpatched, patched = runs["unpatched"], runs["patched"]
     said = [c["line"] for c in unpatched["confirmations"]]
     assert unpatched["verdict"] == "reproduced" and unpatched["confirmed"]["agrees"] is True, (unpatched["confirmed"],
