@@ -13,9 +13,9 @@ import sys
 
 import pytest
 
-from . import checks, env, nccl_conf, options, roles
+from . import checks, env, options, roles
 from .forcing import fixtures as forcing
-from .launcher import marker
+from .launcher import marker, nccl_conf
 from .races import plugin as races
 
 MARKERS = (

@@ -1112,12 +1112,11 @@ void forcing_call(const char* when, int64_t ordinal, const char* op, c10::ArrayR
       if (forcing_fn == nullptr) return;
       fn = *forcing_fn;
     }
-    // tensors (and their lists), and on a GPU the objects of custom classes (a collective's Work, to observe its
-    // bytes once it is done, and its ProcessGroup): nothing else is converted there
+    // tensors (and their lists) only, on a GPU: a collective's Work is needed only where its bytes are waited for
+    // in Python (host memory), and is not handed over elsewhere
     auto kept = [](c10::ArrayRef<c10::IValue> values) {
       std::vector<c10::IValue> out;
-      for (const auto& v : values)
-        out.push_back(!cuda || v.isTensor() || v.isTensorList() || v.isCustomClass() ? v : c10::IValue());
+      for (const auto& v : values) out.push_back(!cuda || v.isTensor() || v.isTensorList() ? v : c10::IValue());
       return out;
     };
     std::vector<c10::IValue> in = kept(inputs), out = kept(outputs);

@@ -8,9 +8,10 @@ run and in the forced one, both taken in this same run.
 
 - **cuda**: the stream of the access that must come first (the earlier one) is held back right before it by a sleep
   kernel on that stream, long enough for the later access to run first; snapshots are copies taken on the accesses'
-  own streams, so they see what the accesses saw (a collective's, once its work is done). Timing events on both
-  streams tell whether the order really inverted; where it did not, the result says so and the delay it used. A
-  later write that reads what it writes is judged by `left_behind`.
+  own streams, so they see what the accesses saw. Timing events on both streams tell whether the order really
+  inverted; where it did not, the result says so and the delay it used. A later write that reads what it writes is
+  judged by `left_behind`; an in-place collective as the later write is not tried there (it reads and writes on its
+  communicator's stream, which the forced run does not observe).
 - **virtual**: ops run on the host in program order, so the bad order is given to the data instead. A read that
   raced with an earlier write (RAW) runs on the bytes as they were before that write, and the write's bytes come back
   after it (unless the read's op wrote them itself). A read before a write (WAR) and two writes (WAW) are observed:
@@ -87,8 +88,7 @@ class ForcedOrder:
         # the bytes both accesses touch: the race is about these, and only these are snapshot and swapped
         self.lo, self.hi = max(self.earlier.start, self.later.start), min(self.earlier.end, self.later.end)
         self.works: list = []  # the earlier op's async work handles (a collective's): waited on before observing
-        self.later_works: list = []  # the later op's, where it is a collective (cuda: observed once they are done)
-        self.later_ranks = None  # the size of the later collective's group
+        self.later_works: list = []  # the later op's, where it is a collective: waited for before observing
         self.delay_ms = float(delay_ms)
         self.seen: dict[str, str] = {}  # side -> the op found at its place ("earlier"/"later")
         self.candidates: dict[int, tuple] = {}  # storage ptr -> (bytes view, snapshot) at the earlier access
@@ -121,14 +121,13 @@ class ForcedOrder:
                     self.seen[name] = op
                     self._op = op
                     try:
-                        if when == "after":  # a collective's async work handles, and its group's size
+                        if when == "after":  # a collective's async work handles (gloo's: on GPUs, none)
                             works = [v for v in _flat(outputs) if hasattr(v, "wait") and
                                      not isinstance(v, torch.Tensor)]
                             if name == "earlier":
                                 self.works += works
                             else:
                                 self.later_works = works
-                                self.later_ranks = _group_size(inputs)
                         getattr(self, f"_{name}_{when}")(_tensors(inputs), _tensors(outputs))
                     except Exception as exc:  # never into the test: the confirmation says it could not be tried
                         self.problem = self.problem or (
@@ -214,9 +213,7 @@ class ForcedOrder:
             return
         region = self._region(entry["view"])
         if self.cuda:
-            done = self._later_done()  # a stream on which the later access has run by here
-            if done is None:
-                return
+            done = torch.cuda.current_stream()  # the later access has run by here on its stream
             if self.events is not None:
                 self.events[1].record(done)
             if self.kind == RAW:
@@ -229,12 +226,15 @@ class ForcedOrder:
             elif self.kind == WAW and self.later.op in OVERWRITES:
                 self.ordered = region.clone()  # the later write's bytes: what the ordered run leaves
                 self.forced = entry.get("after")  # the held write lands last
-            elif self.kind == WAW:
-                # the later write also reads what it writes (div_, add_, an in-place collective): it ran during the
-                # hold on the bytes as they were before it, and what it left is taken once it is done
-                with torch.cuda.stream(done):
-                    entry["later"] = region.clone()
+            elif self.kind == WAW and not self._op.startswith("c10d::"):
+                # the later write also reads what it writes (div_, add_): it ran during the hold on the bytes as they
+                # were before it, and what it left is taken right after it, on its stream
+                entry["later"] = region.clone()
                 self.read_modify_write = True
+            elif self.kind == WAW:
+                self.problem = self.problem or (
+                    f"the later write ({self.later.op}) is a collective that also reads the bytes it writes, on its "
+                    "communicator's stream: what it read and left is not observed on GPUs")
             return
         for work in self.later_works:  # a collective's async part (gloo's thread) done: its bytes are final
             work.wait()
@@ -247,24 +247,6 @@ class ForcedOrder:
             self.ordered = region.clone()
             self.forced = entry["after"]
             region.copy_(self.forced)  # the earlier write lands last
-
-    def _later_done(self):
-        """The stream on which the later access is complete: its own, or for a collective (which runs on its
-        communicator's stream) a private stream made to wait for the collective's work, so that nothing the program
-        issues next waits on it."""
-        current = torch.cuda.current_stream()
-        if not self._op.startswith("c10d::"):
-            return current
-        works = self.later_works
-        if not works:
-            self.problem = self.problem or f"the later access ({self.later.op}) returned no work to wait for"
-            return None
-        observer = torch.cuda.Stream()
-        observer.wait_stream(current)
-        with torch.cuda.stream(observer):
-            for work in works:
-                work.wait()  # makes the current stream, the observer, wait for the collective
-        return observer
 
     def _wait_works(self) -> None:
         for work in self.works:
@@ -303,8 +285,7 @@ class ForcedOrder:
             if self.entry is not None and self.ordered is None and self.kind == RAW:  # a collective's, now done
                 self.ordered = self._region(self.entry["view"]).clone()
             if self.read_modify_write:
-                seen = left_behind(self.entry.get("first"), self.entry.get("after"), self.entry.get("later"),
-                                   one_rank=self._op.startswith("c10d::") and self.later_ranks == 1)
+                seen = left_behind(self.entry.get("first"), self.entry.get("after"), self.entry.get("later"))
                 if seen is None:
                     return dict(out, status="not-tried", reason="the bytes before the held write were not observed")
                 self.ordered, self.forced, how = seen
@@ -336,36 +317,24 @@ class ForcedOrder:
         return out
 
 
-def _group_size(inputs) -> int | None:
-    """The size of the group a collective's arguments name (a world of one: every group has one rank), or None."""
-    for value in _flat(inputs):
-        if not isinstance(value, torch.Tensor) and hasattr(value, "rank") and callable(getattr(value, "size", None)):
-            return int(value.size())
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() == 1:
-        return 1
-    return None
-
-
-def left_behind(first, after, later, one_rank: bool = False) -> tuple | None:
-    """A write-after-write on a GPU whose later write reads what it writes (``x.div_(n)``, an in-place all-reduce):
+def left_behind(first, after, later) -> tuple | None:
+    """A write-after-write on a GPU whose later write reads what it writes on its own stream (``x.div_(n)``):
     (ordered, forced, what is compared) from three snapshots of the forced run, where the later write ran first.
     `first`: the bytes before the held write, which the later write read; `after`: what the held write wrote, which
     it leaves behind landing last; `later`: what the later write made of `first`.
 
     - The held write wrote the bytes already there: the ordered run's later write read the same bytes, so `later` is
       what it leaves, and `after` what the forced one leaves ("left behind", exact).
-    - The later write leaves what it reads (a collective of a one-rank group; or it left nonzero bytes unchanged):
-      it would leave the held write's bytes in the ordered run too ("identity": the same values, not confirmed).
-      Bytes all zero tell nothing: an all-reduce of zeros, a division of zeros leave them.
+    - The later write left nonzero bytes unchanged (``x.mul_(1)``): it would leave the held write's bytes in the
+      ordered run too ("identity": the same values, not confirmed). Bytes all zero tell nothing: a division of zeros
+      leaves them.
     - Else the later write computed on the bytes before the held write instead of its bytes: what it read is
       compared, `after` against `first` ("read")."""
     if first is None or after is None or later is None:
         return None
     if torch.equal(first, after):
         return later, after, "left behind"
-    if one_rank or (torch.equal(later, first) and bool(first.any())):
+    if torch.equal(later, first) and bool(first.any()):
         return after, after, "identity"
     return after, first, "read"
 

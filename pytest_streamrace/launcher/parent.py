@@ -14,7 +14,8 @@ import tempfile
 
 import pytest
 
-from .. import env, nccl_conf, options
+from .. import env, options
+from . import nccl_conf
 from . import marker, placement, report
 from .ranks import LaunchError, shared
 from .spec import RankSpec
@@ -74,7 +75,8 @@ class ParentPlugin:
                                     stacks=os.path.join(workdir, f"rank{rank}.stacks"),
                                     release=os.path.join(workdir, "release"), timeout=timeout, device=device)
                     output = os.path.join(workdir, f"rank{rank}.out")
-                    pid = self.server.spawn(self._argv(item, workdir, rank), _env(spec, output), cwd, output)
+                    pid = self.server.spawn(self._argv(item, workdir, rank), _env(spec, output, item.nodeid), cwd,
+                                             output)
                     runs.append(RankRun(spec, pid, output))
             except LaunchError as exc:
                 reap(self.server, runs)  # what did start
@@ -124,7 +126,12 @@ class ParentPlugin:
         return argv
 
 
-def _env(spec: RankSpec, output: str) -> dict[str, str]:
+def _env(spec: RankSpec, output: str, nodeid: str) -> dict[str, str]:
+    """A rank's environment. Every variable the rank's pytest or NCCL would add once its process group is up is
+    there from the start: a rank joins its group as its test's setup starts, and adding a variable can move the
+    environment's array while torch's NCCL heartbeat thread, started with the group, reads it in getenv (SIGSEGV).
+    pytest's own per-test variable is one (its writes then replace a value in place), NCCL's configuration files'
+    variables the others (``nccl_conf``)."""
     environ = dict(os.environ)
     environ[env.RANK_SPEC] = spec.to_json()
     environ[env.CRASH_OUTPUT] = output  # pytest's capture has fd 2 while a test runs: a crash's stack goes here
@@ -133,5 +140,5 @@ def _env(spec: RankSpec, output: str) -> dict[str, str]:
     environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # nothing listens beyond loopback
     environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     environ.pop("TORCHELASTIC_RUN_ID", None)
-    environ.pop("PYTEST_CURRENT_TEST", None)
+    environ["PYTEST_CURRENT_TEST"] = f"{nodeid} (setup)"  # not the session's test: the rank's, as pytest will say
     return nccl_conf.preset(environ)

@@ -16,7 +16,7 @@ import os
 import signal
 from typing import Callable
 
-from .. import nccl_conf
+from ..launcher import nccl_conf
 
 TERMINATING = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 WATCHED = (*TERMINATING, signal.SIGCHLD)

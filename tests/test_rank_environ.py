@@ -1,14 +1,17 @@
-"""NCCL's configuration files are in the environment of every process this project starts, before it starts a
-thread: NCCL's own setenv of them at its first communicator then adds nothing, which is what lets torch's NCCL
-heartbeat thread crash in getenv (pytest_streamrace/nccl_conf.py). Checked on a rank of a `distributed` item, a
-program under `streamrace run`, and a session under --streamrace, through NCCL_CONF_FILE."""
+"""Once a rank's process group is up, nothing this project runs adds a variable to its environment: adding one can
+move glibc's environment array while torch's NCCL heartbeat thread, started with the group, reads it in getenv
+(SIGSEGV). pytest's per-test variable is in a rank's environment from the start, and so are NCCL's configuration
+files' variables (pytest_streamrace/launcher/nccl_conf.py), in a rank of a `distributed` item, a program under
+`streamrace run`, and a session under --streamrace."""
 
 import os
 import subprocess
 import sys
 import textwrap
 
-from pytest_streamrace import nccl_conf
+import pytest
+
+from pytest_streamrace.launcher import nccl_conf
 
 CONF = "# a comment=ignored\nNCCL_STREAMRACE_PROBE=from the file=1\nno equals sign\nNCCL_ALREADY_SET=file\n=nameless\n"
 
@@ -60,3 +63,36 @@ def test_a_program_under_streamrace_run_starts_with_them_set(tmp_path):
     done = subprocess.run([sys.executable, "-m", "pytest_streamrace", "run", "--", sys.executable, "show.py"],
                           cwd=tmp_path, env=environ, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+ADDS = """
+import os, sys
+
+import pytest
+import torch.distributed as dist
+
+ADDED = []
+
+
+def _audit(event, args):  # os.environ's writes are os.putenv's: a name not in it yet is an addition
+    if event == "os.putenv" and dist.is_initialized():
+        name = args[0].decode() if isinstance(args[0], bytes) else args[0]
+        if name not in os.environ:
+            ADDED.append(name)
+
+
+sys.addaudithook(_audit)
+
+
+@pytest.mark.distributed(world_size=2)
+def test_nothing_is_added_once_the_group_is_up(rank):
+    assert dist.is_initialized()
+    assert ADDED == []
+"""
+
+
+@pytest.mark.parametrize("mode", [[], ["--streamrace", "--streamrace-backend=virtual"]], ids=["plain", "streamrace"])
+def test_a_rank_s_environment_gains_no_variable_once_its_group_is_up(pytester, mode):
+    pytester.makepyfile(test_adds=ADDS)
+    result = pytester.runpytest_subprocess(*mode, "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
