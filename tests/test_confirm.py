@@ -264,12 +264,10 @@ CORPUS_BENIGN = {"test_async_collective_output_read_before_wait", "test_sync_col
 CORPUS_NOT_TRIED = {"test_free_while_another_stream_reads"}
 
 
-# On a GPU, one rank's collective can be held back only with the stream its read runs on, and a later write that is
-# an in-place collective reads and writes on its communicator's stream, where the forced run does not observe it:
-# those two are not tried there. (A later write that reads what it writes on the stream it was issued on, the bucket's
-# division, is judged by `left_behind`.)
-CORPUS_NOT_TRIED_CUDA = {"test_async_collective_output_read_before_wait",
-                         "test_collective_on_stream_that_waited_on_the_wrong_stream"}
+# On a GPU, one rank's collective can be held back only with the stream its read runs on: a world of one has no peer
+# to see the other order, so that case is not tried there. (A later write that reads what it writes, the bucket's
+# division or an in-place collective, is judged by `left_behind`: the one-rank all-reduce leaves what it read.)
+CORPUS_NOT_TRIED_CUDA = {"test_async_collective_output_read_before_wait"}
 
 
 def check_corpus(pytester, backend: str) -> None:
@@ -338,10 +336,11 @@ def test_a_later_write_that_reads_what_it_writes_is_judged_by_what_each_order_le
     assert left_behind(None, ones, ones) is None
     ordered, forced, how = left_behind(twos, twos, ones)  # x.copy_(x) held; x.div_(2) left 1s; in order, the same 1s
     assert how == "left behind" and torch.equal(ordered, ones) and torch.equal(forced, twos)
-    ordered, forced, how = left_behind(ones, twos, ones)  # x.mul_(1)
+    ordered, forced, how = left_behind(ones, twos, ones)  # x.mul_(1), or an all-reduce whose peers held zeros
     assert how == "identity" and torch.equal(ordered, forced)
     zeros = torch.zeros(4)
-    ordered, forced, how = left_behind(zeros, twos, zeros)  # x.div_(2) of zeros: it tells nothing
+    assert left_behind(zeros, twos, zeros, one_rank=True)[2] == "identity"  # an all-reduce in a world of one
+    ordered, forced, how = left_behind(zeros, twos, zeros)  # an all-reduce of zero buckets: it tells nothing
     assert how == "read" and torch.equal(ordered, twos) and torch.equal(forced, zeros)
     ordered, forced, how = left_behind(ones, twos, torch.full((4,), 0.5))  # div_ ran on the old bytes
     assert how == "read" and torch.equal(ordered, twos) and torch.equal(forced, ones)

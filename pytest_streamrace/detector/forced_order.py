@@ -9,9 +9,9 @@ run and in the forced one, both taken in this same run.
 - **cuda**: the stream of the access that must come first (the earlier one) is held back right before it by a sleep
   kernel on that stream, long enough for the later access to run first; snapshots are copies taken on the accesses'
   own streams, so they see what the accesses saw. Timing events on both streams tell whether the order really
-  inverted; where it did not, the result says so and the delay it used. A later write that reads what it writes is
-  judged by `left_behind`; an in-place collective as the later write is not tried there (it reads and writes on its
-  communicator's stream, which the forced run does not observe).
+  inverted; where it did not, the result says so and the delay it used. A later access that is a collective runs on
+  its communicator's stream: its end and bytes are taken on a private stream once Python has its work back
+  (`collective_returned`). A later write that reads what it writes is judged by `left_behind`.
 - **virtual**: ops run on the host in program order, so the bad order is given to the data instead. A read that
   raced with an earlier write (RAW) runs on the bytes as they were before that write, and the write's bytes come back
   after it (unless the read's op wrote them itself). A read before a write (WAR) and two writes (WAW) are observed:
@@ -89,6 +89,8 @@ class ForcedOrder:
         self.lo, self.hi = max(self.earlier.start, self.later.start), min(self.earlier.end, self.later.end)
         self.works: list = []  # the earlier op's async work handles (a collective's): waited on before observing
         self.later_works: list = []  # the later op's, where it is a collective: waited for before observing
+        self.awaiting = None  # (thread, candidate) of a later collective on a GPU, until Python has its work back
+        self.one_rank = False  # the later collective's world has one rank: it leaves what it reads
         self.delay_ms = float(delay_ms)
         self.seen: dict[str, str] = {}  # side -> the op found at its place ("earlier"/"later")
         self.candidates: dict[int, tuple] = {}  # storage ptr -> (bytes view, snapshot) at the earlier access
@@ -213,9 +215,11 @@ class ForcedOrder:
             return
         region = self._region(entry["view"])
         if self.cuda:
-            done = torch.cuda.current_stream()  # the later access has run by here on its stream
-            if self.events is not None:
-                self.events[1].record(done)
+            collective = self._op.startswith("c10d::")
+            if collective:  # it runs on its communicator's stream: observed once Python has its work back
+                self.awaiting = (threading.get_ident(), entry)
+            elif self.events is not None:
+                self.events[1].record(torch.cuda.current_stream())  # the later access has run by here on its stream
             if self.kind == RAW:
                 # the read saw what the held stream had before the write; a collective's own bytes (it writes on its
                 # communicator's stream) are read at the end, and a peer's read saw them before the collective ran
@@ -226,15 +230,12 @@ class ForcedOrder:
             elif self.kind == WAW and self.later.op in OVERWRITES:
                 self.ordered = region.clone()  # the later write's bytes: what the ordered run leaves
                 self.forced = entry.get("after")  # the held write lands last
-            elif self.kind == WAW and not self._op.startswith("c10d::"):
-                # the later write also reads what it writes (div_, add_): it ran during the hold on the bytes as they
-                # were before it, and what it left is taken right after it, on its stream
-                entry["later"] = region.clone()
-                self.read_modify_write = True
             elif self.kind == WAW:
-                self.problem = self.problem or (
-                    f"the later write ({self.later.op}) is a collective that also reads the bytes it writes, on its "
-                    "communicator's stream: what it read and left is not observed on GPUs")
+                # the later write also reads what it writes (div_, add_, an in-place collective): it ran during the
+                # hold on the bytes as they were before it, and what it left is taken once it is done
+                self.read_modify_write = True
+                if not collective:
+                    entry["later"] = region.clone()
             return
         for work in self.later_works:  # a collective's async part (gloo's thread) done: its bytes are final
             work.wait()
@@ -247,6 +248,33 @@ class ForcedOrder:
             self.ordered = region.clone()
             self.forced = entry["after"]
             region.copy_(self.forced)  # the earlier write lands last
+
+    def collective_returned(self, result) -> None:
+        """A collective Python issued has returned (its Work, or what holds it): where it was the later access on a
+        GPU, a private stream waits for it, and its end and the bytes it left are taken there, so that nothing the
+        program issues next waits on them. (Its Work is not waited for inside the op: it is not ready there.)"""
+        awaiting = self.awaiting
+        if awaiting is None or awaiting[0] != threading.get_ident():
+            return
+        self.awaiting = None
+        try:
+            works = [v for v in _flat([result]) if hasattr(v, "wait") and not isinstance(v, torch.Tensor)]
+            if not works:
+                self.problem = self.problem or f"the later access ({self.later.op}) returned no work to wait for"
+                return
+            observer = torch.cuda.Stream()
+            observer.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(observer):
+                for work in works:
+                    work.wait()  # the current stream, the observer, waits for the collective
+                if self.events is not None:
+                    self.events[1].record(observer)
+                if self.kind == WAW:
+                    awaiting[1]["later"] = self._region(awaiting[1]["view"]).clone()
+            if dist_world_size() == 1:
+                self.one_rank = True
+        except Exception as exc:  # never into the program: the confirmation says it could not be tried
+            self.problem = self.problem or f"observing the later collective failed: {type(exc).__name__}: {exc}"
 
     def _wait_works(self) -> None:
         for work in self.works:
@@ -274,6 +302,9 @@ class ForcedOrder:
                 out["held_by"] = "the last rank"
         if "earlier" in self.host and "later" in self.host:
             out["host_gap_ms"] = round((self.host["later"] - self.host["earlier"]) * 1000, 3)
+        if self.awaiting is not None:
+            self.problem = self.problem or (f"the later access ({self.later.op}) is a collective whose work never "
+                                            "came back to Python, where the forced run observes it")
         if self.problem:
             return dict(out, status="not-tried", reason=self.problem)
         missing = [name for name in ("earlier", "later") if name not in self.seen]
@@ -285,7 +316,8 @@ class ForcedOrder:
             if self.entry is not None and self.ordered is None and self.kind == RAW:  # a collective's, now done
                 self.ordered = self._region(self.entry["view"]).clone()
             if self.read_modify_write:
-                seen = left_behind(self.entry.get("first"), self.entry.get("after"), self.entry.get("later"))
+                seen = left_behind(self.entry.get("first"), self.entry.get("after"), self.entry.get("later"),
+                                   one_rank=self.one_rank)
                 if seen is None:
                     return dict(out, status="not-tried", reason="the bytes before the held write were not observed")
                 self.ordered, self.forced, how = seen
@@ -317,24 +349,30 @@ class ForcedOrder:
         return out
 
 
-def left_behind(first, after, later) -> tuple | None:
-    """A write-after-write on a GPU whose later write reads what it writes on its own stream (``x.div_(n)``):
+def dist_world_size() -> int | None:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None
+
+
+def left_behind(first, after, later, one_rank: bool = False) -> tuple | None:
+    """A write-after-write on a GPU whose later write reads what it writes (``x.div_(n)``, an in-place all-reduce):
     (ordered, forced, what is compared) from three snapshots of the forced run, where the later write ran first.
     `first`: the bytes before the held write, which the later write read; `after`: what the held write wrote, which
     it leaves behind landing last; `later`: what the later write made of `first`.
 
     - The held write wrote the bytes already there: the ordered run's later write read the same bytes, so `later` is
       what it leaves, and `after` what the forced one leaves ("left behind", exact).
-    - The later write left nonzero bytes unchanged (``x.mul_(1)``): it would leave the held write's bytes in the
-      ordered run too ("identity": the same values, not confirmed). Bytes all zero tell nothing: a division of zeros
-      leaves them.
+    - The later write leaves what it reads (a collective of a world of one rank; or it left nonzero bytes unchanged,
+      as ``x.mul_(1)``): it would leave the held write's bytes in the ordered run too ("identity": the same values,
+      not confirmed). Bytes all zero tell nothing: an all-reduce or a division of zeros leaves them.
     - Else the later write computed on the bytes before the held write instead of its bytes: what it read is
       compared, `after` against `first` ("read")."""
     if first is None or after is None or later is None:
         return None
     if torch.equal(first, after):
         return later, after, "left behind"
-    if torch.equal(later, first) and bool(first.any()):
+    if one_rank or (torch.equal(later, first) and bool(first.any())):
         return after, after, "identity"
     return after, first, "read"
 

@@ -181,6 +181,9 @@ class Detector:
         if capture is None:
             return None if order is None else "forcing an order needs the C++ capture"
         capture.set_forcing(None, []) if order is None else order.install(capture)
+        collectives = self.tracker.fixed_rules.get("c10d")
+        if collectives is not None:  # a collective's work, which the capture does not hand over, as Python gets it
+            collectives.returned = None if order is None else order.collective_returned
         return None
 
     def stream_name(self, key: Hashable) -> str:

@@ -537,6 +537,10 @@ class ForRank:
         if self.key is not None:
             self.orders[self.key]._called(*args)
 
+    def collective_returned(self, result) -> None:
+        if self.key is not None:
+            self.orders[self.key].collective_returned(result)
+
 
 def outcome_of(excinfo) -> str:
     """A test body's own outcome, as a confirmation compares it: "passed", or "failed with <Error>: <message>"."""

@@ -136,6 +136,7 @@ class Collectives:
         # keeps its tensors alive, and holding more would delay their frees.
         self._held = threading.local()
         self._python = threading.local()  # depth: > 0 while Python is issuing a collective on this thread
+        self.returned = None  # a forced run's (``forced_order``): called with what each collective Python issued returned
 
     # what happens at dispatch
 
@@ -259,10 +260,15 @@ class Collectives:
             python.depth = getattr(python, "depth", 0) + 1
             issuing(True)
             try:
-                return original(*args, **kwargs)
+                result = original(*args, **kwargs)
             finally:
                 python.depth -= 1
                 issuing(False)
+            listener = self.returned
+            if listener is not None:
+                with self.tracker.paused():
+                    listener(result)
+            return result
 
         issue.__name__ = getattr(original, "__name__", "collective")
         issue.__doc__ = getattr(original, "__doc__", None)
