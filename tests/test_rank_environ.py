@@ -87,6 +87,8 @@ sys.addaudithook(_audit)
 @pytest.mark.distributed(world_size=2)
 def test_nothing_is_added_once_the_group_is_up(rank):
     assert dist.is_initialized()
+    import torch._dynamo  # its first import sets inductor's cache folder (FSDP2 and torch.compile import it)
+
     assert ADDED == []
 """
 

@@ -8,6 +8,7 @@ results merged into the item's setup/call/teardown reports (``report``).
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
@@ -130,8 +131,8 @@ def _env(spec: RankSpec, output: str, nodeid: str) -> dict[str, str]:
     """A rank's environment. Every variable the rank's pytest or NCCL would add once its process group is up is
     there from the start: a rank joins its group as its test's setup starts, and adding a variable can move the
     environment's array while torch's NCCL heartbeat thread, started with the group, reads it in getenv (SIGSEGV).
-    pytest's own per-test variable is one (its writes then replace a value in place), NCCL's configuration files'
-    variables the others (``nccl_conf``)."""
+    pytest's own per-test variable is one (its writes then replace a value in place), torch's inductor cache folder
+    another, NCCL's configuration files' variables the others (``nccl_conf``)."""
     environ = dict(os.environ)
     environ[env.RANK_SPEC] = spec.to_json()
     environ[env.CRASH_OUTPUT] = output  # pytest's capture has fd 2 while a test runs: a crash's stack goes here
@@ -141,4 +142,17 @@ def _env(spec: RankSpec, output: str, nodeid: str) -> dict[str, str]:
     environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     environ.pop("TORCHELASTIC_RUN_ID", None)
     environ["PYTEST_CURRENT_TEST"] = f"{nodeid} (setup)"  # not the session's test: the rank's, as pytest will say
+    if "TORCHINDUCTOR_CACHE_DIR" not in environ and _inductor_cache_dir() is not None:
+        environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache_dir()  # set by torch as dynamo is first imported
     return nccl_conf.preset(environ)
+
+
+@functools.lru_cache(maxsize=None)
+def _inductor_cache_dir() -> str | None:
+    """The folder torch's inductor puts in TORCHINDUCTOR_CACHE_DIR when it is first imported (torch's own default)."""
+    try:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        return os.path.abspath(default_cache_dir())
+    except Exception:
+        return None
