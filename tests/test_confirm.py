@@ -206,18 +206,27 @@ def test_without_the_option_nothing_is_re_run(pytester):
     assert "confirmations" not in result.stdout.str()
 
 
-def check_collective(pytester, backend: str) -> None:
-    pytester.makepyfile(test_dist=DISTRIBUTED)
+def _confirmed_on_both_ranks(pytester, backend: str, files: dict, kind: str | None = None):
+    """The files' one distributed item under --streamrace-confirm: its race confirmed on both ranks, 64 of 64
+    elements changed (and of `kind`, where given); the run."""
+    pytester.makepyfile(**files)
     result = pytester.runpytest_subprocess("--streamrace", f"--streamrace-backend={backend}", "--streamrace-confirm",
                                            "--streamrace-json=races.json", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=1)
     races = json.loads((pytester.path / "races.json").read_text())["races"]
-    assert sorted(r["rank"] for r in races) == [0, 1]
+    assert sorted(r["rank"] for r in races) == [0, 1], races
     for race in races:
+        if kind is not None:
+            assert race["kind"] == kind, race["kind"]
         confirmation = race["confirmation"]
-        # 1 + 2 = 3 after the all-reduce; the forced read sees the rank's own value
         assert confirmation["status"] == "confirmed", json.dumps(confirmation)
         assert confirmation["differing"] == 64
+    return result
+
+
+def check_collective(pytester, backend: str) -> None:
+    # 1 + 2 = 3 after the all-reduce; the forced read sees the rank's own value
+    result = _confirmed_on_both_ranks(pytester, backend, {"test_dist": DISTRIBUTED})
     result.stdout.fnmatch_lines(["*confirmed: read-after-write test_dist.py:*-> test_dist.py:*: with the write at "
                                  "*held back, the values read at * differed by max |Δ| = * in 64 of 64 elements"])
 
@@ -229,17 +238,7 @@ def test_a_collective_read_before_wait_is_confirmed_on_gloo_ranks(pytester):
 def check_bucket(pytester, backend: str) -> None:
     """A write-after-write whose later write, an in-place all-reduce, reads what it writes: confirmed on both gloo
     ranks (in order the bucket holds 1 + 2 = 3; forced, the copy lands last and leaves the rank's own value)."""
-    pytester.makepyfile(test_bucket=BUCKET)
-    result = pytester.runpytest_subprocess("--streamrace", f"--streamrace-backend={backend}", "--streamrace-confirm",
-                                           "--streamrace-json=races.json", "-p", "no:cacheprovider")
-    result.assert_outcomes(failed=1)
-    races = json.loads((pytester.path / "races.json").read_text())["races"]
-    assert sorted(r["rank"] for r in races) == [0, 1], races
-    for race in races:
-        assert race["kind"] == "write-after-write", race["kind"]
-        confirmation = race["confirmation"]
-        assert confirmation["status"] == "confirmed", json.dumps(confirmation)
-        assert confirmation["differing"] == 64
+    result = _confirmed_on_both_ranks(pytester, backend, {"test_bucket": BUCKET}, kind="write-after-write")
     result.stdout.fnmatch_lines(["*confirmed: write-after-write test_bucket.py:*-> test_bucket.py:*: with the write "
                                  "at *held back, the values * at * differed by max |Δ| = * in 64 of 64 elements"])
 

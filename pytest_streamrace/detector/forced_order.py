@@ -68,6 +68,11 @@ def _flat(values) -> list:
     return out
 
 
+def _works(values) -> list:
+    """A collective's async work handles among `values`."""
+    return [v for v in _flat(values) if hasattr(v, "wait") and not isinstance(v, torch.Tensor)]
+
+
 def _tensors(values) -> list[torch.Tensor]:
     out = []
     for value in values or ():
@@ -124,8 +129,7 @@ class ForcedOrder:
                     self._op = op
                     try:
                         if when == "after":  # a collective's async work handles (gloo's: on GPUs, none)
-                            works = [v for v in _flat(outputs) if hasattr(v, "wait") and
-                                     not isinstance(v, torch.Tensor)]
+                            works = _works(outputs)
                             if name == "earlier":
                                 self.works += works
                             else:
@@ -258,7 +262,7 @@ class ForcedOrder:
             return
         self.awaiting = None
         try:
-            works = [v for v in _flat([result]) if hasattr(v, "wait") and not isinstance(v, torch.Tensor)]
+            works = _works([result])
             if not works:
                 self.problem = self.problem or f"the later access ({self.later.op}) returned no work to wait for"
                 return
@@ -271,8 +275,7 @@ class ForcedOrder:
                     self.events[1].record(observer)
                 if self.kind == WAW:
                     awaiting[1]["later"] = self._region(awaiting[1]["view"]).clone()
-            if dist_world_size() == 1:
-                self.one_rank = True
+            self.one_rank = _world_size() == 1
         except Exception as exc:  # never into the program: the confirmation says it could not be tried
             self.problem = self.problem or f"observing the later collective failed: {type(exc).__name__}: {exc}"
 
@@ -349,7 +352,7 @@ class ForcedOrder:
         return out
 
 
-def dist_world_size() -> int | None:
+def _world_size() -> int | None:
     import torch.distributed as dist
 
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else None

@@ -3,10 +3,9 @@
 At its first communicator, NCCL reads ``NCCL_CONF_FILE`` (else ``~/.nccl.conf``), then ``/etc/nccl.conf``, and calls
 ``setenv(name, value, 0)`` for each line's variable. Adding a variable can move glibc's environment array while
 another thread walks it without a lock, and in torch 2.11 ProcessGroupNCCL's heartbeat monitor does, in ``getenv``, as
-it starts: the rank dies of SIGSEGV (PyTorch #133744, PyTorch #167517). Under the detector the first collective comes later
-after the process group is made, which lands NCCL's setenv in that window. With every variable of those files set
-before the process starts, NCCL's setenv finds each one present and changes nothing; the values are the ones NCCL would
-set, so nothing else changes. Processes this project starts (ranks, ``streamrace run`` programs) and a session under
+it starts: the rank dies of SIGSEGV (PyTorch #133744, PyTorch #167517). With every variable of those files set before
+the process starts, NCCL's setenv finds each one present and changes nothing; the values are the ones NCCL would set,
+so nothing else changes. Processes this project starts (ranks, ``streamrace run`` programs) and a session under
 ``--streamrace`` get them."""
 
 from __future__ import annotations

@@ -16,8 +16,7 @@ import tempfile
 import pytest
 
 from .. import env, options
-from . import nccl_conf
-from . import marker, placement, report
+from . import marker, nccl_conf, placement, report
 from .ranks import LaunchError, shared
 from .spec import RankSpec
 from .supervise import RankRun, reap, supervise
@@ -142,8 +141,9 @@ def _env(spec: RankSpec, output: str, nodeid: str) -> dict[str, str]:
     environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     environ.pop("TORCHELASTIC_RUN_ID", None)
     environ["PYTEST_CURRENT_TEST"] = f"{nodeid} (setup)"  # not the session's test: the rank's, as pytest will say
-    if "TORCHINDUCTOR_CACHE_DIR" not in environ and _inductor_cache_dir() is not None:
-        environ["TORCHINDUCTOR_CACHE_DIR"] = _inductor_cache_dir()  # set by torch as dynamo is first imported
+    inductor = _inductor_cache_dir()  # set by torch as dynamo is first imported
+    if inductor is not None:
+        environ.setdefault("TORCHINDUCTOR_CACHE_DIR", inductor)
     return nccl_conf.preset(environ)
 
 
