@@ -362,3 +362,46 @@ def test_a_hold_the_host_waited_out_is_not_tried_longer_and_a_gpu_re_run_loads_i
     assert _longer_hold(dict(slow, delay_ms=MAX_HOLD_MS)) is None
     assert forcing_environ({"CUDA_MODULE_LOADING": "LAZY"}, "cuda") == {"CUDA_MODULE_LOADING": "EAGER"}
     assert forcing_environ({}, "virtual") == {}
+
+
+def test_a_thread_python_did_not_start_has_its_own_place_in_a_forced_run():
+    """Ops are counted per thread, and a forced re-run names an op by its thread and its place there: a thread Python
+    did not start (autograd's device thread, where a GPU backward runs DDP's and ZeRO's hooks) is "native", apart
+    from the main thread, whose n-th op is another op. Its record carries that name; its report line adds nothing."""
+    import _thread
+    import threading
+
+    from pytest_streamrace.detector.forced_order import thread_key
+    from pytest_streamrace.detector.hb import NATIVE_THREAD, Access, Op, Race, Site, TensorInfo
+    from pytest_streamrace.races.confirm import plan_of
+    from pytest_streamrace.races.record import format_race, from_race, to_race
+
+    keys = []
+    _thread.start_new_thread(lambda: keys.append(thread_key(threading.get_ident())), ())
+    started = threading.Thread(target=lambda: keys.append(thread_key(threading.get_ident())))
+    started.start()
+    started.join()
+    while len(keys) < 2:
+        threading.Event().wait(0.01)
+    assert thread_key(threading.get_ident()) == "main" and sorted(keys) == ["main", "native"]
+
+    tensor = TensorInfo((64,), "float32")
+    write = Access(Op(1, 0, 1, Site("aten::mul_", (("t.py", 3, "test"),), None, 5)), None, 0, 256, True, tensor)
+    read = Access(Op(0, 0, 2, Site("aten::add", (("t.py", 7, "hook"),), NATIVE_THREAD, 5)), None, 0, 256, False,
+                  tensor)
+    race = Race("read-after-write", write, read, None)
+    data = from_race(race)
+    assert data["later"]["thread"]["name"] == "native" and "thread" not in data["earlier"]
+    plan = plan_of(data)
+    assert (plan["earlier"]["thread_key"], plan["later"]["thread_key"]) == (None, "native")
+    assert "on thread" not in format_race(race) and "on thread" not in format_race(to_race(data))
+
+
+def test_a_collective_s_model_name_matches_only_a_collective():
+    """A race names a collective by its model's name; a forced run must not hold back another op at its place."""
+    from pytest_streamrace.detector.forced_order import same_op
+
+    assert same_op("all_reduce", "c10d::allreduce_") and same_op("all_gather_into_tensor", "_c10d_functional::"
+                                                                                           "all_gather_into_tensor")
+    assert same_op("aten::copy_", "aten::copy_") and not same_op("aten::copy_", "aten::add_")
+    assert not same_op("all_reduce", "aten::mm")

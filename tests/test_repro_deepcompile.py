@@ -67,3 +67,18 @@ def test_removing_the_fix_routes_zero1_through_the_persistent_target_branch_with
     (args, kwargs), (args2, kwargs2) = calls
     assert kwargs == {"use_z2": True} and args[4][0][1][0].__name__ == "add_z1_reduce"
     assert args2[4:] == (None, True)  # ZeRO-2 is left alone
+
+
+def test_confirming_it_finds_no_race_to_force_and_leaves_the_verdict_to_its_referee():
+    """`--confirm` forces races; this bug's evidence is a buffer's lifetime, which its referee measures itself. A repro
+    whose evidence is races still disagrees with its referee when none of them is confirmed."""
+    from pytest_streamrace.repro import registry
+    from pytest_streamrace.repro.runner import confirmations
+
+    assert registry.get("deepcompile_zero1").relevant is None
+    lines, summary = confirmations("reproduced", [], [], races_are_evidence=False)
+    assert lines == [] and summary["agrees"] is None
+    assert summary["summary"] == "nothing to force: this bug's evidence is not a race; its referee's verdict stands " \
+                                 "(reproduced)"
+    assert confirmations("reproduced", [], [])[1]["agrees"] is False
+    assert confirmations("clean", [], [])[1]["agrees"] is True

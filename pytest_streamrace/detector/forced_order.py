@@ -38,8 +38,8 @@ OVERWRITES = frozenset({"aten::fill_", "aten::copy_", "aten::zero_", "aten::norm
 
 
 def thread_key(ident: int) -> str:
-    """How a thread is named across runs: its followed name, else "main" (the test's own thread, and any thread the
-    session does not follow)."""
+    """How a thread is named across runs: its followed name, "native" for a thread Python did not start, else "main"
+    (the test's own thread, and any thread the session does not follow)."""
     origin = thread_origin(ident)
     return origin.name if origin is not None else MAIN
 
@@ -53,6 +53,12 @@ class Side:
         self.op = str(data["op"])
         self.write = data["rw"] != "read"
         self.start, self.end = int(data["start"]), int(data["end"])
+
+
+def same_op(recorded: str, op: str) -> bool:
+    """Whether the op the capture calls about is the one the race names: the same schema, or, for a collectives
+    model's name ("all_reduce"), an op of a collectives namespace (``c10d::allreduce_``)."""
+    return recorded == op or ("::" not in recorded and "c10d" in op.partition("::")[0])
 
 
 def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
@@ -109,6 +115,7 @@ class ForcedOrder:
         self.entry = None  # the candidate both accesses touch
         self.peer = False  # a rank that does not hold its collective back, and sees the other order (cuda)
         self._lock = threading.Lock()
+        self.elsewhere: dict[str, list[str]] = {}  # side -> the ops other than it found at its place (diagnostics)
 
     # installing
 
@@ -122,9 +129,9 @@ class ForcedOrder:
         key = thread_key(thread)
         with self._lock:
             for name, side in (("earlier", self.earlier), ("later", self.later)):
-                # the same place on the same thread, and the same op (a model's op, "all_reduce", is the model's
-                # name for whatever the capture saw): threads the session does not name share the name "main"
-                if side.ordinal == ordinal and side.thread == key and ("::" not in side.op or side.op == op):
+                # the same place on the same thread, and the same op: the threads Python started that the session
+                # does not follow share the name "main", those Python did not start (autograd's, on GPUs) "native"
+                if side.ordinal == ordinal and side.thread == key and same_op(side.op, op):
                     self.seen[name] = op
                     self._op = op
                     try:
@@ -139,6 +146,9 @@ class ForcedOrder:
                         self.problem = self.problem or (
                             f"forcing failed at the {name} access: {type(exc).__name__}: {exc}")
                     return
+            for name, side in (("earlier", self.earlier), ("later", self.later)):
+                if side.ordinal == ordinal and when == "before" and len(self.elsewhere.setdefault(name, [])) < 3:
+                    self.elsewhere[name].append(f"{op} on thread '{key}'")
 
     def _covering(self, tensors) -> list[torch.Tensor]:
         return [t for t in tensors if t.untyped_storage().nbytes() >= self.hi and t.numel() > 0]
@@ -256,15 +266,18 @@ class ForcedOrder:
     def collective_returned(self, result) -> None:
         """A collective Python issued has returned (its Work, or what holds it): where it was the later access on a
         GPU, a private stream waits for it, and its end and the bytes it left are taken there, so that nothing the
-        program issues next waits on them. (Its Work is not waited for inside the op: it is not ready there.)"""
+        program issues next waits on them. (Its Work is not waited for inside the op: it is not ready there.) A
+        synchronous one returns no Work on NCCL (torch 2.7 on): it ran on the issuing stream, or that stream already
+        waits for it, so the private stream waits for the issuing one."""
         awaiting = self.awaiting
         if awaiting is None or awaiting[0] != threading.get_ident():
             return
         self.awaiting = None
         try:
             works = _works([result])
-            if not works:
-                self.problem = self.problem or f"the later access ({self.later.op}) returned no work to wait for"
+            if not works and result is not None:
+                self.problem = self.problem or (f"the later access ({self.later.op}) returned no work to wait for "
+                                                f"({type(result).__name__})")
                 return
             observer = torch.cuda.Stream()
             observer.wait_stream(torch.cuda.current_stream())
@@ -296,6 +309,16 @@ class ForcedOrder:
                            f"access ({out['host_gap_ms']:.1f} ms after {since}): something between the two "
                            f"synchronizes with {held}, so no hold inverts them")
 
+    def _never_reached(self, missing: list[str]) -> str:
+        """Why a side was not found: where it was looked for, and what ran there instead (the op counts differ)."""
+        places = []
+        for name in missing:
+            side = getattr(self, name)
+            found = self.elsewhere.get(name)
+            ran = f"; the re-run ran {', '.join(found)} there" if found else ""
+            places.append(f"{side.op}, op {side.ordinal} of thread '{side.thread}'{ran}")
+        return f"the re-run never reached the {' and '.join(missing)} access ({'; '.join(places)})"
+
     def result(self, dtype: str | None = None) -> dict:
         """What the forced run saw: status "forced" with the values, or "not-tried" with the reason."""
         out: dict = {"kind": self.kind, "held": "earlier", "backend": "cuda" if self.cuda else "virtual"}
@@ -312,8 +335,7 @@ class ForcedOrder:
             return dict(out, status="not-tried", reason=self.problem)
         missing = [name for name in ("earlier", "later") if name not in self.seen]
         if missing:
-            return dict(out, status="not-tried",
-                        reason=f"the re-run never reached the {' and '.join(missing)} access")
+            return dict(out, status="not-tried", reason=self._never_reached(missing))
         if self.cuda:
             torch.cuda.synchronize()
             if self.entry is not None and self.ordered is None and self.kind == RAW:  # a collective's, now done

@@ -6,8 +6,11 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 
 import torch
+
+from .hb import NATIVE_THREAD
 
 
 def _skip_prefixes() -> tuple[str, ...]:
@@ -182,9 +185,21 @@ def use_capture(extension) -> None:
 _origins: dict = {}  # thread ident -> hb.ThreadOrigin, for the threads the session follows (models.host_handoffs)
 
 
+_main_ident = threading.main_thread().ident
+
+
 def thread_origin(ident: int):
-    """The ThreadOrigin of a followed thread (its name, where its current work came from), else None."""
-    return _origins.get(ident) if _origins else None
+    """The ThreadOrigin of a followed thread (its name, where its current work came from), else None; for a thread
+    Python did not start (no ``threading.Thread`` of its own: autograd's device threads, which run a GPU backward and
+    its hooks), the one ``NATIVE_THREAD``. Ops are counted per thread (``Site.ordinal``): a forced re-run must not
+    take the main thread's n-th op for such a thread's."""
+    origin = _origins.get(ident) if _origins else None
+    if origin is not None or ident == _main_ident or not ident:
+        return origin
+    thread = threading._active.get(ident)
+    if thread is None or isinstance(thread, threading._DummyThread):
+        return NATIVE_THREAD
+    return None
 
 
 def set_thread_origin(ident: int, origin) -> None:

@@ -90,6 +90,10 @@ class ThreadOrigin:
     site: Site
 
 
+NATIVE = "native"  # the name (and `how`) of a thread Python did not start: autograd's device threads, on GPUs
+NATIVE_THREAD = ThreadOrigin(NATIVE, NATIVE, Site("", ()))
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     shape: tuple[int, ...]

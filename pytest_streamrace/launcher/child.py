@@ -17,6 +17,7 @@ import time
 
 import pytest
 
+from .. import env
 from . import spec as spec_mod
 from .spec import RankSpec
 
@@ -89,13 +90,19 @@ def _join_process_group(spec: RankSpec) -> None:
 
     if dist.is_initialized():
         return
+    eager = {}
     if spec.device is not None:
         import torch
 
         torch.cuda.set_device(spec.device)
+        if os.environ.get(env.CONFIRM):
+            # a confirmation's re-run makes the communicator now, not at the first collective: its setup copies
+            # synchronously on the default stream, so there it would wait out a held stream's sleep and keep the race
+            # in its ordered order
+            eager["device_id"] = torch.device("cuda", spec.device)
     store = dist.FileStore(spec.store, spec.world_size)
     dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
-                            timeout=datetime.timedelta(seconds=spec.timeout + 60))
+                            timeout=datetime.timedelta(seconds=spec.timeout + 60), **eager)
 
 
 def _leave_process_group() -> None:

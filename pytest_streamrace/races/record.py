@@ -15,7 +15,7 @@ import os
 import textwrap
 from typing import Callable, Iterable, Sequence, TypedDict
 
-from ..detector.hb import FREE, RAW, WAR, WAW, Access, Op, Race, Site, TensorInfo, ThreadOrigin, identity
+from ..detector.hb import FREE, NATIVE, RAW, WAR, WAW, Access, Op, Race, Site, TensorInfo, ThreadOrigin, identity
 
 SCHEMA_VERSION = 1
 FRAMES_SHOWN = 3  # user frames per access in the text report
@@ -345,7 +345,7 @@ def format_race(race: Race, stream_name: StreamName = str, ranks: Sequence[int] 
         for filename, lineno, function in frames[1:FRAMES_SHOWN]:
             lines.append(f"{indent}from {short_path(filename)}:{lineno} ({function})")
         thread = access.op.site.thread
-        if thread is not None:
+        if thread is not None and thread.how != NATIVE:  # a thread Python did not start has nothing to name
             origin = thread.site.frames
             at = f", {thread.how} at {location(origin)} ({origin[0][2]})" if origin else ""
             lines.append(f"{indent}on thread '{thread.name}'{at}")

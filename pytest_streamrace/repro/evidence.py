@@ -65,7 +65,7 @@ def per_run(evidence: list[dict], i: int) -> list[dict]:
 def judge(evidence: list[dict], relevant) -> ReproVerdict:
     """The verdict of one run over all ranks' evidence for it ({rank, races, numeric})."""
     races = [race for ev in evidence for race in ev.get("races", [])]
-    mine = [race for race in races if relevant(race)]
+    mine = [race for race in races if relevant(race)] if relevant is not None else []
     numeric = [ev["numeric"] for ev in evidence if ev.get("numeric")]
     numbers_wrong = any(wrong(n) for n in numeric)
     if mine or numbers_wrong:

@@ -143,16 +143,19 @@ def run_variant(repro, variant: str, backend: str, world_size: int, steps: int, 
         outcome = Outcome(repro.name, variant, expect, backend, verdict.verdict, verdict.reason, seconds / runs,
                           verdict.races, verdict.numeric)
         if confirm:
-            outcome.confirmations, outcome.confirmed = confirmations(verdict.verdict, verdict.races, collector.races)
+            outcome.confirmations, outcome.confirmed = confirmations(verdict.verdict, verdict.races, collector.races,
+                                                                     races_are_evidence=repro.relevant is not None)
             outcome.seconds = max(0.0, outcome.seconds - outcome.confirmed["seconds"] / runs)  # the run's own time
         outcomes.append(outcome)
     return outcomes
 
 
-def confirmations(verdict: str, races: list[dict], confirmed: list[dict]) -> tuple[list[dict], dict]:
+def confirmations(verdict: str, races: list[dict], confirmed: list[dict],
+                  races_are_evidence: bool = True) -> tuple[list[dict], dict]:
     """The confirmation of each distinct race the verdict rests on (from the launcher's records, matched by
     kind and both locations), and whether they agree with the referee's verdict: a reproduced bug agrees when at
-    least one of its races is confirmed, a clean variant when it has none to confirm."""
+    least one of its races is confirmed, a clean variant when it has none to confirm. A bug whose evidence is not a
+    race (a buffer kept past its phase, which the referee measures directly) has nothing to force."""
     from ..races.confirm import CONFIRMED, describe
 
     by_key = {race_key(r): r for r in confirmed if r.get("confirmation")}
@@ -167,8 +170,10 @@ def confirmations(verdict: str, races: list[dict], confirmed: list[dict]) -> tup
                                                             "reason": "the forced re-runs did not report this race"}
         out.append(dict(result, line=describe(race, result)))
     n = sum(1 for c in out if c["status"] == CONFIRMED)
-    agrees = {"reproduced": n > 0, "clean": not out}.get(verdict)
-    if agrees is None:
+    agrees = {"reproduced": n > 0, "clean": not out}.get(verdict) if races_are_evidence else None
+    if not races_are_evidence:
+        summary = f"nothing to force: this bug's evidence is not a race; its referee's verdict stands ({verdict})"
+    elif agrees is None:
         summary = f"confirmed {n} of {len(out)}; the referee gave no verdict ({verdict})"
     else:
         summary = f"confirmed {n} of {len(out)}; {'agrees' if agrees else 'disagrees'} with the referee ({verdict})"

@@ -61,7 +61,8 @@ class Repro:
     run: Callable  # run(ctx: RankContext) -> dict | None: one rank's numeric evidence (see repro.evidence)
     world_size: int = 2
     backends: tuple[str, ...] = ("cuda", "virtual")
-    relevant: Callable[[dict], bool] = field(default=lambda race: True)  # which detected races are this bug's
+    # which detected races are this bug's; None: its evidence is not a race (a buffer's lifetime): nothing to confirm
+    relevant: Callable[[dict], bool] | None = field(default=lambda race: True)
 
     def variant(self, name: str) -> Variant:
         for v in self.variants:

@@ -42,9 +42,11 @@ def test_each_repro_is_confirmed_on_gpus_agreeing_with_its_referee(request, tmp_
     assert data["returncode"] == 0 and set(runs) == {"unpatched", "patched"}, gist(data["output"])
     unpatched, patched = runs["unpatched"], runs["patched"]
     said = [c["line"] for c in unpatched["confirmations"]]
-    assert unpatched["verdict"] == "reproduced" and unpatched["confirmed"]["agrees"] is True, (unpatched["confirmed"],
-                                                                                              said)
-    assert patched["verdict"] == "clean" and patched["confirmed"]["agrees"] is True, patched["confirmed"]
+    # a bug whose evidence is a buffer's lifetime (DeepSpeed #8036) has no race to force: its referee stands alone
+    agrees = None if registry.get(name).relevant is None else True
+    assert unpatched["verdict"] == "reproduced" and unpatched["confirmed"]["agrees"] is agrees, (unpatched["confirmed"],
+                                                                                                said)
+    assert patched["verdict"] == "clean" and patched["confirmed"]["agrees"] is agrees, patched["confirmed"]
     gpu_result.record("unpatched", unpatched["confirmed"]["summary"])
     gpu_result.record("confirmations", said)
     gpu_result.record("run s", round(unpatched["seconds"], 1))
