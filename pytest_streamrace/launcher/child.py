@@ -96,9 +96,9 @@ def _join_process_group(spec: RankSpec) -> None:
 
         torch.cuda.set_device(spec.device)
         if os.environ.get(env.CONFIRM):
-            # a confirmation's re-run makes the communicator now, not at the first collective: its setup copies
-            # synchronously on the default stream, so there it would wait out a held stream's sleep and keep the race
-            # in its ordered order
+            # a confirmation's re-run makes the communicator now, not at the first collective: a communicator's setup
+            # may wait for the work queued on the device, and there it would wait out a held stream's sleep and keep
+            # the race in its ordered order
             eager["device_id"] = torch.device("cuda", spec.device)
     store = dist.FileStore(spec.store, spec.world_size)
     dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
