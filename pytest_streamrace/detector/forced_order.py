@@ -129,26 +129,28 @@ class ForcedOrder:
         key = thread_key(thread)
         with self._lock:
             for name, side in (("earlier", self.earlier), ("later", self.later)):
+                if side.ordinal != ordinal:
+                    continue
                 # the same place on the same thread, and the same op: the threads Python started that the session
                 # does not follow share the name "main", those Python did not start (autograd's, on GPUs) "native"
-                if side.ordinal == ordinal and side.thread == key and same_op(side.op, op):
-                    self.seen[name] = op
-                    self._op = op
-                    try:
-                        if when == "after":  # a collective's async work handles (gloo's: on GPUs, none)
-                            works = _works(outputs)
-                            if name == "earlier":
-                                self.works += works
-                            else:
-                                self.later_works = works
-                        getattr(self, f"_{name}_{when}")(_tensors(inputs), _tensors(outputs))
-                    except Exception as exc:  # never into the test: the confirmation says it could not be tried
-                        self.problem = self.problem or (
-                            f"forcing failed at the {name} access: {type(exc).__name__}: {exc}")
-                    return
-            for name, side in (("earlier", self.earlier), ("later", self.later)):
-                if side.ordinal == ordinal and when == "before" and len(self.elsewhere.setdefault(name, [])) < 3:
-                    self.elsewhere[name].append(f"{op} on thread '{key}'")
+                if side.thread != key or not same_op(side.op, op):
+                    if when == "before" and len(self.elsewhere.setdefault(name, [])) < 3:
+                        self.elsewhere[name].append(f"{op} on thread '{key}'")  # what ran at its place instead
+                    continue
+                self.seen[name] = op
+                self._op = op
+                try:
+                    if when == "after":  # a collective's async work handles (gloo's: on GPUs, none)
+                        works = _works(outputs)
+                        if name == "earlier":
+                            self.works += works
+                        else:
+                            self.later_works = works
+                    getattr(self, f"_{name}_{when}")(_tensors(inputs), _tensors(outputs))
+                except Exception as exc:  # never into the test: the confirmation says it could not be tried
+                    self.problem = self.problem or (
+                        f"forcing failed at the {name} access: {type(exc).__name__}: {exc}")
+                return
 
     def _covering(self, tensors) -> list[torch.Tensor]:
         return [t for t in tensors if t.untyped_storage().nbytes() >= self.hi and t.numel() > 0]
@@ -267,8 +269,8 @@ class ForcedOrder:
         """A collective Python issued has returned (its Work, or what holds it): where it was the later access on a
         GPU, a private stream waits for it, and its end and the bytes it left are taken there, so that nothing the
         program issues next waits on them. (Its Work is not waited for inside the op: it is not ready there.) A
-        synchronous one returns no Work on NCCL (torch 2.7 on): it ran on the issuing stream, or that stream already
-        waits for it, so the private stream waits for the issuing one."""
+        synchronous one may return no Work (NCCL in torch 2.11: "the backend has sync'ed at CPP level", as torch's
+        ``all_reduce`` puts it): the issuing stream already waits for it, so the private stream waits for that one."""
         awaiting = self.awaiting
         if awaiting is None or awaiting[0] != threading.get_ident():
             return
