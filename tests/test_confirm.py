@@ -128,6 +128,27 @@ def _line(pytester, marker: str) -> int:
             return number
     raise AssertionError(marker)
 
+# The same race with the collective issued on a thread of the test's: its ops are counted on that thread, and the
+# forced run looks for it there (on GPUs a backward hook's collective is issued on autograd's thread)
+THREADED = '''
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed(world_size=2)
+def test_reduced_on_a_thread_read_before_wait(rank, streamrace_device):
+    x = torch.full((64,), float(rank + 1), device=streamrace_device)
+    works = []
+    reducer = threading.Thread(target=lambda: works.append(dist.all_reduce(x, async_op=True)), name="reducer")
+    reducer.start()
+    reducer.join()
+    y = x * 2                                           # read before wait()
+    works[0].wait()
+'''
+
 
 def run_cases(pytester, backend: str, *extra: str, files: dict | None = None):
     """The cases (or `files`) under --streamrace-confirm: (the run, {test name: [records]}, runs per test)."""
@@ -233,6 +254,18 @@ def check_collective(pytester, backend: str) -> None:
 
 def test_a_collective_read_before_wait_is_confirmed_on_gloo_ranks(pytester):
     check_collective(pytester, "virtual")
+
+
+def check_collective_on_a_thread(pytester, backend: str) -> None:
+    result = _confirmed_on_both_ranks(pytester, backend, {"test_dist": THREADED})
+    races = json.loads((pytester.path / "races.json").read_text())["races"]
+    assert {r["earlier"].get("thread", {}).get("name") for r in races} == {"reducer"}, [r["earlier"] for r in races]
+    result.stdout.fnmatch_lines(["*confirmed: read-after-write test_dist.py:*-> test_dist.py:*: with the write at "
+                                 "*held back, the values read at * differed by max |Δ| = * in 64 of 64 elements"])
+
+
+def test_a_collective_issued_on_another_thread_is_found_there_in_the_forced_run(pytester):
+    check_collective_on_a_thread(pytester, "virtual")
 
 
 def check_bucket(pytester, backend: str) -> None:
@@ -348,8 +381,9 @@ def test_a_later_write_that_reads_what_it_writes_is_judged_by_what_each_order_le
 def test_a_hold_the_host_waited_out_is_not_tried_longer_and_a_gpu_re_run_loads_its_kernels_up_front():
     """A host that spent the hold itself between the two accesses (it synchronized with the held stream) gets no
     longer hold, which would only make it wait longer; a host that was merely slow (a communicator's first use) does.
-    A forced GPU re-run without a warm-up loads every kernel as its context is made: a lazy load at the later
-    access's first launch would wait for the held stream too."""
+    A forced GPU re-run without a warm-up loads every kernel as its context is made (a lazy load at the later access's
+    first launch waits for the held stream), and connects its NCCL peers as each communicator is made (unless the user
+    set NCCL otherwise)."""
     from pytest_streamrace.detector.forced_order import host_waited
     from pytest_streamrace.races.confirm import MAX_HOLD_MS, _longer_hold, forcing_environ
 
@@ -360,7 +394,9 @@ def test_a_hold_the_host_waited_out_is_not_tried_longer_and_a_gpu_re_run_loads_i
     assert _longer_hold(slow) == 2 * (735.0 + 200.0)
     assert _longer_hold(dict(slow, host_gap_ms=200.1, host_waited=True)) is None
     assert _longer_hold(dict(slow, delay_ms=MAX_HOLD_MS)) is None
-    assert forcing_environ({"CUDA_MODULE_LOADING": "LAZY"}, "cuda") == {"CUDA_MODULE_LOADING": "EAGER"}
+    assert forcing_environ({"CUDA_MODULE_LOADING": "LAZY"}, "cuda") == {"CUDA_MODULE_LOADING": "EAGER",
+                                                                         "NCCL_RUNTIME_CONNECT": "0"}
+    assert forcing_environ({"NCCL_RUNTIME_CONNECT": "1"}, "cuda")["NCCL_RUNTIME_CONNECT"] == "1"
     assert forcing_environ({}, "virtual") == {}
 
 
@@ -405,3 +441,33 @@ def test_a_collective_s_model_name_matches_only_a_collective():
                                                                                            "all_gather_into_tensor")
     assert same_op("aten::copy_", "aten::copy_") and not same_op("aten::copy_", "aten::add_")
     assert not same_op("all_reduce", "aten::mm")
+
+
+def test_a_hold_that_did_not_invert_says_how_long_it_slept_and_how_long_the_later_call_took(monkeypatch):
+    """A GPU hold that did not invert the order is not tried; its reason tells a hold that slept less than asked from
+    a later call that waited out the hold inside it (for which a longer hold is not tried). The three timing events'
+    GPU times stand in for a GPU here (this CPU machine has none): in ms, as ``elapsed_time`` gives them."""
+    from pytest_streamrace.detector import forced_order
+    from pytest_streamrace.races.confirm import _longer_hold
+
+    class At:
+        def __init__(self, ms: float):
+            self.ms = ms
+
+        def elapsed_time(self, end) -> float:
+            return end.ms - self.ms
+
+    monkeypatch.setattr(forced_order, "_CYCLES", [1.98e6])
+    side = {"ordinal": 3, "op": "aten::copy_", "rw": "write", "start": 0, "end": 256}
+    order = forced_order.ForcedOrder("write-after-write", side, dict(side, ordinal=4, op="all_reduce"), "cuda")
+    # [the held access starts, the later access ended, the hold starts]: a hold of 200 ms that slept 0.2
+    order.events, order.host = [At(0.2), At(8.0), At(0.0)], {"earlier": 0.0, "later": 0.0078, "later_done": 0.0079}
+    out = order._not_inverted({"delay_ms": 200.0, "host_gap_ms": 7.8}, lead=-7.8)
+    assert out["status"] == "not-tried" and out["slept_ms"] == 0.2 and out["later_call_ms"] == 0.1
+    assert out["reason"].endswith("; the held stream slept 0.2 ms of the 200 asked)") and "host_waited" not in out
+    assert _longer_hold(out) == 2 * (7.8 + 200.0)
+    # a hold that slept, and a later call that waited it out on the host
+    order.events, order.host = [At(200.0), At(201.0), At(0.0)], {"earlier": 0.0, "later": 0.001, "later_done": 0.2}
+    out = order._not_inverted({"delay_ms": 200.0, "host_gap_ms": 1.0}, lead=-1.0)
+    assert out["host_waited"] and "its own call took 199.0 ms: it waited for the held stream inside" in out["reason"]
+    assert "slept" not in out["reason"] and _longer_hold(out) is None

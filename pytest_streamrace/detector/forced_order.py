@@ -167,9 +167,13 @@ class ForcedOrder:
             self.candidates[t.untyped_storage().data_ptr()] = {"view": view, "first": self._region(view).clone()}
         if holds:
             stream = torch.cuda.current_stream()
-            torch.cuda._sleep(int(self.delay_ms * _cycles_per_ms()))
-            self.events = [torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)]
-            self.events[0].record(stream)  # the held access starts after this
+            cycles = int(self.delay_ms * _cycles_per_ms())
+            # [the held access starts after this, the later access has run by this, the hold starts after this]:
+            # the last tells how long the held stream really slept, where the order did not invert
+            self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            self.events[2].record(stream)
+            torch.cuda._sleep(cycles)
+            self.events[0].record(stream)
         for entry in self.candidates.values():
             # right before the earlier access (on a GPU, once the hold is over): what a held-back write has not
             # written yet when the read runs (RAW), what a held-back read sees once the write went first (WAR)
@@ -224,6 +228,7 @@ class ForcedOrder:
             self.ordered = region.clone()  # what the held-back read would see if it came first
 
     def _later_after(self, inputs, outputs) -> None:
+        self.host["later_done"] = time.perf_counter()
         if self.entry is None:
             self.entry = self._shared(inputs + outputs)
         entry = self.entry
@@ -311,6 +316,22 @@ class ForcedOrder:
                            f"access ({out['host_gap_ms']:.1f} ms after {since}): something between the two "
                            f"synchronizes with {held}, so no hold inverts them")
 
+    def _not_inverted(self, out: dict, lead: float) -> dict:
+        """Not tried: the later access ran after the held one anyway. Says how long the held stream slept and how long
+        the later access's own call took on the host: a call that waited out the hold synchronizes with the held
+        stream inside it (no longer hold helps), a hold that slept less than asked did not hold."""
+        slept = self.events[2].elapsed_time(self.events[0])
+        call_ms = round((self.host.get("later_done", self.host["later"]) - self.host["later"]) * 1000, 3)
+        out.update(slept_ms=round(slept, 3), later_call_ms=call_ms, cycles_per_ms=round(_cycles_per_ms()))
+        why = (f"a {self.delay_ms:g} ms hold did not invert the order (the later access ran {-lead:.1f} ms after the "
+               f"held one started; the host issued it {out.get('host_gap_ms', 0):.1f} ms after the held one")
+        if host_waited(self.delay_ms, call_ms):
+            out["host_waited"] = True
+            why += f", and its own call took {call_ms:.1f} ms: it waited for the held stream inside"
+        if slept < 0.5 * self.delay_ms:
+            why += f"; the held stream slept {slept:.1f} ms of the {self.delay_ms:g} asked"
+        return dict(out, status="not-tried", reason=why + ")")
+
     def _never_reached(self, missing: list[str]) -> str:
         """Why a side was not found: where it was looked for, and what ran there instead (the op counts differ)."""
         places = []
@@ -363,10 +384,7 @@ class ForcedOrder:
                 if lead <= 0 and host_waited(self.delay_ms, out.get("host_gap_ms", 0.0)):
                     return self._waited_out(out, "", "the held one", "the held stream")
                 if lead <= 0:
-                    return dict(out, status="not-tried",
-                                reason=f"a {self.delay_ms:g} ms hold did not invert the order (the later access "
-                                       f"ran {-lead:.1f} ms after the held one started; the host issued it "
-                                       f"{out.get('host_gap_ms', 0):.1f} ms after the held one)")
+                    return self._not_inverted(out, lead)
         out.update(compare(self.ordered, self.forced, dtype))
         if self.unwritten:
             out["unwritten"] = True

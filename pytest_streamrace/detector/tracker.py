@@ -216,6 +216,7 @@ class AccessTracker(TorchDispatchMode):
         self._capture = None  # the C++ capture, when it replaces this dispatch mode
         self._feed = None  # the capture's records applied straight to the C++ core (capture.cpp's Feed), when it is one
         self._ordinal = 0  # the captured op whose queued model runs now (`_queued`): its ordinal names what it launches
+        self._issuer: int | None = None  # and the thread that issued it (its ordinal counts that thread's ops)
         # the virtual model's streams by the small int the capture records for each (``VirtualStreams.keys``)
         self.capture_streams: list | None = None
         self._plans: dict = {}  # OpOverload._op -> _plan(...)
@@ -365,7 +366,7 @@ class AccessTracker(TorchDispatchMode):
         return [(i, write) for i, _, write in inputs], bool(fresh), writes_output, keep_args, sync is not None
 
     def _queued(self, name: str, overload: str, args: tuple, out, phase: str, stream: Hashable, captured,
-                ordinal: int = 0) -> None:
+                ordinal: int = 0, thread: int | None = None) -> None:
         """An op of a handled namespace (``namespace_handlers``), from the records in their order: "start" for a c10d
         op torch's C++ issued (before it ran), "end" for any other (as it returned, `out` its outputs), with the
         issuing thread's `stream` and stack. The drain applying it holds the lock; the handler must not drain."""
@@ -373,11 +374,12 @@ class AccessTracker(TorchDispatchMode):
         handler = self.namespace_handlers.get(namespace)
         if handler is not None:
             func = getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
-            self._ordinal = ordinal  # the ops its model launches (`run`) are named by the captured op's place
+            # the ops its model launches (`run`) are named by the captured op's place on the thread that issued it
+            self._ordinal, self._issuer = ordinal, thread
             try:
                 handler(func, args, {}, out, phase, stream=stream, frames=Captured(captured))
             finally:
-                self._ordinal = 0
+                self._ordinal, self._issuer = 0, None
 
     @_called_from_cpp
     def _rule_stream(self, name: str, value):
@@ -421,7 +423,7 @@ class AccessTracker(TorchDispatchMode):
             if kind == "queued":
                 name, overload, args, out, phase, stream, captured, ordinal = record[1]
                 self._queued(name, overload, args, out, phase, streams[stream] if streams is not None else stream,
-                             captured, ordinal)
+                             captured, ordinal, record[2])
                 return
             _, name, stream, in_node, spans, fresh, captured, seq, node, synced, arguments, ordinal, _ = record
             if streams is not None:
@@ -572,7 +574,10 @@ class AccessTracker(TorchDispatchMode):
             self.drain()  # what ran before it (frees, captured ops) lands before it
             touched = [(t, False) for t in reads if self.on_device(t)]
             touched += [(t, True) for t in writes if self.on_device(t)]
-            site = Site(op_name, frames if frames is not None else stack(), None, self._ordinal)
+            # named by the thread that issued it, whose ops its ordinal counts (a backward hook's collective: the
+            # autograd engine's thread on a GPU), not by the thread applying the records
+            issuer = self._issuer if self._issuer is not None else threading.get_ident()
+            site = Site(op_name, frames if frames is not None else stack(), thread_origin(issuer), self._ordinal)
             op, races = self.hb.record(stream, site, self._accesses(touched, stream, []))
             self._report(races)
             return op

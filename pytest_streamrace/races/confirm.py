@@ -48,9 +48,13 @@ def forcing_environ(environ: dict, backend: str) -> dict:
     """A forced re-run's environment, where it has no warm-up pass (a distributed item's ranks, a program's processes).
     CUDA loads a kernel's module at the kernel's first launch (torch asks for lazy loading), and a load may synchronize
     the context: the first launch of the later access's kernel then blocks the host until the held stream's sleep is
-    over, and the later access can never go first. On GPUs such a re-run loads every module as its context is made."""
+    over, and the later access can never go first. On GPUs such a re-run loads every module as its context is made.
+    NCCL (2.22 on) connects a communicator's peers at its first collective, not as it is made: where that first
+    collective is the later access, its setup is work of the same kind, so the re-run's communicators connect as they
+    are made (unless the user set otherwise)."""
     if backend == "cuda":
         environ["CUDA_MODULE_LOADING"] = "EAGER"
+        environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
     return environ
 
 

@@ -1,6 +1,6 @@
 """--streamrace-confirm on real streams (cuda backend): the twins of tests/test_confirm.py, the race corpus, and on 2
-GPUs an async NCCL collective's buffer read before wait() and a bucket all-reduced before its copy, each race held
-back by a sleep kernel on its stream."""
+GPUs an async NCCL collective's buffer read before wait() (issued on the test's thread, and on another) and a bucket
+all-reduced before its copy, each race held back by a sleep kernel on its stream."""
 
 import pytest
 
@@ -12,8 +12,9 @@ CLAIMS = {
         "changed, a write of the same values not confirmed, a latent race not tried; the corpus: every racy case "
         "confirmed or not confirmed/not tried with its reason",
     46: "`--streamrace-confirm` on 2 ranks over NCCL: an async all-reduce's buffer read before `wait()` confirmed "
-        "(the last rank holds its collective back; its peer reads the bytes from before it); a bucket filled on a side "
-        "stream and all-reduced in place with no wait on it confirmed on both ranks",
+        "(the last rank holds its collective back; its peer reads the bytes from before it), and the same with the "
+        "collective issued on another thread; a bucket filled on a side stream and all-reduced in place with no wait "
+        "on it confirmed on both ranks",
 }
 
 pytestmark = pytest.mark.gpu
@@ -36,6 +37,12 @@ def test_every_racy_case_of_the_corpus_is_confirmed_or_shown_benign_on_real_stre
 @pytest.mark.gpu(count=2)
 def test_a_collective_read_before_wait_is_confirmed_on_nccl(pytester):
     twins.check_collective(pytester, "cuda")
+
+
+@pytest.mark.validates(46)
+@pytest.mark.gpu(count=2)
+def test_a_collective_issued_on_another_thread_is_found_there_on_nccl(pytester):
+    twins.check_collective_on_a_thread(pytester, "cuda")
 
 
 @pytest.mark.validates(46)
