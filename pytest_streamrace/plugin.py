@@ -68,8 +68,8 @@ def check_input(config: pytest.Config, role: roles.Role) -> int | None:
 
 @pytest.hookimpl(trylast=True)
 def pytest_configure(config: pytest.Config) -> None:
-    for marker in MARKERS:
-        config.addinivalue_line("markers", marker)
+    for line in MARKERS:
+        config.addinivalue_line("markers", line)
     from . import launcher
     from .lifetime import fixtures as lifetime
 

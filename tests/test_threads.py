@@ -29,7 +29,7 @@ def stage(x, done=None):
 def test_thread_joined_without_stream_wait(streamrace_device):
     x = torch.ones(64, device=streamrace_device)
     worker = threading.Thread(target=stage, args=(x,))
-    worker.start()
+    worker.start()                                  # JOINED-START
     worker.join()
     x.sum()                                         # READ-AFTER-JOIN
 
@@ -47,7 +47,7 @@ def test_thread_joined_then_event_waited(streamrace_device):
 def test_pool_result_without_stream_wait(streamrace_device):
     x = torch.ones(64, device=streamrace_device)
     with ThreadPoolExecutor(max_workers=2) as pool:
-        pool.submit(stage, x).result()
+        pool.submit(stage, x).result()              # SUBMITTED
     x.sum()                                         # READ-AFTER-RESULT
 
 
@@ -180,12 +180,17 @@ def test_work_on_other_threads_is_checked(pytester):
         "*_ test_thread_joined_without_stream_wait _*",
         "stream race: read-after-write*",
         f"*earlier*write*aten::mul_*on stream created at {threads}:*at {threads}:{staged} (stage)",
+        # named though the thread ended before the race was found
+        f"*on thread 'Thread-* (stage)', started at {threads}:{_line(pytester, threads, 'JOINED-START')} "
+        "(test_thread_joined_without_stream_wait)",
         f"*later*read*aten::sum*on default stream*at {threads}:{_line(pytester, threads, 'READ-AFTER-JOIN')}*",
     ])
     result.stdout.fnmatch_lines([
         "*_ test_pool_result_without_stream_wait _*",
         "stream race: read-after-write*",
         f"*earlier*write*aten::mul_*at {threads}:{staged} (stage)",
+        f"*on thread 'ThreadPoolExecutor-*', work submitted at {threads}:{_line(pytester, threads, 'SUBMITTED')} "
+        "(test_pool_result_without_stream_wait)",
         f"*later*read*aten::sum*on default stream*at {threads}:{_line(pytester, threads, 'READ-AFTER-RESULT')}*",
     ])
     result.stdout.fnmatch_lines([
@@ -210,3 +215,18 @@ def test_work_on_other_threads_is_checked(pytester):
         f"*earlier*write*aten::mul_*at {ranks}:{write}*",
         f"*later*write*all_reduce*on communication stream of rank ? in threaded process group*at {ranks}:{reduce}*",
     ])
+
+
+def test_races_on_other_threads_are_confirmed_in_re_runs(pytester):
+    """A re-run runs the test several times in one process, and Python's default thread names count threads and pools
+    process-wide: the forced pass still finds each race's access on its thread (a started thread that ended before the
+    race was found, a pool's worker, a worker started before the test, a module fixture's thread)."""
+    from pytest_streamrace.detector.forced_order import stable_name
+
+    assert stable_name("Thread-3 (stage)") == stable_name("Thread-1 (stage)") == "Thread-* (stage)"
+    assert stable_name("ThreadPoolExecutor-2_0") == "ThreadPoolExecutor-*_0" != stable_name("ThreadPoolExecutor-2_1")
+    assert stable_name("reducer") == "reducer" and stable_name("MyThread-3") == "MyThread-3"
+    pytester.makepyfile(test_user_threads=USER_THREADS)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-confirm", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=4, failed=4)
+    result.stdout.fnmatch_lines(["streamrace confirmations: 4 confirmed, 0 not confirmed, 0 not tried*"])

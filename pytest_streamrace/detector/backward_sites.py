@@ -42,14 +42,17 @@ class ForwardSites:
         return _InBackward(frames, self._sites.get(seq), node or "a backward node")
 
 
-def site_of(op: str, stack, forward: Site | None, node: str | None, thread: int = 0, ordinal: int = 0) -> Site:
+def site_of(op: str, stack, forward: Site | None, node: str | None, thread: int = 0, ordinal: int = 0,
+            origin=None) -> Site:
     """The Site of an op the C++ feed applied (capture.cpp), made when a report or a trace first reads it: `stack` is
     the capture's (None: no frames), and inside an autograd node (`node`) the forward op's site names it as
-    `ForwardSites.backward` does; `thread`: the recording thread's ident, named where the session follows it."""
+    `ForwardSites.backward` does; `thread`: the recording thread's ident; `origin`: its ThreadOrigin as the op was
+    applied, where the session follows it (by now the thread may have ended, its ident another thread's)."""
     frames = Captured(stack) if stack is not None else ()
+    named = origin if origin is not None else thread_origin(thread)
     if node is None:
-        return Site(op, frames, thread_origin(thread), ordinal)
-    return Site(op, _InBackward(frames, forward, node), thread_origin(thread), ordinal)
+        return Site(op, frames, named, ordinal)
+    return Site(op, _InBackward(frames, forward, node), named, ordinal)
 
 
 class _InBackward:

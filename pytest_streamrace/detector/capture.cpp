@@ -1138,8 +1138,11 @@ using streamrace_hb::NativePayload;
 using streamrace_hb::Payload;
 using streamrace_hb::PyCore;
 
-// backward_sites.site_of: (op, stack or None, forward site or None, node or None, thread)
+// backward_sites.site_of: (op, stack or None, forward site or None, node or None, thread, ordinal, origin or None)
 py::object* site_factory = nullptr;
+// frames._origins: the followed threads' ThreadOrigin by ident, read as each op is applied (a thread's records are
+// applied before it ends): a site named later, once its thread has ended or its ident is another thread's, keeps it
+py::object* thread_origins = nullptr;
 
 // An op's site: named (a Python Site) only when a report or a trace reads it.
 struct Site : NativePayload, streamrace_hb::Pooled<Site> {
@@ -1149,12 +1152,14 @@ struct Site : NativePayload, streamrace_hb::Pooled<Site> {
   std::string node;  // inside an autograd node: its name
   int64_t thread = 0;  // the recording thread's ident
   int64_t ordinal = 0;  // Record::ordinal
+  py::object origin;  // its thread's ThreadOrigin as the op was applied, where the session follows that thread
   py::object named;
   py::object to_python() override {
     if (!named) {
       py::object frames = stack ? py::cast(stack) : py::object(py::none());
       py::object node_name = node.empty() ? py::object(py::none()) : py::object(py::str(node));
-      named = (*site_factory)(py::str(op), frames, forward.to_python(), node_name, thread, ordinal);
+      named = (*site_factory)(py::str(op), frames, forward.to_python(), node_name, thread, ordinal,
+                              origin ? origin : py::object(py::none()));
     }
     return named;
   }
@@ -1328,6 +1333,8 @@ class Feed {
     free_core.store(&core_);
     if (site_factory == nullptr)
       site_factory = new py::object(py::module_::import("pytest_streamrace.detector.backward_sites").attr("site_of"));
+    if (thread_origins == nullptr)
+      thread_origins = new py::object(py::module_::import("pytest_streamrace.detector.frames").attr("_origins"));
   }
 
   // The tables' faces for the tracker: (watched, last_writer, redirect, names).
@@ -1431,6 +1438,12 @@ class Feed {
     made->stack = r.stack;
     made->thread = r.thread;
     made->ordinal = r.ordinal;
+    if (PyDict_GET_SIZE(thread_origins->ptr()) > 0) {  // (the GIL is held: the drain applies the records)
+      py::int_ key(r.thread);
+      PyObject* found = PyDict_GetItemWithError(thread_origins->ptr(), key.ptr());  // borrowed
+      if (found != nullptr) made->origin = py::reinterpret_borrow<py::object>(found);
+      else PyErr_Clear();
+    }
     if (r.in_node) {
       made->node = r.node.empty() ? std::string("a backward node") : std::move(r.node);
       made->forward = forward_.backward(r.seq);

@@ -22,6 +22,7 @@ The result is a plain dict (JSON-able), read by the pytest side (``races/confirm
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 
@@ -37,18 +38,29 @@ OVERWRITES = frozenset({"aten::fill_", "aten::copy_", "aten::zero_", "aten::norm
                         "aten::zeros_like", "aten::ones_like", "aten::full_like"})
 
 
+# Python's own thread names count threads and pools process-wide ("Thread-3 (stage)", "ThreadPoolExecutor-2_0"): a
+# pytest re-run runs the test several times in one process, so the count differs from pass to pass
+_COUNTED = re.compile(r"^(Thread|ThreadPoolExecutor)-\d+")
+
+
+def stable_name(name: str) -> str:
+    """A thread's name as a forced run matches it: Python's process-wide count left out of its default names (two
+    such threads of one target, or the same worker index of two default-named pools, share it)."""
+    return _COUNTED.sub(r"\1-*", name)
+
+
 def thread_key(ident: int) -> str:
-    """How a thread is named across runs: its followed name, "native" for a thread Python did not start, else "main"
-    (the test's own thread, and any thread the session does not follow)."""
+    """How a thread is named across runs: its followed name (`stable_name`), "native" for a thread Python did not
+    start, else "main" (the test's own thread, and any thread the session does not follow)."""
     origin = thread_origin(ident)
-    return origin.name if origin is not None else MAIN
+    return stable_name(origin.name) if origin is not None else MAIN
 
 
 class Side:
     """One access of the race, as the locate run's record gives it."""
 
     def __init__(self, data: dict):
-        self.thread = str(data.get("thread_key") or MAIN)
+        self.thread = stable_name(str(data.get("thread_key") or MAIN))
         self.ordinal = int(data["ordinal"])
         self.op = str(data["op"])
         self.write = data["rw"] != "read"

@@ -107,7 +107,7 @@ class Findings:
 
     def _print(self, records: list[dict], status: int, signal_name: str | None, failing: bool) -> None:
         width = min(shutil.get_terminal_size((100, 24)).columns, 120)
-        lines = ["", f" streamrace ".center(width, "=")]
+        lines = ["", " streamrace ".center(width, "=")]
         shown = [r for r in records if r.get("status") != SUPPRESSED]
         if shown:
             lines += [record.format_records(shown), ""]
