@@ -471,3 +471,21 @@ def test_a_hold_that_did_not_invert_says_how_long_it_slept_and_how_long_the_late
     out = order._not_inverted({"delay_ms": 200.0, "host_gap_ms": 1.0}, lead=-1.0)
     assert out["host_waited"] and "its own call took 199.0 ms: it waited for the held stream inside" in out["reason"]
     assert "slept" not in out["reason"] and _longer_hold(out) is None
+
+
+def test_a_held_stream_s_snapshots_use_memory_taken_before_the_hold():
+    """On a GPU the snapshots taken after the hold (before the held access, and after it) go into memory allocated
+    before the hold was queued: an allocation issued between the hold and the later access would keep the two from
+    running at once. Here on host tensors, what the copy does and where it lands."""
+    import torch
+
+    from pytest_streamrace.detector import forced_order
+
+    side = {"ordinal": 1, "op": "aten::mul_", "rw": "write", "start": 2, "end": 6}
+    order = forced_order.ForcedOrder("read-after-write", side, dict(side, ordinal=2, rw="read"), "virtual")
+    spare = torch.zeros(4, dtype=torch.uint8)
+    entry = {"view": torch.arange(8, dtype=torch.uint8), "spare": [spare]}
+    taken = order._snapshot(entry)
+    assert taken.data_ptr() == spare.data_ptr() and taken.tolist() == [2, 3, 4, 5] and entry["spare"] == []
+    again = order._snapshot(entry)  # none left: a copy of its own
+    assert again.data_ptr() != spare.data_ptr() and again.tolist() == [2, 3, 4, 5]

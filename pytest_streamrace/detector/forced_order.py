@@ -176,7 +176,11 @@ class ForcedOrder:
         covering = self._covering(inputs)
         for t in covering:  # before the hold: the bytes a held-back read sees if it comes first (WAR, cuda)
             view = _bytes_of(t)
-            self.candidates[t.untyped_storage().data_ptr()] = {"view": view, "first": self._region(view).clone()}
+            first = self._region(view).clone()
+            # a held stream's snapshots get their memory now: a device allocation issued between the hold and the
+            # later access keeps the two from running at once (CUDA's implicit synchronization)
+            spare = [torch.empty_like(first), torch.empty_like(first)] if holds else []
+            self.candidates[t.untyped_storage().data_ptr()] = {"view": view, "first": first, "spare": spare}
         if holds:
             stream = torch.cuda.current_stream()
             cycles = int(self.delay_ms * _cycles_per_ms())
@@ -189,7 +193,13 @@ class ForcedOrder:
         for entry in self.candidates.values():
             # right before the earlier access (on a GPU, once the hold is over): what a held-back write has not
             # written yet when the read runs (RAW), what a held-back read sees once the write went first (WAR)
-            entry["held"] = entry["first"] if not holds else self._region(entry["view"]).clone()
+            entry["held"] = entry["first"] if not holds else self._snapshot(entry)
+
+    def _snapshot(self, entry: dict) -> torch.Tensor:
+        """The candidate's bytes now, on the current stream: into memory taken before the hold where there is some."""
+        region = self._region(entry["view"])
+        spare = entry.get("spare")
+        return spare.pop().copy_(region) if spare else region.clone()
 
     def _holds_here(self) -> bool:
         """Whether this process holds the earlier access back. A collective runs on the communicator's own stream,
@@ -209,7 +219,7 @@ class ForcedOrder:
         # after the earlier access: what it wrote (RAW: the ordered read's bytes; WAW: the forced run's leftovers)
         for t in self._covering(inputs + outputs):
             entry = self.candidates.setdefault(t.untyped_storage().data_ptr(), {"view": _bytes_of(t)})
-            entry["after"] = self._region(entry["view"]).clone()
+            entry["after"] = self._snapshot(entry)
 
     def _shared(self, tensors) -> dict | None:
         for t in self._covering(tensors):
