@@ -1,6 +1,6 @@
 """The thread twins of tests/test_thread_handoffs.py on real CUDA streams (cuda backend): a synchronize orders only
-the thread that made it, each modelled handoff carries it, and a race on a library's thread names a frame and the
-thread."""
+the thread that made it, each modelled handoff carries it, a race on a library's thread names a frame and the thread,
+and races on started threads and pool workers are confirmed (tests/test_threads.py's twins)."""
 
 import importlib.util
 import os
@@ -9,7 +9,8 @@ import pytest
 
 CLAIMS = {30: "Threads on real streams: a synchronize (device, stream, event, query, read-back) on another thread "
               "orders nothing here; each modelled handoff (locks, conditions, events, semaphores, barriers, queues, "
-              "futures, submit, start/join) carries it; a race on a library's thread names a frame and the thread"}
+              "futures, submit, start/join) carries it; a race on a library's thread names a frame and the thread; races "
+              "on started threads and pool workers confirmed by --streamrace-confirm"}
 
 pytestmark = [pytest.mark.gpu, pytest.mark.validates(30)]
 
@@ -39,3 +40,9 @@ def test_races_on_library_threads_name_a_frame_and_the_thread_on_real_streams(py
     result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines(["*on thread 'stager_0', work submitted at test_library_threads.py:*"])
     result.stdout.fnmatch_lines(["*on thread 'copier', started at test_library_threads.py:*"])
+
+
+def test_races_on_other_threads_are_confirmed_on_real_streams(pytester):
+    import test_threads
+
+    test_threads.check_thread_races_confirmed(pytester, "cuda")
