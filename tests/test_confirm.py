@@ -128,6 +128,7 @@ def _line(pytester, marker: str) -> int:
             return number
     raise AssertionError(marker)
 
+
 # The same race with the collective issued on a thread of the test's: its ops are counted on that thread, and the
 # forced run looks for it there (on GPUs a backward hook's collective is issued on autograd's thread)
 THREADED = '''
@@ -245,9 +246,13 @@ def _confirmed_on_both_ranks(pytester, backend: str, files: dict, kind: str | No
     return result
 
 
-def check_collective(pytester, backend: str) -> None:
-    # 1 + 2 = 3 after the all-reduce; the forced read sees the rank's own value
-    result = _confirmed_on_both_ranks(pytester, backend, {"test_dist": DISTRIBUTED})
+def check_collective(pytester, backend: str, source: str = DISTRIBUTED, thread: str | None = None) -> None:
+    """1 + 2 = 3 after the all-reduce; the forced read sees the rank's own value. `thread`: the name the collective's
+    access carries, where a thread of the test's issued it."""
+    result = _confirmed_on_both_ranks(pytester, backend, {"test_dist": source})
+    if thread is not None:
+        races = json.loads((pytester.path / "races.json").read_text())["races"]
+        assert {r["earlier"].get("thread", {}).get("name") for r in races} == {thread}, [r["earlier"] for r in races]
     result.stdout.fnmatch_lines(["*confirmed: read-after-write test_dist.py:*-> test_dist.py:*: with the write at "
                                  "*held back, the values read at * differed by max |Δ| = * in 64 of 64 elements"])
 
@@ -256,16 +261,8 @@ def test_a_collective_read_before_wait_is_confirmed_on_gloo_ranks(pytester):
     check_collective(pytester, "virtual")
 
 
-def check_collective_on_a_thread(pytester, backend: str) -> None:
-    result = _confirmed_on_both_ranks(pytester, backend, {"test_dist": THREADED})
-    races = json.loads((pytester.path / "races.json").read_text())["races"]
-    assert {r["earlier"].get("thread", {}).get("name") for r in races} == {"reducer"}, [r["earlier"] for r in races]
-    result.stdout.fnmatch_lines(["*confirmed: read-after-write test_dist.py:*-> test_dist.py:*: with the write at "
-                                 "*held back, the values read at * differed by max |Δ| = * in 64 of 64 elements"])
-
-
 def test_a_collective_issued_on_another_thread_is_found_there_in_the_forced_run(pytester):
-    check_collective_on_a_thread(pytester, "virtual")
+    check_collective(pytester, "virtual", THREADED, thread="reducer")
 
 
 def check_bucket(pytester, backend: str) -> None:

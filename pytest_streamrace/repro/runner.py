@@ -170,8 +170,9 @@ def confirmations(verdict: str, races: list[dict], confirmed: list[dict],
                                                             "reason": "the forced re-runs did not report this race"}
         out.append(dict(result, line=describe(race, result)))
     n = sum(1 for c in out if c["status"] == CONFIRMED)
-    agrees = {"reproduced": n > 0, "clean": not out}.get(verdict) if races_are_evidence else None
+    agrees = {"reproduced": n > 0, "clean": not out}.get(verdict)
     if not races_are_evidence:
+        agrees = None
         summary = f"nothing to force: this bug's evidence is not a race; its referee's verdict stands ({verdict})"
     elif agrees is None:
         summary = f"confirmed {n} of {len(out)}; the referee gave no verdict ({verdict})"

@@ -42,7 +42,7 @@ def test_a_collective_read_before_wait_is_confirmed_on_nccl(pytester):
 @pytest.mark.validates(46)
 @pytest.mark.gpu(count=2)
 def test_a_collective_issued_on_another_thread_is_found_there_on_nccl(pytester):
-    twins.check_collective_on_a_thread(pytester, "cuda")
+    twins.check_collective(pytester, "cuda", twins.THREADED, thread="reducer")
 
 
 @pytest.mark.validates(46)
