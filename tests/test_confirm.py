@@ -150,6 +150,38 @@ def test_reduced_on_a_thread_read_before_wait(rank, streamrace_device):
     works[0].wait()
 '''
 
+# The same with the thread alive while the main thread reads: its records are applied by the main thread's drain, so
+# the collective is named by the record's thread, not by the thread applying it (the autograd engine's device thread
+# issuing a backward hook's collective on a GPU, applied by the main thread).
+THREADED_ALIVE = '''
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed(world_size=2)
+def test_reduced_on_a_live_thread_read_before_wait(rank, streamrace_device):
+    x = torch.full((64,), float(rank + 1), device=streamrace_device)
+    works, done = [], []
+
+    def reduce():
+        works.append(dist.all_reduce(x, async_op=True))
+        while not done:                                 # alive, and nothing the detector models orders it
+            time.sleep(0.001)
+
+    reducer = threading.Thread(target=reduce, name="reducer")
+    reducer.start()
+    while not works:
+        time.sleep(0.001)
+    y = x * 2                                           # read before wait()
+    done.append(True)
+    reducer.join()
+    works[0].wait()
+'''
+
 
 def run_cases(pytester, backend: str, *extra: str, files: dict | None = None):
     """The cases (or `files`) under --streamrace-confirm: (the run, {test name: [records]}, runs per test)."""
@@ -261,8 +293,9 @@ def test_a_collective_read_before_wait_is_confirmed_on_gloo_ranks(pytester):
     check_collective(pytester, "virtual")
 
 
-def test_a_collective_issued_on_another_thread_is_found_there_in_the_forced_run(pytester):
-    check_collective(pytester, "virtual", THREADED, thread="reducer")
+@pytest.mark.parametrize("source", [THREADED, THREADED_ALIVE], ids=["joined", "alive"])
+def test_a_collective_issued_on_another_thread_is_found_there_in_the_forced_run(pytester, source):
+    check_collective(pytester, "virtual", source, thread="reducer")
 
 
 def check_bucket(pytester, backend: str) -> None:

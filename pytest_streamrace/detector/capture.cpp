@@ -1568,8 +1568,8 @@ class Feed {
       return;
     }
     if (r.what == What::kQueuedStart && r.plan->rule && apply_rule(r, *r.plan->rule)) return;
-    if (r.what != What::kOp) {  // tracker._queued: the model's, in order
-      queued_(*queued_call(r, core_.stream_key(stream(r.stream))));
+    if (r.what != What::kOp) {  // tracker._queued: the model's, in order, named by the thread that issued it
+      queued_(*queued_call(r, core_.stream_key(stream(r.stream))), py::arg("thread") = r.thread);
       return;
     }
     int32_t id = stream(r.stream);

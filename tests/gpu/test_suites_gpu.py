@@ -3,7 +3,7 @@ torchrun sessions on NCCL, the cuda backend's unit tests with the C++ capture bu
 the files whose GPU items re-create a row (DCP's async staging, `streamrace run`, the device-generic API)."""
 
 import pytest
-from gpu_support import PYTEST, PYTHON, counts, run
+from gpu_support import PYTEST, PYTHON, counts, framework_env, run
 
 CLAIMS = {
     20: "The launcher and torchrun sessions on NCCL (one GPU a rank, failures on any rank reported)",
@@ -19,8 +19,8 @@ CLAIMS = {
 }
 
 
-def _suite(gpu_result, *args: str) -> dict[str, int]:
-    done = run([*PYTEST, "-n", "0", "-q", *args], timeout=600)
+def _suite(gpu_result, *args: str, env: dict | None = None) -> dict[str, int]:
+    done = run([*PYTEST, "-n", "0", "-q", *args], timeout=600, env=env)
     got = counts(done.stdout)
     gpu_result.record("outcomes", ", ".join(f"{n} {k}" for k, n in got.items()))
     assert got.get("passed") and not (got.get("failed") or got.get("error")), done.stdout[-4000:]
@@ -35,14 +35,15 @@ def test_launcher_and_torchrun_sessions_on_nccl(gpu_result):
 
 @pytest.mark.gpu
 @pytest.mark.validates(21, 33)
-def test_cuda_and_thread_model_unit_tests_with_the_capture_built_here(gpu_result):
-    """Row 21's files (virtual, cuda backend, capture) are part of row 33's: one session serves both."""
+def test_cuda_and_thread_model_unit_tests_with_the_capture_built_here(gpu_result, request):
+    """Row 21's files (virtual, cuda backend, capture) are part of row 33's: one session serves both. The thread
+    rank twins import torch's test utilities, which need expecttest (a carried wheel on a GPU host)."""
     built = run([PYTHON, "-c", "from pytest_streamrace.detector import capture as c; e = c.load(); "
                  "print('built:', e is not None, c.failure() if e is None else '')"], timeout=600)
     assert "built: True" in built.stdout, built.stdout[-3000:]
     _suite(gpu_result, "tests/test_virtual.py", "tests/test_cuda_backend.py", "tests/test_capture.py",
            "tests/test_hb.py", "tests/test_thread_handoffs.py", "tests/test_threads.py",
-           "tests/test_hb_differential.py")
+           "tests/test_hb_differential.py", env=framework_env(request.config, expecttest=None))
 
 
 @pytest.mark.gpu
