@@ -478,7 +478,7 @@ def test_a_hold_that_did_not_invert_says_how_long_it_slept_and_how_long_the_late
     a later call that waited out the hold inside it (for which a longer hold is not tried). The three timing events'
     GPU times stand in for a GPU here (this CPU machine has none): in ms, as ``elapsed_time`` gives them."""
     from pytest_streamrace.detector import forced_order
-    from pytest_streamrace.races.confirm import _longer_hold
+    from pytest_streamrace.races.confirm import _longer_hold, verdict
 
     class At:
         def __init__(self, ms: float):
@@ -501,6 +501,9 @@ def test_a_hold_that_did_not_invert_says_how_long_it_slept_and_how_long_the_late
     out = order._not_inverted({"delay_ms": 200.0, "host_gap_ms": 1.0}, lead=-1.0)
     assert out["host_waited"] and "its own call took 199.0 ms: it waited for the held stream inside" in out["reason"]
     assert "slept" not in out["reason"] and _longer_hold(out) is None
+    # the same from a distributed item's ranks, as their files come back: what the next hold is decided on
+    kept = verdict({}, [{"forced": out, "outcome": "failed"}], None, "failed")
+    assert kept["host_waited"] and kept["later_call_ms"] == 199.0 and _longer_hold(kept) is None
 
 
 def test_a_held_stream_s_snapshots_use_memory_taken_before_the_hold():

@@ -103,6 +103,13 @@ def _join_process_group(spec: RankSpec) -> None:
     store = dist.FileStore(spec.store, spec.world_size)
     dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
                             timeout=datetime.timedelta(seconds=spec.timeout + 60), **eager)
+    if eager and "nccl" in spec.backend:
+        # and runs the communicator's first collective now, then waits for it: with the communicator made and its
+        # peers connected, a rank's first all-reduce still blocked its host for a held stream's whole sleep (2×H200)
+        import torch
+
+        dist.all_reduce(torch.zeros(1, device=eager["device_id"]))
+        torch.cuda.synchronize()
 
 
 def _leave_process_group() -> None:
