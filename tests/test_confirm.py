@@ -289,6 +289,35 @@ def check_collective(pytester, backend: str, source: str = DISTRIBUTED, thread: 
                                  "*held back, the values read at * differed by max |Δ| = * in 64 of 64 elements"])
 
 
+# A rank that says which process forked it: every run of the item, the first and the confirmation's, forks its ranks
+# from the session's own fork server
+SERVED = '''
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.mark.distributed(world_size=2)
+def test_read_before_wait(rank, streamrace_device):
+    with open("parents.txt", "a") as f:
+        f.write(f"{os.getppid()}\\n")
+    x = torch.full((64,), float(rank + 1), device=streamrace_device)
+    work = dist.all_reduce(x, async_op=True)
+    y = x * 2                                           # read before wait()
+    work.wait()
+'''
+
+
+def test_a_distributed_item_s_re_runs_fork_their_ranks_from_the_session_s_own_server(pytester):
+    """No pytest session, torch import and fork server of its own per re-run: the ranks of the run that found the race
+    and of the two re-runs (finding its place, forcing it) all come from one fork server."""
+    _confirmed_on_both_ranks(pytester, "virtual", {"test_served": SERVED})
+    parents = (pytester.path / "parents.txt").read_text().split()
+    assert len(parents) == 6 and len(set(parents)) == 1, parents
+
+
 def test_a_collective_read_before_wait_is_confirmed_on_gloo_ranks(pytester):
     check_collective(pytester, "virtual")
 

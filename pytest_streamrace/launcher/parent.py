@@ -62,6 +62,20 @@ class ParentPlugin:
         except placement.Unservable as exc:
             return report.setup_outcome(item, "skipped", (str(item.path), item.location[1] + 1, f"Skipped: {exc}"))
         timeout = request.timeout or options.get(self.config, "streamrace_timeout")
+        launch = functools.partial(self._launch, item, request, where, timeout)
+        reports = launch()
+        if options.get(self.config, "streamrace") and options.get(self.config, "streamrace_confirm") and \
+                not os.environ.get(env.CONFIRM):
+            from ..races.confirm import confirm_distributed
+            from ..races.plugin import resolve_backend
+
+            confirm_distributed(item, reports, resolve_backend(self.config), launch)
+        return reports
+
+    def _launch(self, item: pytest.Item, request, where, timeout: float,
+                extra: dict[str, str] | None = None) -> list[pytest.TestReport]:
+        """The item's ranks, forked from this session's fork server, to their end: its reports. `extra`: variables
+        every rank's environment also gets, None for one it goes without (a confirmation's re-run of the item)."""
         workdir = tempfile.mkdtemp(prefix="streamrace-")
         try:
             cwd = str(self.config.invocation_params.dir)
@@ -75,21 +89,19 @@ class ParentPlugin:
                                     stacks=os.path.join(workdir, f"rank{rank}.stacks"),
                                     release=os.path.join(workdir, "release"), timeout=timeout, device=device)
                     output = os.path.join(workdir, f"rank{rank}.out")
-                    pid = self.server.spawn(self._argv(item, workdir, rank), _env(spec, output, item.nodeid), cwd,
-                                             output)
+                    environ = _env(spec, output, item.nodeid)
+                    for name, value in (extra or {}).items():
+                        if value is None:
+                            environ.pop(name, None)
+                        else:
+                            environ[name] = value
+                    pid = self.server.spawn(self._argv(item, workdir, rank), environ, cwd, output)
                     runs.append(RankRun(spec, pid, output))
             except LaunchError as exc:
                 reap(self.server, runs)  # what did start
                 return report.setup_outcome(item, "failed", f"could not start the ranks: {exc}")
             duration = supervise(self.server, runs, timeout)
-            reports = report.build(item, runs, timeout, duration)
-            if options.get(self.config, "streamrace") and options.get(self.config, "streamrace_confirm") and \
-                    not os.environ.get(env.CONFIRM):
-                from ..races.confirm import confirm_distributed
-                from ..races.plugin import resolve_backend
-
-                confirm_distributed(item, reports, resolve_backend(self.config))
-            return reports
+            return report.build(item, runs, timeout, duration)
         finally:
             shutil.rmtree(workdir, ignore_errors=True)
 

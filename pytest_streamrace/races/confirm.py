@@ -75,10 +75,13 @@ def seed_everything(seed: int = 0) -> None:
 class Confirmer:
     """Confirms the races of the tests of one session (in the process that ran each test)."""
 
-    def __init__(self, config: pytest.Config, torchrun: bool = False):
+    def __init__(self, config: pytest.Config, torchrun: bool = False, launch=None):
         self.config = config
         self.torchrun = torchrun  # one rank of a torchrun session: its peers are not re-run with it
         self.timeout = 600.0
+        # a distributed item's fresh ranks from this session's fork server, each rank's environment also given the
+        # variables passed (its reports back): no new pytest session, torch import and fork server per re-run
+        self.launch = launch
 
     def command(self, item: pytest.Item) -> list[str]:
         """``python -m pytest`` for this one test, with the session's options but not its test paths."""
@@ -99,6 +102,11 @@ class Confirmer:
     def _run(self, item: pytest.Item, instruction: dict) -> tuple[list[dict], str | None]:
         """One re-run: the files its processes wrote, or why there are none."""
         folder = tempfile.mkdtemp(prefix="streamrace-confirm-")
+        if self.launch is not None:
+            try:
+                return self._relaunch(item, dict(instruction, out=folder, nodeid=item.nodeid))
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
         try:
             environ = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
             environ[env.CONFIRM] = json.dumps(dict(instruction, out=folder, nodeid=item.nodeid))
@@ -117,6 +125,20 @@ class Confirmer:
             return found, None
         finally:
             shutil.rmtree(folder, ignore_errors=True)
+
+    def _relaunch(self, item: pytest.Item, instruction: dict) -> tuple[list[dict], str | None]:
+        """One re-run of a distributed item's ranks in this session (`launch`), told the instruction through their
+        environment; on GPUs a forced one's environment as ``forcing_environ`` makes it."""
+        extra = {env.CONFIRM: json.dumps(instruction), env.PROGRESS: None}  # progress lines are the first run's
+        if instruction["mode"] == "force":
+            forced = forcing_environ(dict(os.environ), instruction.get("backend", "virtual"))
+            extra.update((k, v) for k, v in forced.items() if os.environ.get(k) != v)
+        reports = self.launch(extra)
+        found = read_files(instruction["out"])
+        if found:
+            return found, None
+        said = [str(r.longrepr) for r in reports if r.failed and r.longrepr is not None]
+        return [], f"the re-run reported nothing: {_gist(said[0].encode()) if said else 'its ranks passed'}"
 
     def confirm(self, item: pytest.Item, records: list[dict], outcome: str, backend: str) -> list[str]:
         """Give each of the test's race records its ``confirmation``; the report's lines about them."""
@@ -395,9 +417,10 @@ def describe(data: dict, result: dict, unit: str = "test") -> str:
 # ---- the re-run: this session is one
 
 
-def confirm_distributed(item: pytest.Item, reports: list, backend: str) -> None:
+def confirm_distributed(item: pytest.Item, reports: list, backend: str, launch=None) -> None:
     """A ``distributed`` item's races (every rank's, on its teardown report), confirmed by re-running the item with
-    fresh ranks; the lines go on its call report."""
+    fresh ranks (`launch`: from this session's fork server, as ``Confirmer`` takes it); the lines go on its call
+    report."""
     teardown = next((r for r in reports if r.when == "teardown"), None)
     call = next((r for r in reports if r.when == "call"), None)
     if teardown is None or call is None:
@@ -407,7 +430,7 @@ def confirm_distributed(item: pytest.Item, reports: list, backend: str) -> None:
         return
     outcomes = [value for key, value in teardown.user_properties if key == records_.OUTCOME]
     outcome = next((o for o in outcomes if o != "passed"), "passed")
-    attach(call, Confirmer(item.config).confirm(item, found, outcome, backend))
+    attach(call, Confirmer(item.config, launch=launch).confirm(item, found, outcome, backend))
 
 
 class ConfirmRun:
