@@ -2,6 +2,8 @@
 GPUs an async NCCL collective's buffer read before wait() (issued on the test's thread, and on another) and a bucket
 all-reduced before its copy, each race held back by a sleep kernel on its stream."""
 
+import json
+
 import pytest
 
 import test_confirm as twins
@@ -33,19 +35,34 @@ def test_every_racy_case_of_the_corpus_is_confirmed_or_shown_benign_on_real_stre
     gpu_result.record("corpus verdicts", "13 racy cases as expected")
 
 
+def _record(gpu_result, pytester) -> None:
+    """What the forced re-runs measured, from rank 0's confirmation: the hold, how far the order inverted, the values."""
+    found = json.loads((pytester.path / "races.json").read_text())["races"]
+    confirmation = min(found, key=lambda r: r.get("rank", 0))["confirmation"]
+    gpu_result.record("hold ms", confirmation.get("delay_ms"))
+    gpu_result.record("lead ms", confirmation.get("lead_ms"))
+    gpu_result.record("max |Δ|", confirmation.get("max_abs_diff"))
+    gpu_result.record("elements", f'{confirmation.get("differing")} of {confirmation.get("elements")}')
+    gpu_result.record("re-runs s", confirmation.get("test_seconds"))
+
+
 @pytest.mark.validates(46)
 @pytest.mark.gpu(count=2)
-def test_a_collective_read_before_wait_is_confirmed_on_nccl(pytester):
+def test_a_collective_read_before_wait_is_confirmed_on_nccl(pytester, gpu_result):
     twins.check_collective(pytester, "cuda")
+    _record(gpu_result, pytester)
 
 
 @pytest.mark.validates(46)
 @pytest.mark.gpu(count=2)
-def test_a_collective_issued_on_another_thread_is_found_there_on_nccl(pytester):
-    twins.check_collective(pytester, "cuda", twins.THREADED, thread="reducer")
+@pytest.mark.parametrize("source", [twins.THREADED, twins.THREADED_ALIVE], ids=["joined", "alive"])
+def test_a_collective_issued_on_another_thread_is_found_there_on_nccl(pytester, gpu_result, source):
+    twins.check_collective(pytester, "cuda", source, thread="reducer")
+    _record(gpu_result, pytester)
 
 
 @pytest.mark.validates(46)
 @pytest.mark.gpu(count=2)
-def test_a_bucket_all_reduced_before_its_copy_is_confirmed_on_nccl(pytester):
+def test_a_bucket_all_reduced_before_its_copy_is_confirmed_on_nccl(pytester, gpu_result):
     twins.check_bucket(pytester, "cuda")
+    _record(gpu_result, pytester)

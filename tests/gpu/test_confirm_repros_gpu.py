@@ -51,6 +51,8 @@ def test_each_repro_is_confirmed_on_gpus_agreeing_with_its_referee(request, tmp_
     gpu_result.record("confirmations", said)
     gpu_result.record("run s", round(unpatched["seconds"], 1))
     gpu_result.record("confirmation s", round(unpatched["confirmed"]["seconds"], 1))
+    gpu_result.record("hold ms", [c.get("delay_ms") for c in unpatched["confirmations"] if "delay_ms" in c])
+    gpu_result.record("lead ms", [c.get("lead_ms") for c in unpatched["confirmations"] if "lead_ms" in c])
 
 
 @pytest.mark.validates(49)
