@@ -318,6 +318,22 @@ def test_a_distributed_item_s_re_runs_fork_their_ranks_from_the_session_s_own_se
     assert len(parents) == 6 and len(set(parents)) == 1, parents
 
 
+def test_under_xdist_each_worker_re_runs_its_distributed_items_ranks(pytester):
+    """Each xdist worker has its own fork server: two distributed items on two workers, each race confirmed on both
+    ranks, every item's runs from its worker's server."""
+    pytester.makepyfile(test_served=SERVED, test_bucket=BUCKET)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "--streamrace-confirm",
+                                           "--streamrace-json=races.json", "-p", "no:cacheprovider", "-n", "2")
+    result.assert_outcomes(failed=2)
+    races = json.loads((pytester.path / "races.json").read_text())["races"]
+    assert sorted((r["test"].split("::")[-1], r["rank"], r["confirmation"]["status"]) for r in races) == [
+        ("test_bucket_reduced_before_its_copy", 0, "confirmed"), ("test_bucket_reduced_before_its_copy", 1, "confirmed"),
+        ("test_read_before_wait", 0, "confirmed"), ("test_read_before_wait", 1, "confirmed")], races
+    parents = (pytester.path / "parents.txt").read_text().split()
+    assert len(parents) == 6 and len(set(parents)) == 1, parents
+    result.stdout.fnmatch_lines(["streamrace confirmations: 2 confirmed, 0 not confirmed, 0 not tried*"])
+
+
 def test_a_collective_read_before_wait_is_confirmed_on_gloo_ranks(pytester):
     check_collective(pytester, "virtual")
 
