@@ -314,6 +314,11 @@ def test_a_distributed_item_s_re_runs_fork_their_ranks_from_the_session_s_own_se
     """No pytest session, torch import and fork server of its own per re-run: the ranks of the run that found the race
     and of the two re-runs (finding its place, forcing it) all come from one fork server."""
     _confirmed_on_both_ranks(pytester, "virtual", {"test_served": SERVED})
+    _forked_by_one_server(pytester)
+
+
+def _forked_by_one_server(pytester) -> None:
+    """SERVED's 2 ranks in each of its 3 runs (the first, the re-run finding the race, the forced one): one parent."""
     parents = (pytester.path / "parents.txt").read_text().split()
     assert len(parents) == 6 and len(set(parents)) == 1, parents
 
@@ -329,8 +334,7 @@ def test_under_xdist_each_worker_re_runs_its_distributed_items_ranks(pytester):
     assert sorted((r["test"].split("::")[-1], r["rank"], r["confirmation"]["status"]) for r in races) == [
         ("test_bucket_reduced_before_its_copy", 0, "confirmed"), ("test_bucket_reduced_before_its_copy", 1, "confirmed"),
         ("test_read_before_wait", 0, "confirmed"), ("test_read_before_wait", 1, "confirmed")], races
-    parents = (pytester.path / "parents.txt").read_text().split()
-    assert len(parents) == 6 and len(set(parents)) == 1, parents
+    _forked_by_one_server(pytester)
     result.stdout.fnmatch_lines(["streamrace confirmations: 2 confirmed, 0 not confirmed, 0 not tried*"])
 
 

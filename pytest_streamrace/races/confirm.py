@@ -100,45 +100,42 @@ class Confirmer:
         return [sys.executable, "-m", "pytest", *_without_cache_options(carried), *extra, target]
 
     def _run(self, item: pytest.Item, instruction: dict) -> tuple[list[dict], str | None]:
-        """One re-run: the files its processes wrote, or why there are none."""
+        """One re-run: the files its processes wrote, or why there are none. A distributed item's ranks are forked again
+        from this session's server (`launch`); any other test runs in a pytest process of its own."""
         folder = tempfile.mkdtemp(prefix="streamrace-confirm-")
-        if self.launch is not None:
-            try:
-                return self._relaunch(item, dict(instruction, out=folder, nodeid=item.nodeid))
-            finally:
-                shutil.rmtree(folder, ignore_errors=True)
         try:
-            environ = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
-            environ[env.CONFIRM] = json.dumps(dict(instruction, out=folder, nodeid=item.nodeid))
-            environ.setdefault("PYTHONHASHSEED", "0")
-            if instruction["mode"] == "force":
-                forcing_environ(environ, instruction.get("backend", "virtual"))
-            try:
-                done = subprocess.run(self.command(item), cwd=str(self.config.invocation_params.dir), env=environ,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=self.timeout,
-                                      start_new_session=True)
-            except subprocess.TimeoutExpired:
-                return [], f"the re-run ran past {self.timeout:g} s"
-            found = read_files(folder)
-            if not found:
-                return [], f"the re-run reported nothing (exit {done.returncode}): {_gist(done.stdout)}"
-            return found, None
+            told = dict(instruction, out=folder, nodeid=item.nodeid)
+            found, problem = self._relaunch(told) if self.launch is not None else self._in_new_pytest(item, told)
+            return (found, None) if found else ([], problem)
         finally:
             shutil.rmtree(folder, ignore_errors=True)
 
-    def _relaunch(self, item: pytest.Item, instruction: dict) -> tuple[list[dict], str | None]:
-        """One re-run of a distributed item's ranks in this session (`launch`), told the instruction through their
-        environment; on GPUs a forced one's environment as ``forcing_environ`` makes it."""
-        extra = {env.CONFIRM: json.dumps(instruction), env.PROGRESS: None}  # progress lines are the first run's
+    def _in_new_pytest(self, item: pytest.Item, instruction: dict) -> tuple[list[dict], str]:
+        environ = {k: v for k, v in os.environ.items() if k not in _NOT_INHERITED}
+        environ[env.CONFIRM] = json.dumps(instruction)
+        environ.setdefault("PYTHONHASHSEED", "0")
+        if instruction["mode"] == "force":
+            forcing_environ(environ, instruction.get("backend", "virtual"))
+        try:
+            done = subprocess.run(self.command(item), cwd=str(self.config.invocation_params.dir), env=environ,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=self.timeout,
+                                  start_new_session=True)
+        except subprocess.TimeoutExpired:
+            return [], f"the re-run ran past {self.timeout:g} s"
+        return read_files(instruction["out"]), f"the re-run reported nothing (exit {done.returncode}): " \
+                                               f"{_gist(done.stdout)}"
+
+    def _relaunch(self, instruction: dict) -> tuple[list[dict], str]:
+        """The ranks told the instruction through their environment; on GPUs a forced one's environment as
+        ``forcing_environ`` makes it. Progress lines are the first run's."""
+        extra = {env.CONFIRM: json.dumps(instruction), env.PROGRESS: None}
         if instruction["mode"] == "force":
             forced = forcing_environ(dict(os.environ), instruction.get("backend", "virtual"))
             extra.update((k, v) for k, v in forced.items() if os.environ.get(k) != v)
         reports = self.launch(extra)
-        found = read_files(instruction["out"])
-        if found:
-            return found, None
         said = [str(r.longrepr) for r in reports if r.failed and r.longrepr is not None]
-        return [], f"the re-run reported nothing: {_gist(said[0].encode()) if said else 'its ranks passed'}"
+        return read_files(instruction["out"]), \
+            f"the re-run reported nothing: {_gist(said[0].encode()) if said else 'its ranks passed'}"
 
     def confirm(self, item: pytest.Item, records: list[dict], outcome: str, backend: str) -> list[str]:
         """Give each of the test's race records its ``confirmation``; the report's lines about them."""
