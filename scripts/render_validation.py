@@ -5,8 +5,9 @@ re-run). The claims come from the tests themselves (their modules' CLAIMS), so t
 
     python scripts/render_validation.py RESULTS.json [RESULTS.json ...] [--row N ...]
 
-Several files (the GPU rows run in slices, or on several hosts at once) render together: each row from the last file
-given that has it, with that file's machine and date.
+Several files (the GPU rows run in slices, or on several hosts at once) render together: a row's items each from the
+last file that ran it (an item another file only skipped, say for want of GPUs, does not replace one that ran), its
+hardware and date those of the files its items came from.
 """
 
 from __future__ import annotations
@@ -39,24 +40,38 @@ def _value(value) -> str:
 _VERSIONS = ("deepspeed", "megatron-core")
 
 
+def _short(text: str) -> str:
+    """A recorded line without the host's install folders: `deepspeed/comm/torch.py:290`, not its full path."""
+    return re.sub(r"(?:/[\w.+-]+)+/(?:site-packages|dist-packages|streamrace-sites/[\w.+-]+)/", "", text)
+
+
+def _numbers(item: dict) -> str:
+    shown = {k: v for k, v in item["numbers"].items() if k not in _VERSIONS and v not in (None, "", [], {})}
+    return _short(", ".join(f"{k} {_value(v)}" for k, v in shown.items()))
+
+
 def _result(items: list[dict]) -> str:
-    outcomes = [item["outcome"] for item in items]
-    name = lambda item: item["nodeid"].rsplit("::", 1)[-1]
-    if "failed" in outcomes:
-        failed = [item for item in items if item["outcome"] == "failed"]
-        return "**failed**: " + "; ".join(f"`{name(i)}`: {i['reason']}" for i in failed)
+    tests = {item["nodeid"].split("[", 1)[0] for item in items}
+    # the items of one parametrized test by their parameters (`zero_overlap`), others by their test's name
+    def name(item: dict) -> str:
+        test = item["nodeid"].rsplit("::", 1)[-1]
+        return test.split("[", 1)[1][:-1] if len(tests) == 1 and "[" in test else test
+    failed = [item for item in items if item["outcome"] in ("failed", "unfinished")]  # unfinished: interrupted
     ran = [item for item in items if item["outcome"] == "passed"]
+    skipped = sorted({i["reason"] for i in items if i["outcome"] == "skipped"})
+    if failed:
+        word = "**failed**" if any(i["outcome"] == "failed" for i in failed) else "**did not finish**"
+        text = f"{word}: " + "; ".join(f"`{name(i)}`: {_short(i['reason'])}" + (f" ({_numbers(i)})" if _numbers(i)
+                                                                                      else "") for i in failed)
+        if ran:
+            text += "; passed: " + "; ".join(f"`{name(i)}`" + (f": {_numbers(i)}" if _numbers(i) else "") for i in ran)
+        return text.replace("|", "\\|")  # a table cell's pipes
     if not ran:
-        return "skipped: " + "; ".join(sorted({i["reason"] for i in items}))
+        return "skipped: " + "; ".join(skipped)
     text = "**passed**" if len(ran) == len(items) else f"**passed** ({len(ran)} of {len(items)} items; the rest " \
-        f"skipped: {'; '.join(sorted({i['reason'] for i in items if i['outcome'] == 'skipped'}))})"
-    numbers = []
-    for item in ran:
-        shown = {k: v for k, v in item["numbers"].items() if k not in _VERSIONS}
-        if shown:
-            numbers.append((f"`{name(item)}`: " if len(ran) > 1 else "")
-                           + ", ".join(f"{k} {_value(v)}" for k, v in shown.items()))
-    return (text + (": " + "; ".join(numbers) if numbers else "")).replace("|", "\\|")  # a table cell's pipes
+        f"skipped: {'; '.join(skipped)})"
+    numbers = [(f"`{name(i)}`: " if len(ran) > 1 else "") + _numbers(i) for i in ran if _numbers(i)]
+    return (text + (": " + "; ".join(numbers) if numbers else "")).replace("|", "\\|")
 
 
 def _hardware(machine: dict, items: list[dict]) -> str:
@@ -73,21 +88,26 @@ def _hardware(machine: dict, items: list[dict]) -> str:
 
 
 def rows(results: list[dict], only: list[int] | None = None) -> list[str]:
-    """The table's rows; a row that several results files hold comes from the last of them."""
-    by_row: dict[int, tuple[dict, list[dict]]] = {}
+    """The table's rows: each row's items, each from the last file that ran it."""
+    by_row: dict[int, dict[str, tuple[dict, dict]]] = {}
     for data in results:
-        mine: dict[int, list[dict]] = {}
         for item in data["items"]:
             for row in item["rows"]:
-                mine.setdefault(int(row), []).append(item)
-        by_row.update({row: (data["machine"], items) for row, items in mine.items()})
+                mine = by_row.setdefault(int(row), {})
+                before = mine.get(item["nodeid"])
+                if before is None or item["outcome"] != "skipped" or before[1]["outcome"] == "skipped":
+                    mine[item["nodeid"]] = (data["machine"], item)
     out = []
     for row in sorted(by_row):
         if only and row not in only:
             continue
-        machine, items = by_row[row]
+        pairs = [by_row[row][nodeid] for nodeid in sorted(by_row[row])]
+        items = [item for _, item in pairs]
+        ran = [machine for machine, item in pairs if item["outcome"] != "skipped"] or [m for m, _ in pairs]
+        machine = max(ran, key=lambda m: (m.get("gpu_count") or 0, str(m.get("date"))))
+        dates = " and ".join(sorted({str(m.get("date")) for m in ran}))
         claim = next((i["claims"][str(row)] for i in items if str(row) in i.get("claims", {})), "(no claim recorded)")
-        out.append(f"| {row} | {claim} | {_result(items)} | {_hardware(machine, items)} | {machine.get('date')} | "
+        out.append(f"| {row} | {claim} | {_result(items)} | {_hardware(machine, items)} | {dates} | "
                    f"`pytest -m gpu tests/gpu --validates {row}` |")
     return out
 

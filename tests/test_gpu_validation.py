@@ -101,19 +101,62 @@ def test_the_results_file_records_each_row_item_and_renders_as_the_page_table(py
     assert _render(path, "--row", "902").stdout.count("| 90") == 1
 
 
-def test_results_of_several_slices_render_together_each_row_from_the_last_file_that_has_it(pytester):
+def test_results_of_several_slices_render_together_each_item_from_the_last_file_that_ran_it(pytester):
     first, second = pytester.path / "a.json", pytester.path / "b.json"
     _session(pytester, "--gpu-results", str(first))
     _session(pytester, "--gpu-results", str(second), "--validates", "901", "--gpu-repeat", "7")
     data = json.loads(second.read_text())
     data["machine"]["date"] = "2099-01-02"
+    ran_before = next(i for i in json.loads(first.read_text())["items"] if i["nodeid"].endswith("test_runs_here"))
+    data["items"].append(dict(ran_before, outcome="skipped", reason="a host without it"))  # skipped later: kept
     second.write_text(json.dumps(data))
     rendered = _render(first, second)
     assert rendered.returncode == 0, rendered.stderr
     table = {line.split(" | ")[0]: line for line in rendered.stdout.splitlines()[2:]}
     assert sorted(table) == ["| 901", "| 902", "| 903"]
     assert "runs 7" in table["| 901"] and "2099-01-02" in table["| 901"]
-    assert "2099-01-02" not in table["| 902"] and "**failed**" in table["| 903"]
+    assert "2099-01-02" not in table["| 902"] and "**passed** (1 of 3 items" in table["| 902"]
+    assert "a host without it" not in table["| 902"] and "**failed**" in table["| 903"]
+
+
+STOPPED = """
+import pytest
+
+CLAIMS = {905: "A claim whose check was stopped"}
+
+
+@pytest.mark.validates(905)
+def test_done(gpu_result):
+    gpu_result.record("count", 3)
+
+
+@pytest.mark.validates(905)
+def test_failed_after_measuring(gpu_result):
+    gpu_result.record("count", 1)
+    assert 1 == 3
+
+
+@pytest.mark.validates(905)
+def test_stopped(gpu_result):
+    gpu_result.record("count", 2)
+    raise KeyboardInterrupt  # as a session stopped from outside mid-test
+"""
+
+
+def test_a_test_the_session_stopped_in_is_not_recorded_as_passed_and_a_failure_keeps_its_numbers(pytester):
+    pytester.makeconftest((GPU / "conftest.py").read_text(encoding="utf-8"))
+    pytester.makeini("[pytest]\nmarkers =\n    gpu(count=1): a GPU item\n    validates(N): a validation row\n")
+    pytester.makepyfile(test_stopped=STOPPED)
+    path = pytester.path / "r.json"
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpu-results", str(path))
+    items = {i["nodeid"].rsplit("::", 1)[1]: i for i in json.loads(path.read_text())["items"]}
+    assert items["test_stopped"]["outcome"] == "unfinished" and items["test_done"]["outcome"] == "passed"
+    row = _render(path).stdout.splitlines()[2]
+    assert "| **failed**: `test_failed_after_measuring`: assert 1 == 3 (count 1); `test_stopped`: the session ended " \
+           "before its test did; passed: `test_done`: count 3 |" in row, row
+    items.pop("test_failed_after_measuring")
+    path.write_text(json.dumps(dict(json.loads(path.read_text()), items=list(items.values()))))
+    assert "| **did not finish**: `test_stopped`: " in _render(path).stdout
 
 
 def test_validates_selects_rows_and_a_gpu_session_writes_under_OUT(pytester, monkeypatch):
@@ -208,3 +251,18 @@ def test_xdist_workers_each_see_their_own_gpus_and_the_controller_writes_every_l
     wide = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "3", "--gpus-per-worker", "2")
     assert wide.ret == 4  # usage error
     wide.stderr.fnmatch_lines(["*--gpus-per-worker 2 with -n 3 needs 6 GPUs, this host has 4*"])
+
+
+def test_the_validation_page_s_gpu_rows_are_rendered_from_the_kept_results_or_listed_as_older():
+    """The page's GPU rows are what scripts/render_validation.py makes of docs/evidence/gpu-results/ (their file names
+    sort by date); a GPU row not in those files is one the page lists as run before them, and no listed row has one."""
+    page = (ROOT / "docs" / "validation.md").read_text(encoding="utf-8")
+    files = sorted((ROOT / "docs" / "evidence" / "gpu-results").glob("*.json"))
+    done = _render(*files)
+    assert done.returncode == 0, done.stderr
+    rendered = {int(line.split(" | ")[0][2:]): line for line in done.stdout.splitlines()[2:]}
+    lines = set(page.splitlines())
+    assert {row: line for row, line in rendered.items() if line not in lines} == {}
+    older = page.split("## GPU rows from runs before the results files", 1)[1].split("\n## ", 1)[0]
+    listed = {int(n) for n in re.search(r"written from their runs' logs: ([\d,\s]+)\.", older).group(1).split(",")}
+    assert sorted(set(_claims()) - set(rendered)) == sorted(listed)

@@ -176,8 +176,8 @@ class _Recorder:
         if _ROWS not in props:
             return
         record = self.records.setdefault(report.nodeid, {
-            "nodeid": report.nodeid, **props[_ROWS], "outcome": "passed", "reason": "", "duration_s": 0.0,
-            "numbers": {}})
+            "nodeid": report.nodeid, **props[_ROWS], "outcome": "unfinished", "reason": "the session ended before "
+            "its test did", "duration_s": 0.0, "numbers": {}})
         record["duration_s"] = round(record["duration_s"] + report.duration, 3)
         for key, value in report.user_properties:
             if key == _NUMBER:
@@ -185,6 +185,8 @@ class _Recorder:
         if report.failed:
             record["outcome"] = "failed"
             record["reason"] = _reason(report)[:300]
+        elif report.when == "call" and report.passed and record["outcome"] == "unfinished":
+            record["outcome"], record["reason"] = "passed", ""
         elif report.skipped and record["outcome"] != "failed":
             record["outcome"] = "skipped"
             longrepr = report.longrepr

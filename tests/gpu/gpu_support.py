@@ -21,9 +21,15 @@ PYTEST = [PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly",
 
 
 def run(args: list[str], *, timeout: float, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
-    """A subprocess with stdout and stderr merged, as text; the environment is this one's plus `env`."""
-    return subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})}, cwd=cwd or ROOT)
+    """A subprocess with stdout and stderr merged, as text; the environment is this one's plus `env`. One that runs
+    past `timeout` fails the test in one line (the results file keeps it as the row's reason), with its output's end."""
+    try:
+        return subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})}, cwd=cwd or ROOT)
+    except subprocess.TimeoutExpired as exc:
+        tail = (exc.output or b"")[-3000:]
+        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        pytest.fail(f"{' '.join(str(a) for a in args[-3:])} ran past {timeout:g} s\n{tail}", pytrace=False)
 
 
 def counts(output: str) -> dict[str, int]:

@@ -42,17 +42,18 @@ def test_each_repro_is_confirmed_on_gpus_agreeing_with_its_referee(request, tmp_
     assert data["returncode"] == 0 and set(runs) == {"unpatched", "patched"}, gist(data["output"])
     unpatched, patched = runs["unpatched"], runs["patched"]
     said = [c["line"] for c in unpatched["confirmations"]]
-    # a bug whose evidence is a buffer's lifetime (DeepSpeed #8036) has no race to force: its referee stands alone
-    agrees = None if registry.get(name).relevant is None else True
-    assert unpatched["verdict"] == "reproduced" and unpatched["confirmed"]["agrees"] is agrees, (unpatched["confirmed"],
-                                                                                                said)
-    assert patched["verdict"] == "clean" and patched["confirmed"]["agrees"] is agrees, patched["confirmed"]
+    # the numbers first: a failing item's row says them too
     gpu_result.record("unpatched", unpatched["confirmed"]["summary"])
     gpu_result.record("confirmations", said)
     gpu_result.record("run s", round(unpatched["seconds"], 1))
     gpu_result.record("confirmation s", round(unpatched["confirmed"]["seconds"], 1))
     gpu_result.record("hold ms", [c.get("delay_ms") for c in unpatched["confirmations"] if "delay_ms" in c])
     gpu_result.record("lead ms", [c.get("lead_ms") for c in unpatched["confirmations"] if "lead_ms" in c])
+    # a bug whose evidence is a buffer's lifetime (DeepSpeed #8036) has no race to force: its referee stands alone
+    agrees = None if registry.get(name).relevant is None else True
+    assert unpatched["verdict"] == "reproduced" and unpatched["confirmed"]["agrees"] is agrees, (unpatched["confirmed"],
+                                                                                                said)
+    assert patched["verdict"] == "clean" and patched["confirmed"]["agrees"] is agrees, patched["confirmed"]
 
 
 @pytest.mark.validates(49)

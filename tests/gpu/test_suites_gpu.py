@@ -19,8 +19,8 @@ CLAIMS = {
 }
 
 
-def _suite(gpu_result, *args: str, env: dict | None = None) -> dict[str, int]:
-    done = run([*PYTEST, "-n", "0", "-q", *args], timeout=600, env=env)
+def _suite(gpu_result, *args: str, env: dict | None = None, workers: int = 0) -> dict[str, int]:
+    done = run([*PYTEST, "-n", str(workers), "-q", *args], timeout=1200, env=env)
     got = counts(done.stdout)
     gpu_result.record("outcomes", ", ".join(f"{n} {k}" for k, n in got.items()))
     assert got.get("passed") and not (got.get("failed") or got.get("error")), done.stdout[-4000:]
@@ -36,14 +36,15 @@ def test_launcher_and_torchrun_sessions_on_nccl(gpu_result):
 @pytest.mark.gpu
 @pytest.mark.validates(21, 33)
 def test_cuda_and_thread_model_unit_tests_with_the_capture_built_here(gpu_result, request):
-    """Row 21's files (virtual, cuda backend, capture) are part of row 33's: one session serves both. The thread
-    rank twins import torch's test utilities, which need expecttest (a carried wheel on a GPU host)."""
+    """Row 21's files (virtual, cuda backend, capture) are part of row 33's: one session serves both, in 4 xdist
+    workers as CI runs them in 2 (one process took over 10 minutes beside other GPU checks). The thread rank twins
+    import torch's test utilities, which need expecttest (a carried wheel on a GPU host)."""
     built = run([PYTHON, "-c", "from pytest_streamrace.detector import capture as c; e = c.load(); "
                  "print('built:', e is not None, c.failure() if e is None else '')"], timeout=600)
     assert "built: True" in built.stdout, built.stdout[-3000:]
     _suite(gpu_result, "tests/test_virtual.py", "tests/test_cuda_backend.py", "tests/test_capture.py",
            "tests/test_hb.py", "tests/test_thread_handoffs.py", "tests/test_threads.py",
-           "tests/test_hb_differential.py", env=framework_env(request.config, expecttest=None))
+           "tests/test_hb_differential.py", env=framework_env(request.config, expecttest=None), workers=4)
 
 
 @pytest.mark.gpu
