@@ -30,6 +30,7 @@ import torch
 
 from .frames import thread_origin
 from .hb import RAW, WAR, WAW
+from .midway import MidwaySample
 
 MAIN = "main"
 # Writes whose bytes do not depend on what was there: on a GPU, what they leave is what an ordered run leaves too.
@@ -119,6 +120,7 @@ class ForcedOrder:
         self.candidates: dict[int, tuple] = {}  # storage ptr -> (bytes view, snapshot) at the earlier access
         self.ordered = self.forced = None  # snapshots: what the access saw (or left) in each order
         self.events = None
+        self.midway: MidwaySample | None = None  # every thread's place halfway through the hold (cuda)
         self.host = {}
         self.problem: str | None = None
         self.unwritten = False
@@ -190,6 +192,7 @@ class ForcedOrder:
             self.events[2].record(stream)
             torch.cuda._sleep(cycles)
             self.events[0].record(stream)
+            self.midway = MidwaySample(self.delay_ms / 2000.0)  # where the host is, should it wait the hold out
         for entry in self.candidates.values():
             # right before the earlier access (on a GPU, once the hold is over): what a held-back write has not
             # written yet when the read runs (RAW), what a held-back read sees once the write went first (WAR)
@@ -230,6 +233,8 @@ class ForcedOrder:
 
     def _later_before(self, inputs, outputs) -> None:
         self.host["later"] = time.perf_counter()
+        if self.midway is not None:
+            self.midway.cancel()  # issued before halfway: nothing waited out the hold
         found = self._shared(inputs)
         if found is None:
             return
@@ -336,7 +341,15 @@ class ForcedOrder:
         return dict(out, status="not-tried", host_waited=True,
                     reason=f"the host waited out {whose or 'the '}{self.delay_ms:g} ms hold before it issued the later "
                            f"access ({out['host_gap_ms']:.1f} ms after {since}): something between the two "
-                           f"synchronizes with {held}, so no hold inverts them")
+                           f"synchronizes with {held}, so no hold inverts them" + self._where_waited(out))
+
+    def _where_waited(self, out: dict) -> str:
+        """Where the threads were halfway through the hold: the call that waited it out is among them."""
+        places = self.midway.places if self.midway is not None else None
+        if not places:
+            return ""
+        out["threads_midway"] = places
+        return "; halfway through the hold, " + ", ".join(places)
 
     def _not_inverted(self, out: dict, lead: float) -> dict:
         """Not tried: the later access ran after the held one anyway. Says how long the held stream slept and how long
@@ -352,7 +365,8 @@ class ForcedOrder:
             why += f", and its own call took {call_ms:.1f} ms: it waited for the held stream inside"
         if slept < 0.5 * self.delay_ms:
             why += f"; the held stream slept {slept:.1f} ms of the {self.delay_ms:g} asked"
-        return dict(out, status="not-tried", reason=why + ")")
+        # issued after halfway through the hold: where the host was then
+        return dict(out, status="not-tried", reason=why + ")" + self._where_waited(out))
 
     def _never_reached(self, missing: list[str]) -> str:
         """Why a side was not found: where it was looked for, and what ran there instead (the op counts differ)."""
@@ -366,6 +380,8 @@ class ForcedOrder:
 
     def result(self, dtype: str | None = None) -> dict:
         """What the forced run saw: status "forced" with the values, or "not-tried" with the reason."""
+        if self.midway is not None:
+            self.midway.cancel()
         out: dict = {"kind": self.kind, "held": "earlier", "backend": "cuda" if self.cuda else "virtual"}
         if self.cuda:
             out["delay_ms"] = self.delay_ms

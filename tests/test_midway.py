@@ -1,0 +1,76 @@
+"""Where the threads are halfway through a forced run's hold: the line a confirmation adds when the host waited a hold
+out, so that the call that synchronizes with the held stream is named."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from pytest_streamrace.detector.forced_order import ForcedOrder
+from pytest_streamrace.detector.midway import MidwaySample, thread_places
+
+
+def blocked_in_here(release: threading.Event) -> None:
+    release.wait()  # the thread's innermost frame outside the standard library is this line
+
+
+def _blocked_thread():
+    release = threading.Event()
+    thread = threading.Thread(target=blocked_in_here, args=(release,), name="stager")
+    thread.start()
+    time.sleep(0.05)
+    return thread, release
+
+
+def test_a_blocked_thread_is_found_at_its_own_call_and_the_main_thread_comes_first():
+    thread, release = _blocked_thread()
+    try:
+        places = thread_places()
+    finally:
+        release.set()
+        thread.join()
+    assert places[0].startswith("thread 'MainThread' at ") and "test_midway.py" in places[0]
+    stager = [p for p in places if p.startswith("thread 'stager'")]
+    line = blocked_in_here.__code__.co_firstlineno + 1
+    assert stager == [f"thread 'stager' at {__file__}:{line} in blocked_in_here (in wait, threading.py)"], places
+    assert not [p for p in thread_places(skip=threading.main_thread().ident) if "MainThread" in p]
+
+
+def test_a_sample_is_taken_once_its_time_comes_and_not_when_cancelled_first():
+    thread, release = _blocked_thread()
+    try:
+        taken = MidwaySample(0.05)
+        deadline = time.monotonic() + 5
+        while taken.places is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        release.set()
+        thread.join()
+    assert any("in blocked_in_here" in p for p in taken.places)
+    assert not any(p.endswith("no Python frame") for p in taken.places)  # the sampler's own (all its frames ours)
+    cancelled = MidwaySample(0.2)
+    cancelled.cancel()
+    cancelled.cancel()  # twice: harmless
+    time.sleep(0.4)
+    assert cancelled.places is None
+
+
+def test_a_hold_the_host_waited_out_says_where_the_threads_were_halfway_through_it():
+    side = {"ordinal": 3, "op": "aten::addcdiv_", "rw": "write", "start": 0, "end": 64}
+    forced = ForcedOrder("read-after-write", side, dict(side, op="aten::copy_", rw="read"), "cuda")
+    out = forced._waited_out({"host_gap_ms": 210.0}, "", "the held one", "the held stream")
+    assert out["reason"].endswith("so no hold inverts them")  # nothing sampled: nothing said
+    thread, release = _blocked_thread()
+    try:
+        forced.midway = MidwaySample(0.0)
+        deadline = time.monotonic() + 5
+        while forced.midway.places is None and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        release.set()
+        thread.join()
+    out = forced._waited_out({"host_gap_ms": 210.0}, "", "the held one", "the held stream")
+    assert out["status"] == "not-tried" and out["host_waited"] is True
+    said = out["reason"].split("so no hold inverts them; halfway through the hold, ", 1)[1]
+    assert said.startswith("thread 'MainThread' at ") and "thread 'stager' at " in said and "blocked_in_here" in said
+    assert out["threads_midway"] == forced.midway.places
