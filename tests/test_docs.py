@@ -80,3 +80,14 @@ def test_nothing_dates_itself_by_work_sessions_or_cites_this_projects_issues():
             if DATED.search(line) or bare:
                 found.append(f"{path.relative_to(ROOT)}:{n}: {line.strip()[:100]}")
     assert found == []
+
+
+def test_each_number_the_readme_links_to_the_validation_page_is_the_page_s():
+    """The README's headline numbers ([1.14×](docs/validation.md#what-it-costs)) are the page's own: a number that
+    moved on the page and not in the README fails here."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    page = (ROOT / "docs" / "validation.md").read_text(encoding="utf-8")
+    linked = re.findall(r"\[([^\]]*\d[^\]]*)\]\(docs/validation\.md[#)]", readme)
+    assert len(linked) >= 10, linked
+    numbers = {text: re.search(r"\d+(?:\.\d+)?(?:×|/\d+)?", text).group(0) for text in linked}
+    assert {text: n for text, n in numbers.items() if n not in page} == {}
