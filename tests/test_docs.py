@@ -91,3 +91,16 @@ def test_each_number_the_readme_links_to_the_validation_page_is_the_page_s():
     assert len(linked) >= 10, linked
     numbers = {text: re.search(r"\d+(?:\.\d+)?(?:×|/\d+)?", text).group(0) for text in linked}
     assert {text: n for text, n in numbers.items() if n not in page} == {}
+
+
+def test_every_kept_evidence_file_is_cited_by_a_page():
+    """docs/evidence/ keeps only what a page cites (the file itself, or its folder)."""
+    evidence = ROOT / "docs" / "evidence"
+    text = "\n".join(p.read_text(encoding="utf-8") for p in PAGES)
+    uncited = []
+    for path in sorted(p for p in evidence.rglob("*") if p.is_file()):
+        named = path.relative_to(ROOT / "docs")
+        folders = [f"{p}/" for p in named.parents if p.name and p != Path("evidence")]
+        if not any(str(part) in text for part in (named, *folders)):
+            uncited.append(str(named))
+    assert uncited == []

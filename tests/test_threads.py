@@ -5,8 +5,6 @@ before the test (a pool's worker, a module fixture's thread) are checked in the 
 
 import re
 
-import pytest
-
 USER_THREADS = """
 import queue
 import threading
@@ -206,7 +204,7 @@ def test_work_on_other_threads_is_checked(pytester):
     result.stdout.fnmatch_lines([
         "*_ TestRanks.test_read_before_the_async_collective_is_waited _*",
         "stream race: read-after-write*",
-        f"*earlier*write*all_reduce*on communication stream of rank ? in threaded process group*",
+        "*earlier*write*all_reduce*on communication stream of rank ? in threaded process group*",
         f"*later*read*aten::sum*on default stream*at {ranks}:{early}*",
     ])
     result.stdout.fnmatch_lines([
@@ -233,9 +231,11 @@ def test_a_forced_run_matches_python_s_default_thread_names_without_their_count(
     assert stable_name("reducer") == "reducer" and stable_name("MyThread-3") == "MyThread-3"
 
 
-def check_thread_races_confirmed(pytester, backend: str) -> None:
+def check_thread_races_confirmed(pytester, backend: str) -> str:
+    """The racy twins on threads, confirmed; the summary's confirmations line."""
     pytester.makepyfile(test_user_threads=USER_THREADS)
     result = pytester.runpytest_subprocess("--streamrace", f"--streamrace-backend={backend}", "--streamrace-confirm",
                                            "-p", "no:cacheprovider")
     result.assert_outcomes(passed=4, failed=4)
     result.stdout.fnmatch_lines(["streamrace confirmations: 4 confirmed, 0 not confirmed, 0 not tried*"])
+    return next(line for line in result.outlines if line.startswith("streamrace confirmations: "))

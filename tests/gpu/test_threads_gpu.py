@@ -27,22 +27,25 @@ TWINS = _cpu_twins()
 
 
 @pytest.mark.parametrize("latent", ["report", "fail"])
-def test_syncs_and_handoffs_on_threads_on_real_streams(pytester, latent):
+def test_syncs_and_handoffs_on_threads_on_real_streams(pytester, latent, gpu_result):
     pytester.makepyfile(test_handoffs=TWINS.CASES)
     result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=cuda",
                                            f"--streamrace-latent={latent}", "-p", "no:cacheprovider", "-q")
-    result.assert_outcomes(passed=6 + 1 + 11 * 3 + 5 + 1)
+    twins = 6 + 1 + 11 * 3 + 5 + 1
+    result.assert_outcomes(passed=twins)
+    gpu_result.record("twins right", f"{twins} of {twins}")
 
 
-def test_races_on_library_threads_name_a_frame_and_the_thread_on_real_streams(pytester):
+def test_races_on_library_threads_name_a_frame_and_the_thread_on_real_streams(pytester, gpu_result):
     pytester.makepyfile(test_library_threads=TWINS.LIBRARY_THREADS)
     result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=cuda", "-p", "no:cacheprovider")
     result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines(["*on thread 'stager_0', work submitted at test_library_threads.py:*"])
     result.stdout.fnmatch_lines(["*on thread 'copier', started at test_library_threads.py:*"])
+    gpu_result.record("named", "'stager_0' (work submitted), 'copier' (started)")
 
 
-def test_races_on_other_threads_are_confirmed_on_real_streams(pytester):
+def test_races_on_other_threads_are_confirmed_on_real_streams(pytester, gpu_result):
     import test_threads
 
-    test_threads.check_thread_races_confirmed(pytester, "cuda")
+    gpu_result.record("summary", test_threads.check_thread_races_confirmed(pytester, "cuda"))
