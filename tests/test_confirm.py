@@ -464,7 +464,7 @@ def test_a_hold_the_host_waited_out_is_not_tried_longer_and_a_gpu_re_run_loads_i
     first launch waits for the held stream), and connects its NCCL peers as each communicator is made (unless the user
     set NCCL otherwise)."""
     from pytest_streamrace.detector.forced_order import host_waited
-    from pytest_streamrace.races.confirm import MAX_HOLD_MS, _longer_hold, forcing_environ
+    from pytest_streamrace.races.confirm import MAX_HOLD_MS, _grew_with_hold, _longer_hold, forcing_environ
 
     assert host_waited(200.0, 200.1) and host_waited(10_000.0, 10_003.2)
     assert not host_waited(200.0, 735.0) and not host_waited(200.0, 17.7)
@@ -473,6 +473,18 @@ def test_a_hold_the_host_waited_out_is_not_tried_longer_and_a_gpu_re_run_loads_i
     assert _longer_hold(slow) == 2 * (735.0 + 200.0)
     assert _longer_hold(dict(slow, host_gap_ms=200.1, host_waited=True)) is None
     assert _longer_hold(dict(slow, delay_ms=MAX_HOLD_MS)) is None
+    # a gap that grows with the hold: the host waits for the held stream, whatever the hold (no third try)
+    second = dict(slow, delay_ms=1870.0, host_gap_ms=2390.0)
+    waited = _grew_with_hold(slow, dict(second))
+    assert waited["host_waited"] and _longer_hold(waited) is None
+    assert waited["reason"].startswith("the host's gap between the two accesses grew with the hold (735 ms at a 200 ms "
+                                       "hold, 2390 ms at 1870 ms): something between the two waits for the held "
+                                       "stream, so no hold inverts them (a 200 ms hold did not invert the order")
+    merely_slow = _grew_with_hold(slow, dict(second, host_gap_ms=760.0))  # the same slow host, not waiting
+    assert "host_waited" not in merely_slow and _longer_hold(merely_slow) == 2 * (760.0 + 1870.0)
+    assert _grew_with_hold(None, dict(second)) == second
+    assert _grew_with_hold(slow, {"status": "confirmed", "delay_ms": 1870.0, "host_gap_ms": 2390.0}).get(
+        "host_waited") is None
     assert forcing_environ({"CUDA_MODULE_LOADING": "LAZY"}, "cuda") == {"CUDA_MODULE_LOADING": "EAGER",
                                                                          "NCCL_RUNTIME_CONNECT": "0"}
     assert forcing_environ({"NCCL_RUNTIME_CONNECT": "1"}, "cuda")["NCCL_RUNTIME_CONNECT"] == "1"

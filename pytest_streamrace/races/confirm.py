@@ -170,14 +170,15 @@ class Confirmer:
                 results[k] = {"status": NOT_TRIED, "reason": "the race did not show in a fresh process with the same "
                                                               "seeds"}
                 continue
+            before = None
             while True:
                 forced, problem = self._run(item, dict(forcing, mode="force", backend=backend))
                 result = verdict(forcing.get("plan") or next(iter(forcing["plans"].values())), forced, problem,
                                  outcome)
-                longer = _longer_hold(result)
+                longer = _longer_hold(_grew_with_hold(before, result))
                 if longer is None:
                     break
-                forcing = _held_longer(forcing, longer)
+                before, forcing = result, _held_longer(forcing, longer)
             result["seconds"] = round(time.perf_counter() - one, 3)
             results[k] = result
         total = round(time.perf_counter() - started, 3)
@@ -222,6 +223,26 @@ def _longer_hold(result: dict) -> float | None:
     short = (result["status"] == NOT_TRIED and "did not invert" in str(result.get("reason"))) or \
         (result["status"] == NOT_CONFIRMED and result.get("held_by") and gap > delay / 2)
     return min(MAX_HOLD_MS, 2 * (gap + delay)) if short else None
+
+
+def _grew_with_hold(before: dict | None, result: dict) -> dict:
+    """`result`, marked `host_waited` where the host's gap between the two accesses grew by about as much as the hold
+    did since the try `before`: something between them waits for the held stream, every time, so a longer hold only
+    makes it wait longer. Said as the reason, with both tries' numbers."""
+    if before is None or result.get("status") != NOT_TRIED or result.get("host_waited"):
+        return result
+    try:
+        added = result["delay_ms"] - before["delay_ms"]
+        grew = result["host_gap_ms"] - before["host_gap_ms"]
+    except (KeyError, TypeError):
+        return result
+    if added <= 0 or grew < 0.8 * added:
+        return result
+    result.update(host_waited=True, reason=(
+        f"the host's gap between the two accesses grew with the hold ({before['host_gap_ms']:.0f} ms at a "
+        f"{before['delay_ms']:g} ms hold, {result['host_gap_ms']:.0f} ms at {result['delay_ms']:g} ms): something "
+        f"between the two waits for the held stream, so no hold inverts them ({result.get('reason')})"))
+    return result
 
 
 def attach(report: pytest.TestReport, confirmed: tuple[list[str], float]) -> None:
