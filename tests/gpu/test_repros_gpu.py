@@ -9,8 +9,8 @@ from gpu_support import extensions_dir, framework_env, repro, verdicts
 
 CLAIMS = {
     13: "The repros on GPUs, numeric referee against a run without the overlap",
-    14: "The DeepSpeed repros, 20 runs each, with the referee's numbers",
-    15: "`megatron_instances`, 20 runs, 2 and 4 ranks",
+    14: "The DeepSpeed repros, repeated (`--gpu-repeat N` runs of each variant), with the referee's numbers",
+    15: "`megatron_instances`, repeated, on 2 ranks and, where the host has 4 GPUs, on 4",
     16: "`deepcompile_zero1` (DeepSpeed #8036, a buffer kept past its phase)",
 }
 
