@@ -44,7 +44,10 @@ class MidwaySample:
         self.places: list[str] | None = None
         self._cancel = _thread.allocate_lock()
         self._cancel.acquire()
-        _thread.start_new_thread(self._run, (after_s,))
+        try:
+            _thread.start_new_thread(self._run, (after_s,))
+        except RuntimeError:  # no thread to be had: the forced run goes on without the diagnostic
+            pass
 
     def _run(self, after_s: float) -> None:
         if not self._cancel.acquire(timeout=after_s):
