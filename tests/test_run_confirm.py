@@ -96,3 +96,42 @@ def test_without_races_nothing_runs_again(job):  # noqa: F811
     out = job("--backend", "virtual", "--confirm", "--", sys.executable, "script.py", "--clean")
     assert out.returncode == 0, out.stderr
     assert "confirm" not in out.stderr
+
+
+def _gpu_race(rank: int) -> dict:
+    """A race record as a GPU run of a 2-rank program writes it (the ops' places on their threads)."""
+    side = {"stream": "default stream", "start": 0, "end": 64, "tensor": {"name": "w", "shape": [16], "dtype": "float32"},
+            "frames": [{"file": "/job/train.py", "line": 12, "function": "step"}]}
+    return {"kind": "read-after-write", "rank": rank,
+            "earlier": dict(side, op="aten::addcdiv_", rw="write", ordinal=83, seq=105),
+            "later": dict(side, op="aten::copy_", rw="read", ordinal=27, seq=140, stream="staging",
+                          frames=[{"file": "/job/train.py", "line": 20, "function": "stage"}])}
+
+
+def test_a_gpu_hold_too_short_is_tried_longer_and_stops_once_the_host_waits_for_it(monkeypatch):
+    """On GPUs a program's re-run follows the tests' hold policy: a hold shorter than the host's own time between the
+    two accesses is tried again longer, and not again once the host's gap grows with the hold. (The forced runs are
+    stood in for: this machine has no GPU to hold.)"""
+    import io
+
+    from pytest_streamrace.run import confirm as run_confirm
+
+    tries = []
+
+    def rerun(program, backend, variable, plans, limit, mask):
+        delay = plans["0"].get("delay_ms", 200.0)
+        tries.append({rank: plan.get("delay_ms") for rank, plan in plans.items()})
+        gap = 735.0 if len(tries) == 1 else delay + 520.0  # the second try: the host waited out the hold and more
+        forced = {"status": "not-tried", "reason": f"a {delay:g} ms hold did not invert the order", "delay_ms": delay,
+                  "host_gap_ms": gap}
+        return [{"rank": r, "forced": forced} for r in (0, 1)], 3, None, None
+
+    monkeypatch.setattr(run_confirm, "_rerun", rerun)
+    races = [_gpu_race(0), _gpu_race(1)]
+    run_confirm.confirm(["python", "train.py"], "cuda", "", races, 3, 10.0, set(), out=io.StringIO())
+    assert tries == [{"0": None, "1": None}, {"0": 2 * (735.0 + 200.0), "1": 2 * (735.0 + 200.0)}]
+    for data in races:
+        confirmation = data["confirmation"]
+        assert confirmation["status"] == "not-tried" and confirmation["host_waited"] is True
+        assert confirmation["reason"].startswith("the host's gap between the two accesses grew with the hold (735 ms "
+                                                 "at a 200 ms hold, 2390 ms at 1870 ms)")

@@ -175,10 +175,10 @@ class Confirmer:
                 forced, problem = self._run(item, dict(forcing, mode="force", backend=backend))
                 result = verdict(forcing.get("plan") or next(iter(forcing["plans"].values())), forced, problem,
                                  outcome)
-                longer = _longer_hold(_grew_with_hold(before, result))
+                longer = next_hold(before, [result])
                 if longer is None:
                     break
-                before, forcing = result, _held_longer(forcing, longer)
+                before, forcing = [result], _held_longer(forcing, longer)
             result["seconds"] = round(time.perf_counter() - one, 3)
             results[k] = result
         total = round(time.perf_counter() - started, 3)
@@ -223,6 +223,17 @@ def _longer_hold(result: dict) -> float | None:
     short = (result["status"] == NOT_TRIED and "did not invert" in str(result.get("reason"))) or \
         (result["status"] == NOT_CONFIRMED and result.get("held_by") and gap > delay / 2)
     return min(MAX_HOLD_MS, 2 * (gap + delay)) if short else None
+
+
+def next_hold(before: list[dict] | None, results: list[dict]) -> float | None:
+    """The hold for another forced run of a race whose last one gave `results` (one per record of it: a rank's; in
+    `before`, the run before it, in the same order), or None where there is to be none: none once a host waited for
+    the held stream, else the longest any asks. Each harness's re-runs of a race follow this."""
+    marked = [_grew_with_hold(b, r) for b, r in zip(before or [None] * len(results), results)]
+    if any(r.get("host_waited") for r in marked):
+        return None
+    asked = [hold for hold in map(_longer_hold, marked) if hold is not None]
+    return max(asked) if asked else None
 
 
 def _grew_with_hold(before: dict | None, result: dict) -> dict:
@@ -333,10 +344,15 @@ def _forcing(k: tuple, located: list[dict] | None) -> dict | None:
     return {"plan": own, "plans": plans} if plans else {"plan": own}
 
 
+def held_longer(plan: dict, delay_ms: float) -> dict:
+    """A forced run's plan with a longer hold."""
+    return dict(plan, delay_ms=delay_ms)
+
+
 def _held_longer(forcing: dict, delay_ms: float) -> dict:
-    out = {"plan": dict(forcing["plan"], delay_ms=delay_ms) if forcing.get("plan") else None}
+    out = {"plan": held_longer(forcing["plan"], delay_ms) if forcing.get("plan") else None}
     if "plans" in forcing:
-        out["plans"] = {rank: dict(plan, delay_ms=delay_ms) for rank, plan in forcing["plans"].items()}
+        out["plans"] = {rank: held_longer(plan, delay_ms) for rank, plan in forcing["plans"].items()}
     return out
 
 
