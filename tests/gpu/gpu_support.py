@@ -20,16 +20,31 @@ PYTHON = sys.executable
 PYTEST = [PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "--color=no"]
 
 
-def run(args: list[str], *, timeout: float, env: dict | None = None, cwd=None) -> subprocess.CompletedProcess:
-    """A subprocess with stdout and stderr merged, as text; the environment is this one's plus `env`. One that runs
+def run(args: list[str], *, timeout: float, env: dict | None = None, cwd=None, log=None) -> subprocess.CompletedProcess:
+    """A subprocess with stdout and stderr merged, as text; the environment is this one's plus `env`. With `log`, the
+    output goes to that file as it comes (a session stopped from outside leaves what the run had said). One that runs
     past `timeout` fails the test in one line (the results file keeps it as the row's reason), with its output's end."""
+    if log is not None:
+        os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
+    sink = open(log, "w", encoding="utf-8") if log is not None else subprocess.PIPE
     try:
-        return subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+        done = subprocess.run(args, stdout=sink, stderr=subprocess.STDOUT, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})}, cwd=cwd or ROOT)
+        if log is not None:
+            sink.close()
+            done.stdout = Path(log).read_text(encoding="utf-8", errors="replace")
+        return done
     except subprocess.TimeoutExpired as exc:
-        tail = (exc.output or b"")[-3000:]
-        tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
+        if log is not None:
+            sink.close()
+            tail = Path(log).read_text(encoding="utf-8", errors="replace")[-3000:]
+        else:
+            tail = (exc.output or b"")[-3000:]
+            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
         pytest.fail(f"{' '.join(str(a) for a in args[-3:])} ran past {timeout:g} s\n{tail}", pytrace=False)
+    finally:
+        if log is not None and not sink.closed:
+            sink.close()
 
 
 def counts(output: str) -> dict[str, int]:
@@ -109,9 +124,12 @@ def extensions_dir(dist: str, version: str) -> str:
 
 
 def repro(name: str, *args: str, config, timeout: float, env: dict | None = None, json_path=None) -> dict:
-    """`python -m pytest_streamrace.repro NAME --backend cuda ARGS --json PATH`: its JSON, exit status and output."""
+    """`python -m pytest_streamrace.repro NAME --backend cuda ARGS --json PATH`: its JSON, exit status and output
+    (also in `logs/` under $OUT as it runs, where OUT is set: a repro's progress outlives a stopped session)."""
+    log = os.path.join(os.environ["OUT"], "logs", f"{name}-{Path(json_path).parent.name}.log") \
+        if os.environ.get("OUT") else None  # (json_path: in the item's own tmp_path)
     done = run([PYTHON, "-m", "pytest_streamrace.repro", name, "--backend", "cuda", *args, "--json", str(json_path)],
-               timeout=timeout, env=env)
+               timeout=timeout, env=env, log=log)
     try:
         with open(json_path, encoding="utf-8") as f:
             data = json.load(f)
