@@ -464,7 +464,7 @@ def test_a_hold_the_host_waited_out_is_not_tried_longer_and_a_gpu_re_run_loads_i
     first launch waits for the held stream), and connects its NCCL peers as each communicator is made (unless the user
     set NCCL otherwise)."""
     from pytest_streamrace.detector.forced_order import host_waited
-    from pytest_streamrace.races.confirm import MAX_HOLD_MS, _grew_with_hold, _longer_hold, forcing_environ
+    from pytest_streamrace.races.confirmation import MAX_HOLD_MS, _grew_with_hold, _longer_hold, forcing_environ
 
     assert host_waited(200.0, 200.1) and host_waited(10_000.0, 10_003.2)
     assert not host_waited(200.0, 735.0) and not host_waited(200.0, 17.7)
@@ -500,7 +500,7 @@ def test_a_thread_python_did_not_start_has_its_own_place_in_a_forced_run():
 
     from pytest_streamrace.detector.forced_order import thread_key
     from pytest_streamrace.detector.hb import NATIVE_THREAD, Access, Op, Race, Site, TensorInfo
-    from pytest_streamrace.races.confirm import plan_of
+    from pytest_streamrace.races.confirmation import plan_of
     from pytest_streamrace.races.record import format_race, from_race, to_race
 
     keys = []
@@ -539,7 +539,7 @@ def test_a_hold_that_did_not_invert_says_how_long_it_slept_and_how_long_the_late
     a later call that waited out the hold inside it (for which a longer hold is not tried). The three timing events'
     GPU times stand in for a GPU here (this CPU machine has none): in ms, as ``elapsed_time`` gives them."""
     from pytest_streamrace.detector import forced_order
-    from pytest_streamrace.races.confirm import _longer_hold, verdict
+    from pytest_streamrace.races.confirmation import _longer_hold, verdict
 
     class At:
         def __init__(self, ms: float):

@@ -23,7 +23,7 @@ Under ``streamrace run --confirm``, and in ``--streamrace-confirm``'s re-runs of
 processes it started, the program (the test) runs again with ``STREAMRACE_CONFIRM`` set (the race to force, per rank):
 each followed process arms the plans on its detector when that starts (or when it is forked, by a process that had no
 rank yet: a forkserver, a pool), uses its rank's once the capture reaches one of their ops, and writes what the forced
-order changed to the instruction's folder when it ends (``races.confirm.ConfirmRun``).
+order changed to the instruction's folder when it ends (``races.confirm_run.ConfirmRun``).
 
 Opting out: ``STREAMRACE_SUBPROCESS=0`` (or removing the variable) in a child's environment. Nothing here may raise into
 the child: what fails is dropped (a broken child file only loses that child's races).
@@ -52,7 +52,7 @@ class _State:
     trace_written = False
     rank: int | None = None  # the last rank the process group gave (it is gone after destroy_process_group)
     reported: set = set()  # (test, race key) written: a pool worker forgets races between tasks, not per test
-    confirm = None  # races.confirm.ConfirmRun: this process forces a race for streamrace run --confirm
+    confirm = None  # races.confirm_run.ConfirmRun: this process forces a race for streamrace run --confirm
 
 
 _state = _State()
@@ -200,7 +200,7 @@ def _arm_confirmation(detector) -> None:
         return
     try:
         from .. import checks
-        from ..races.confirm import ConfirmRun
+        from ..races.confirm_run import ConfirmRun
 
         instruction = checks.confirm_run(raw)
         if not instruction.get("plans"):

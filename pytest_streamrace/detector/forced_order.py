@@ -17,7 +17,7 @@ run and in the forced one, both taken in this same run.
   after it (unless the read's op wrote them itself). A read before a write (WAR) and two writes (WAW) are observed:
   the bytes the read would have seen, or that would have been left, with the other order.
 
-The result is a plain dict (JSON-able), read by the pytest side (``races/confirm.py``).
+The result is a plain dict (JSON-able), read by the harness that re-ran the test or program (``races/confirmation.py``).
 """
 
 from __future__ import annotations

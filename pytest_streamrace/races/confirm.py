@@ -13,16 +13,14 @@ A race's confirmation is a dict on its record (``confirmation``): ``status`` "co
 under the forced order, or the test's outcome does), "not-confirmed" (the same values in the forced run: the race
 cannot change what this test computes), or "not-tried" with the ``reason``; the numbers; and how long it took.
 
-``streamrace run --confirm`` shares the re-run's side (``ConfirmRun``, armed in each followed process by
-``children.child``) and the verdict (``plan_of``, ``verdict``, ``describe``); so this module imports pytest only for
-its annotations: a followed process of a user's program must not pay for it.
+This module is the parent's side; the re-run's is ``races.confirm_run``, and what both harnesses share (the plans,
+the holds, the verdict) ``races.confirmation``.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import subprocess
 import sys
@@ -32,6 +30,8 @@ from typing import TYPE_CHECKING
 
 from .. import env
 from . import record as records_
+from .confirmation import (NOT_TRIED, describe, forcing_environ, forcing_for, forcing_held_longer, next_hold,
+                           read_files, verdict, why_not)
 
 if TYPE_CHECKING:
     import pytest
@@ -40,33 +40,7 @@ if TYPE_CHECKING:
 # progress lines are the original run's.
 _NOT_INHERITED = (env.SUBPROCESS, env.RANK_SPEC, env.PROGRESS, "PYTEST_XDIST_WORKER", "PYTEST_XDIST_WORKER_COUNT",
                   "PYTEST_XDIST_TESTRUNUID", "PYTEST_CURRENT_TEST")
-_FORCED = {"read-after-write", "write-after-read", "write-after-write"}
-CONFIRMED, NOT_CONFIRMED, NOT_TRIED = "confirmed", "not-confirmed", "not-tried"
 
-
-def forcing_environ(environ: dict, backend: str) -> dict:
-    """A forced re-run's environment, where it has no warm-up pass (a distributed item's ranks, a program's processes).
-    CUDA loads a kernel's module at the kernel's first launch (torch asks for lazy loading), and a load may synchronize
-    the context: the first launch of the later access's kernel then blocks the host until the held stream's sleep is
-    over, and the later access can never go first. On GPUs such a re-run loads every module as its context is made.
-    NCCL (2.22 on) connects a communicator's peers at its first collective, not as it is made: where that first
-    collective is the later access, its setup is work of the same kind, so the re-run's communicators connect as they
-    are made (unless the user set otherwise)."""
-    if backend == "cuda":
-        environ["CUDA_MODULE_LOADING"] = "EAGER"
-        environ.setdefault("NCCL_RUNTIME_CONNECT", "0")
-    return environ
-
-
-def seed_everything(seed: int = 0) -> None:
-    """The same generators' states in every re-run of a test."""
-    random.seed(seed)
-    numpy = sys.modules.get("numpy")
-    if numpy is not None:
-        numpy.random.seed(seed)
-    torch = sys.modules.get("torch")
-    if torch is not None:
-        torch.manual_seed(seed)
 
 
 # ---- the parent: re-running a test
@@ -165,7 +139,7 @@ class Confirmer:
                 tryable = {}
         for k, data in tryable.items():
             one = time.perf_counter()
-            forcing = _forcing(k, located)
+            forcing = forcing_for(k, located)
             if forcing is None:
                 results[k] = {"status": NOT_TRIED, "reason": "the race did not show in a fresh process with the same "
                                                               "seeds"}
@@ -178,7 +152,7 @@ class Confirmer:
                 longer = next_hold(before, [result])
                 if longer is None:
                     break
-                before, forcing = [result], _held_longer(forcing, longer)
+                before, forcing = [result], forcing_held_longer(forcing, longer)
             result["seconds"] = round(time.perf_counter() - one, 3)
             results[k] = result
         total = round(time.perf_counter() - started, 3)
@@ -203,57 +177,11 @@ class Confirmer:
                 results[k] = {"status": NOT_TRIED, "reason": reason}
                 continue
             results[k] = dict(verdict(seen["plan"], [seen], None, outcome), seconds=seen.get("seconds", 0.0))
-            longer = _longer_hold(results[k])
+            longer = next_hold(None, [results[k]])
             if longer is not None:
                 retry[k] = longer
         if retry:  # once more, those races with the longest hold any of them needs
             self._in_one_process(item, {k: tryable[k] for k in retry}, outcome, backend, results, max(retry.values()))
-
-
-MAX_HOLD_MS = 10_000.0
-
-
-def _longer_hold(result: dict) -> float | None:
-    """The hold to try next where a GPU hold was too short to invert the order, else None: the host took longer
-    between the two accesses than the held stream slept (a communicator's first use, a kernel's first launch), so
-    the held access ran first anyway. Twice what it took, up to MAX_HOLD_MS."""
-    delay, gap = result.get("delay_ms"), result.get("host_gap_ms", 0.0)
-    if delay is None or delay >= MAX_HOLD_MS or result.get("host_waited"):
-        return None
-    short = (result["status"] == NOT_TRIED and "did not invert" in str(result.get("reason"))) or \
-        (result["status"] == NOT_CONFIRMED and result.get("held_by") and gap > delay / 2)
-    return min(MAX_HOLD_MS, 2 * (gap + delay)) if short else None
-
-
-def next_hold(before: list[dict] | None, results: list[dict]) -> float | None:
-    """The hold for another forced run of a race whose last one gave `results` (one per record of it: a rank's; in
-    `before`, the run before it, in the same order), or None where there is to be none: none once a host waited for
-    the held stream, else the longest any asks. Each harness's re-runs of a race follow this."""
-    marked = [_grew_with_hold(b, r) for b, r in zip(before or [None] * len(results), results)]
-    if any(r.get("host_waited") for r in marked):
-        return None
-    asked = [hold for hold in map(_longer_hold, marked) if hold is not None]
-    return max(asked) if asked else None
-
-
-def _grew_with_hold(before: dict | None, result: dict) -> dict:
-    """`result`, marked `host_waited` where the host's gap between the two accesses grew by about as much as the hold
-    did since the try `before`: something between them waits for the held stream, every time, so a longer hold only
-    makes it wait longer. Said as the reason, with both tries' numbers."""
-    if before is None or result.get("status") != NOT_TRIED or result.get("host_waited"):
-        return result
-    try:
-        added = result["delay_ms"] - before["delay_ms"]
-        grew = result["host_gap_ms"] - before["host_gap_ms"]
-    except (KeyError, TypeError):
-        return result
-    if added <= 0 or grew < 0.8 * added:
-        return result
-    result.update(host_waited=True, reason=(
-        f"the host's gap between the two accesses grew with the hold ({before['host_gap_ms']:.0f} ms at a "
-        f"{before['delay_ms']:g} ms hold, {result['host_gap_ms']:.0f} ms at {result['delay_ms']:g} ms): something "
-        f"between the two waits for the held stream, so no hold inverts them ({result.get('reason')})"))
-    return result
 
 
 def attach(report: pytest.TestReport, confirmed: tuple[list[str], float]) -> None:
@@ -281,18 +209,6 @@ def _without_cache_options(args: list[str]) -> list[str]:
     return out
 
 
-def read_files(folder: str) -> list[dict]:
-    """What a re-run's processes wrote into `folder`, a JSON file each (one cut short by a crash is left out)."""
-    found = []
-    for name in sorted(os.listdir(folder)):
-        try:
-            with open(os.path.join(folder, name), encoding="utf-8") as f:
-                found.append(json.load(f))
-        except (OSError, ValueError):
-            continue
-    return found
-
-
 def _gist(output: bytes) -> str:
     """What a re-run that wrote nothing printed: a crash's first lines and innermost frames, else its last lines."""
     lines = output.decode(errors="replace").strip().splitlines()
@@ -301,154 +217,6 @@ def _gist(output: bytes) -> str:
             frames = [f.strip() for f in lines[index + 1:] if f.strip().startswith("File ")][:4]
             return " | ".join([line.strip(), *frames])
     return " | ".join(line.strip() for line in lines[-3:])
-
-
-INCIDENTAL = " (incidental)"  # the end of a latent race's sync op where an incidental-sync rule made it one
-
-
-def why_not(data: dict) -> str | None:
-    """Why a race record cannot be forced (None: it can), wherever its process is."""
-    if data.get("latent") and not str(data["latent"].get("op", "")).endswith(INCIDENTAL):
-        return "a latent race: its order is kept today by a host sync at {} that the program needs".format(
-            data["latent"].get("at") or data["latent"].get("op"))
-    if data.get("kind") not in _FORCED:
-        return "a free's reuse is not forced"
-    if not data.get("earlier", {}).get("ordinal") or not data.get("later", {}).get("ordinal"):
-        return "its ops were not captured (the C++ capture is off, or a model made them)"
-    return None
-
-
-def _plan(k: tuple, located: list[dict] | None) -> dict | None:
-    for found in located or ():
-        for data in found.get("races", ()):
-            if records_.key(data) == k and data["earlier"].get("ordinal") and data["later"].get("ordinal"):
-                return plan_of(data)
-    return None
-
-
-def _forcing(k: tuple, located: list[dict] | None) -> dict | None:
-    """A forced re-run's plans for race `k` as the locating re-run placed it: ``plan`` for the test's own process
-    (each rank's, for a distributed item), and ``plans`` by rank (``rank_key``) for the processes the test started,
-    which pick theirs when the capture first reaches one of its ops (``ForRank``). None: it did not show."""
-    own, plans = None, {}
-    for found in located or ():
-        for data in found.get("races", ()):
-            if records_.key(data) != k or not (data["earlier"].get("ordinal") and data["later"].get("ordinal")):
-                continue
-            if data.get("pid") is None:
-                own = own or plan_of(data)
-            else:
-                plans.setdefault(rank_key(data.get("rank")), plan_of(data))
-    if own is None and not plans:
-        return None
-    return {"plan": own, "plans": plans} if plans else {"plan": own}
-
-
-def held_longer(plan: dict, delay_ms: float) -> dict:
-    """A forced run's plan with a longer hold."""
-    return dict(plan, delay_ms=delay_ms)
-
-
-def _held_longer(forcing: dict, delay_ms: float) -> dict:
-    out = {"plan": held_longer(forcing["plan"], delay_ms) if forcing.get("plan") else None}
-    if "plans" in forcing:
-        out["plans"] = {rank: held_longer(plan, delay_ms) for rank, plan in forcing["plans"].items()}
-    return out
-
-
-def rank_key(rank) -> str:
-    """A plan's key in ``plans``: the rank its process reported ("none": a process without one)."""
-    return "none" if rank is None else str(rank)
-
-
-def plan_of(data: dict) -> dict:
-    """What a forced run needs of a race record (one with both ordinals): its kind and its two ops' places; for a
-    latent race (only an incidental sync orders it today), that sync, which the forced run skips."""
-    plan = {"kind": data["kind"], "earlier": _side(data["earlier"]), "later": _side(data["later"]),
-            "dtype": _dtype(data)}
-    if data.get("latent"):
-        plan["skipped"] = data["latent"].get("at")
-    return plan
-
-
-def _dtype(data: dict) -> str:
-    """The dtype the race's bytes are compared in: the later access's, unless it sees them as raw bytes (a copy of
-    untyped storage, as DCP's stager makes) and the earlier one knows better."""
-    later, earlier = data["later"]["tensor"]["dtype"], data["earlier"]["tensor"]["dtype"]
-    return earlier if later == "uint8" and earlier != "uint8" else later
-
-
-def _side(access: dict) -> dict:
-    thread = access.get("thread")
-    return {"thread_key": thread["name"] if thread else None, "ordinal": access["ordinal"], "op": access["op"],
-            "rw": access["rw"], "start": access["start"], "end": access["end"],
-            "at": _at(access)}
-
-
-def _at(access: dict) -> str:
-    return records_.location(access.get("frames") or ())
-
-
-def verdict(plan: dict, forced: list[dict], problem: str | None, outcome: str) -> dict:
-    """A race's confirmation from the files a forced run's processes wrote (or why there are none), against the
-    outcome of the run that reported it."""
-    if problem:
-        return {"status": NOT_TRIED, "reason": problem}
-    results = [f.get("forced") for f in forced if f.get("forced")]
-    done = [r for r in results if r.get("status") == "forced"]
-    outcomes = [f.get("outcome") for f in forced if f.get("outcome")]
-    forced_outcome = next((o for o in outcomes if o != "passed"), outcomes[0] if outcomes else None)
-    if not done:
-        tried = [r for r in results if r.get("reason")]
-        if not tried:
-            return {"status": NOT_TRIED, "reason": "the re-run never reached the race"}
-        # the hold's numbers; `host_waited` also tells `_longer_hold` that a longer hold would only be waited out
-        numbers = {k: tried[0][k] for k in ("delay_ms", "host_gap_ms", "lead_ms", "slept_ms", "later_call_ms",
-                                           "host_waited", "held_by") if k in tried[0]}
-        return {"status": NOT_TRIED, "reason": tried[0]["reason"], **numbers}
-    best = max(done, key=lambda r: (r.get("differing", 0), r.get("max_abs_diff", 0.0)))
-    out = {k: v for k, v in best.items() if k != "status"}
-    out["held"] = plan["earlier"]["at"]
-    if plan.get("skipped"):
-        out["skipped_sync"] = plan["skipped"]
-    out["observed"] = plan["later"]["at"]
-    out["runs"] = 1
-    out["outcome"] = {"ordered": outcome, "forced": forced_outcome}
-    changed = best.get("differing", 0) > 0 or (forced_outcome is not None and forced_outcome != outcome)
-    out["status"] = CONFIRMED if changed else NOT_CONFIRMED
-    return out
-
-
-def describe(data: dict, result: dict, unit: str = "test") -> str:
-    """One line (or two) a person reads: what was forced and what changed (`unit`: what ran, "test" or "program")."""
-    kind = records_.kind_of(data)
-    where = f"{kind} {_at(data.get('earlier', {}))} -> {_at(data.get('later', {}))}"
-    status = result["status"]
-    if status == NOT_TRIED:
-        return f"not tried: {where}: {result.get('reason')}"
-    rw = data["earlier"]["rw"]
-    seen = "left behind" if data["kind"] == "write-after-write" and not result.get("read_modify_write") else "read"
-    skipped = f" and the incidental sync at {result['skipped_sync']} skipped" if result.get("skipped_sync") else ""
-    what = (f"with the {rw} at {result['held']} held back{skipped}, the values {seen} at "
-            f"{result['observed'] if data['kind'] != 'write-after-read' else result['held']}")
-    if status == NOT_CONFIRMED:
-        why = " (the later write leaves what it reads unchanged here)" if result.get("identity") else ""
-        return f"not confirmed: {where}: {what} were identical in {result.get('runs', 1)} forced run{why}"
-    line = f"confirmed: {where}: {what} differed"
-    if "max_abs_diff" in result:
-        line += f" by max |Δ| = {result['max_abs_diff']:.6g}"
-    line += f" in {result.get('differing', 0):,} of {result.get('elements', 0):,} elements"
-    if result.get("unwritten"):
-        line += " (the read saw bytes the write had not written yet)"
-    if result.get("forced_nonfinite"):
-        line += f"; {result['forced_nonfinite']:,} not finite"
-    forced = (result.get("outcome") or {}).get("forced")
-    if forced and forced != (result.get("outcome") or {}).get("ordered"):
-        line += f"; the {unit} then {forced}"
-    return line
-
-
-# ---- the re-run: this session is one
 
 
 def confirm_distributed(item: pytest.Item, reports: list, backend: str, launch=None) -> None:
@@ -466,149 +234,3 @@ def confirm_distributed(item: pytest.Item, reports: list, backend: str, launch=N
     outcome = next((o for o in outcomes if o != "passed"), "passed")
     attach(call, Confirmer(item.config, launch=launch).confirm(item, found, outcome, backend))
 
-
-class ConfirmRun:
-    """In a re-run (``STREAMRACE_CONFIRM`` set): seeds, forces the planned race, writes what it saw.
-
-    The test's own process (or a distributed item's rank) forces ``plan``; a process the test (or a program under
-    ``streamrace run``) started is given `rank_of` and forces its rank's plan of ``plans`` (``ForRank``)."""
-
-    def __init__(self, instruction: dict, rank_of=None):
-        self.mode = instruction["mode"]  # "passes" (a plain test), or "locate" / "force" (one re-run each)
-        self.out = instruction["out"]
-        self.plan = instruction.get("plan")
-        self.plans = (instruction.get("plans") or {}) if rank_of is not None else {}
-        self.rank_of = rank_of
-        self.keys = [tuple(k) for k in instruction.get("keys", ())]
-        self.delay_ms = instruction.get("delay_ms")  # a GPU hold's length, where a first one was too short
-        self.backend = instruction.get("backend", "virtual")
-        self.seed = instruction.get("seed", True)  # a program under ``streamrace run`` seeds itself
-        self.rank = instruction.get("rank")  # said in the file, where the re-run's processes have ranks
-        self.order = None  # what the capture calls: a ForcedOrder, or a ForRank of them
-        self.orders: dict = {}  # plan key ("own", or a rank_key) -> its ForcedOrder
-        self.unskip = None  # puts back the syncs a forced pass skipped
-        self.phase = self.mode  # what the pass running now is for: "warm", "locate" or "force"
-        self.passes_seen: list[dict] = []  # what each pass of "passes" left: its races or its forced order, outcome
-
-    def run_passes(self, item: pytest.Item) -> None:
-        """A plain test's whole confirmation in this one process, its reports not logged: a warm-up pass (a fresh
-        process loads kernels, builds caches and makes lazy state on first use, which moves ops' places and, on a
-        GPU, can block the host while a held stream sleeps: a kernel's first launch loads its module), a pass that
-        finds the races' places, then a pass per race forcing its bad order."""
-        from _pytest.runner import runtestprotocol
-
-        def one(phase: str) -> dict:
-            self.phase = phase
-            started = time.perf_counter()
-            try:
-                runtestprotocol(item, nextitem=item.parent, log=False)  # its own fixtures torn down, wider ones kept
-            finally:
-                if hasattr(item, "_initrequest"):  # a function item's fixtures, set up afresh for the next pass
-                    item._initrequest()
-            seen = self.passes_seen.pop() if self.passes_seen else {}
-            return dict(seen, seconds=round(time.perf_counter() - started, 3))
-
-        one("warm")
-        located = one("locate")
-        results = []
-        for key in self.keys:
-            self.plan = _plan(key, [located])
-            if self.plan is not None and self.delay_ms is not None:
-                self.plan["delay_ms"] = self.delay_ms
-            if self.plan is None:
-                results.append([list(key), {"problem": "the race did not show in a fresh process with the same "
-                                                       "seeds"}])
-                continue
-            results.append([list(key), dict(one("force"), plan=self.plan)])
-        self._write({"pid": os.getpid(), "outcome": located.get("outcome"), "results": results})
-
-    def _plans(self) -> dict:
-        if self.rank_of is not None:
-            return self.plans
-        return {"own": self.plan} if self.plan else {}
-
-    def start(self, detector, incidental=()) -> None:
-        if self.seed:
-            seed_everything()
-        plans = self._plans()
-        if self.phase != "force" or not plans:
-            return  # (a test whose race is in a process it started forces nothing itself)
-        if any(plan.get("skipped") for plan in plans.values()):
-            from ..detector.forced_order import skip_syncs
-
-            self.unskip = skip_syncs(incidental)
-        from ..detector.forced_order import ForcedOrder
-
-        self.orders = {key: ForcedOrder(plan["kind"], plan["earlier"], plan["later"], self.backend,
-                                        float(plan.get("delay_ms", 200.0))) for key, plan in plans.items()}
-        self.order = self.orders["own"] if self.rank_of is None else ForRank(self.orders, self.rank_of)
-        problem = detector.force(self.order)
-        for order in self.orders.values():
-            order.problem = order.problem or problem
-
-    def picked(self) -> bool:
-        """Whether this followed process has reached its rank's race (its forced order is in use)."""
-        return isinstance(self.order, ForRank) and self.order.key is not None
-
-    def finish(self, detector, races: list[dict], outcome: str) -> None:
-        if self.phase == "warm":
-            return
-        rank = self.rank if self.rank_of is None else self.rank_of()
-        data: dict = {"pid": os.getpid(), "outcome": outcome, "rank": rank}
-        if self.phase == "locate":
-            data["races"] = races
-        elif self.order is not None:
-            detector.force(None)
-            if self.unskip is not None:
-                self.unskip()
-                self.unskip = None
-            key = "own" if self.rank_of is None else self.order.key or rank_key(rank)
-            self.order = None
-            if key not in self.orders:
-                return  # a process of a rank with no plan: it ran as it is, and has nothing to say
-            data["forced"] = self.orders[key].result(self._plans()[key].get("dtype"))
-        if self.mode == "passes":
-            self.passes_seen.append(data)
-        else:
-            self._write(data)
-
-    def _write(self, data: dict) -> None:
-        path = os.path.join(self.out, f"{os.getpid()}-{time.monotonic_ns()}.json")
-        try:
-            with open(path, "w", encoding="utf-8") as f:
-                json.dump(data, f)
-        except OSError:
-            pass
-
-
-class ForRank:
-    """The forced orders of a process a test or program started, one per rank that reported the race; the process
-    uses its own rank's, picked when the capture first reaches one of their ops, not when it starts: a harness's rank
-    process learns its rank later (``init_process_group``, ``RANK`` set by the harness in the child)."""
-
-    def __init__(self, orders: dict, rank_of):
-        self.orders, self.rank_of = orders, rank_of
-        self.key: str | None = None  # the rank_key of the order in use, once picked
-
-    def install(self, capture) -> None:
-        capture.set_forcing(self._called, sorted({side.ordinal for order in self.orders.values()
-                                                  for side in (order.earlier, order.later)}))
-
-    def _called(self, *args) -> None:
-        if self.key is None and rank_key(self.rank_of()) in self.orders:
-            self.key = rank_key(self.rank_of())
-        if self.key is not None:
-            self.orders[self.key]._called(*args)
-
-    def collective_returned(self, result) -> None:
-        if self.key is not None:
-            self.orders[self.key].collective_returned(result)
-
-
-def outcome_of(excinfo) -> str:
-    """A test body's own outcome, as a confirmation compares it: "passed", or "failed with <Error>: <message>"."""
-    if excinfo is None:
-        return "passed"
-    value = excinfo.value
-    message = str(value).strip().splitlines()[0][:160] if str(value).strip() else ""
-    return f"failed with {type(value).__name__}" + (f": {message}" if message else "")

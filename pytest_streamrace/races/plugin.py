@@ -117,7 +117,7 @@ class RaceChecks:
         self.confirmer = self.rerun = None
         instruction = os.environ.get(env.CONFIRM)
         if instruction:
-            from .confirm import ConfirmRun
+            from .confirm_run import ConfirmRun
 
             self.rerun = ConfirmRun(checks.confirm_run(instruction))
             self.json_path = self.trace_path = None  # the session being confirmed writes its files
@@ -408,7 +408,7 @@ class RaceChecks:
 
 def _confirmations(item: pytest.Item) -> dict:
     """The test's races' --streamrace-confirm verdicts by race identity (``hb.Race.key``), for the trace."""
-    from .confirm import describe
+    from .confirmation import describe
     from .record import key
 
     out = {}
@@ -422,7 +422,7 @@ def _confirmations(item: pytest.Item) -> dict:
 
 def _own_outcome(exc: BaseException) -> str:
     """What the test body did on its own (a race's StreamRaceError is raised after this): for confirmations."""
-    from .confirm import outcome_of
+    from .confirm_run import outcome_of
 
     if isinstance(exc, pytest.skip.Exception):
         return "skipped"

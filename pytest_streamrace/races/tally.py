@@ -121,7 +121,7 @@ class Tally:
                          f"({self.written} race{'s' if self.written != 1 else ''})")
         confirmed = self.confirmations()
         if confirmed:
-            from .confirm import describe
+            from .confirmation import describe
 
             lines.append("confirmations (each race forced into its bad order in a re-run):")
             lines += [f"  {nodeid}: {describe(e['race'], e['race']['confirmation'], self.unit)}"

@@ -156,7 +156,7 @@ def confirmations(verdict: str, races: list[dict], confirmed: list[dict],
     kind and both locations), and whether they agree with the referee's verdict: a reproduced bug agrees when at
     least one of its races is confirmed, a clean variant when it has none to confirm. A bug whose evidence is not a
     race (a buffer kept past its phase, which the referee measures directly) has nothing to force."""
-    from ..races.confirm import CONFIRMED, describe
+    from ..races.confirmation import CONFIRMED, describe
 
     by_key = {race_key(r): r for r in confirmed if r.get("confirmation")}
     out, seen = [], set()

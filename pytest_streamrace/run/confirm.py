@@ -20,7 +20,7 @@ import tempfile
 import time
 
 from .. import env
-from ..races import confirm as confirming
+from ..races import confirmation as confirming
 from ..races import record
 from . import job
 
