@@ -1,7 +1,8 @@
 """``--streamrace-confirm``: each race a test reports, forced into its bad order in a re-run, with what it changed.
 
-A test with races is re-run in fresh processes (``python -m pytest NODEID`` with the session's own options and
-``STREAMRACE_CONFIRM`` set): first once as it is, to find where each race's accesses fall in a fresh process (the ops'
+A test with races is re-run in fresh processes (a pytest of its own, ``python -m pytest NODEID`` with the session's
+options; a ``distributed`` item's ranks forked again from the session's fork server), with ``STREAMRACE_CONFIRM``
+set: first once as it is, to find where each race's accesses fall in a fresh process (the ops'
 places on their threads: ``Site.ordinal``), then once per distinct race with that race's earlier access held back
 (``detector/forced_order.py``). Both re-runs seed Python's, NumPy's and torch's generators the same way, so the
 second takes the path the first did. Each process of a re-run (rank processes too, which inherit the variable)
