@@ -57,7 +57,7 @@ def test_each_repro_is_confirmed_on_gpus_agreeing_with_its_referee(request, tmp_
 
 
 @pytest.mark.validates(49)
-def test_streamrace_run_confirms_a_racy_script_on_real_streams(tmp_path):
+def test_streamrace_run_confirms_a_racy_script_on_real_streams(tmp_path, gpu_result):
     (tmp_path / "racy.py").write_text(textwrap.dedent("""
         import torch
 
@@ -74,4 +74,8 @@ def test_streamrace_run_confirms_a_racy_script_on_real_streams(tmp_path):
     out = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert out.returncode == 3, out.stderr
     [race] = json.loads((tmp_path / "races.json").read_text())["races"]
-    assert race["confirmation"]["status"] == "confirmed", race["confirmation"]
+    confirmation = race["confirmation"]
+    gpu_result.record("streamrace run --confirm", f"{confirmation['status']}, max |Δ| {confirmation.get('max_abs_diff')} "
+                      f"in {confirmation.get('differing')} of {confirmation.get('elements')} elements, hold ms "
+                      f"{confirmation.get('delay_ms')}, re-runs s {confirmation.get('test_seconds')}")
+    assert confirmation["status"] == "confirmed", confirmation

@@ -2,6 +2,7 @@
 put staging and the optimizer step in, as tests/test_repro_dcp.py runs them on gloo ranks."""
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -25,5 +26,10 @@ def _cpu_module():
     return module
 
 
-def test_fsdp2_dcp_staging_orders_on_two_gpus(pytester):
+def test_fsdp2_dcp_staging_orders_on_two_gpus(pytester, gpu_result):
     _cpu_module().run_fsdp2_orders(pytester, "cuda")
+    races = json.loads(pytester.path.joinpath("races.json").read_text())["races"]
+    found: dict[str, set] = {}
+    for race in races:
+        found.setdefault(race["test"].rsplit("::", 1)[-1], set()).add(race["rank"])
+    gpu_result.record("races on ranks", "; ".join(f"{test} {sorted(ranks)}" for test, ranks in sorted(found.items())))
