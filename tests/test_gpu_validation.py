@@ -55,9 +55,14 @@ def test_not_a_row():
 """
 
 
-def _session(pytester, *args):
+def _gpu_conftest(pytester) -> None:
+    """tests/gpu's conftest and markers in a pytester folder."""
     pytester.makeconftest((GPU / "conftest.py").read_text(encoding="utf-8"))
     pytester.makeini("[pytest]\nmarkers =\n    gpu(count=1): a GPU item\n    validates(N): a validation row\n")
+
+
+def _session(pytester, *args):
+    _gpu_conftest(pytester)
     pytester.makepyfile(test_rows=CASES)
     return pytester.runpytest_subprocess("-p", "no:cacheprovider", *args)
 
@@ -144,8 +149,7 @@ def test_stopped(gpu_result):
 
 
 def test_a_test_the_session_stopped_in_is_not_recorded_as_passed_and_a_failure_keeps_its_numbers(pytester):
-    pytester.makeconftest((GPU / "conftest.py").read_text(encoding="utf-8"))
-    pytester.makeini("[pytest]\nmarkers =\n    gpu(count=1): a GPU item\n    validates(N): a validation row\n")
+    _gpu_conftest(pytester)
     pytester.makepyfile(test_stopped=STOPPED)
     path = pytester.path / "r.json"
     pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpu-results", str(path))
@@ -239,8 +243,7 @@ def test_xdist_workers_each_see_their_own_gpus_and_the_controller_writes_every_l
     """`-n 2 --gpus-per-worker 2` on a host whose GPUs are 4-7: one worker sees 4,5, the other 6,7 (set before either
     makes a CUDA context), and the one results file holds every item; too few GPUs for the lanes is one usage line."""
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    pytester.makeconftest((GPU / "conftest.py").read_text(encoding="utf-8"))
-    pytester.makeini("[pytest]\nmarkers =\n    gpu(count=1): a GPU item\n    validates(N): a validation row\n")
+    _gpu_conftest(pytester)
     pytester.makepyfile(test_lanes=LANES)
     path = pytester.path / "results.json"
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "-n", "2", "--gpus-per-worker", "2",

@@ -4,6 +4,7 @@ folder under --framework-sites, so that several DeepSpeed or megatron-core versi
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -26,25 +27,17 @@ def run(args: list[str], *, timeout: float, env: dict | None = None, cwd=None, l
     past `timeout` fails the test in one line (the results file keeps it as the row's reason), with its output's end."""
     if log is not None:
         os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
-    sink = open(log, "w", encoding="utf-8") if log is not None else subprocess.PIPE
     try:
-        done = subprocess.run(args, stdout=sink, stderr=subprocess.STDOUT, text=True, timeout=timeout,
-                              env={**os.environ, **(env or {})}, cwd=cwd or ROOT)
-        if log is not None:
-            sink.close()
-            done.stdout = Path(log).read_text(encoding="utf-8", errors="replace")
-        return done
+        with open(log, "w", encoding="utf-8") if log is not None else contextlib.nullcontext(subprocess.PIPE) as sink:
+            done = subprocess.run(args, stdout=sink, stderr=subprocess.STDOUT, text=True, timeout=timeout,
+                                  env={**os.environ, **(env or {})}, cwd=cwd or ROOT)
     except subprocess.TimeoutExpired as exc:
-        if log is not None:
-            sink.close()
-            tail = Path(log).read_text(encoding="utf-8", errors="replace")[-3000:]
-        else:
-            tail = (exc.output or b"")[-3000:]
-            tail = tail.decode(errors="replace") if isinstance(tail, bytes) else tail
-        pytest.fail(f"{' '.join(str(a) for a in args[-3:])} ran past {timeout:g} s\n{tail}", pytrace=False)
-    finally:
-        if log is not None and not sink.closed:
-            sink.close()
+        said = Path(log).read_text(encoding="utf-8", errors="replace") if log is not None else exc.output or ""
+        said = said.decode(errors="replace") if isinstance(said, bytes) else said
+        pytest.fail(f"{' '.join(str(a) for a in args[-3:])} ran past {timeout:g} s\n{said[-3000:]}", pytrace=False)
+    if log is not None:
+        done.stdout = Path(log).read_text(encoding="utf-8", errors="replace")
+    return done
 
 
 def counts(output: str) -> dict[str, int]:
