@@ -85,7 +85,7 @@ def test_the_results_file_records_each_row_item_and_renders_as_the_page_table(py
     assert items["test_measures"]["claims"] == {"901": "A measured claim"}
     assert items["test_needs_many_gpus"]["outcome"] == "skipped"
     assert items["test_needs_many_gpus"]["reason"] == "needs 64 CUDA GPUs, this host has 0"
-    assert items["test_wrong"]["outcome"] == "failed" and items["test_wrong"]["reason"] == "assert 1 == 2"
+    assert items["test_wrong"]["outcome"] == "failed" and items["test_wrong"]["reason"] == "the count was off"
     assert all(item["duration_s"] >= 0 for item in data["items"])
     machine = data["machine"]
     assert machine["torch"] and machine["gpu_count"] == 0 and re.fullmatch(r"\d{4}-\d\d-\d\d", machine["date"])
@@ -100,7 +100,7 @@ def test_the_results_file_records_each_row_item_and_renders_as_the_page_table(py
         "`pytest -m gpu tests/gpu --validates 901` |",
         f"| 902 | A claim half on GPUs | **passed** (1 of 3 items; the rest skipped: its own reason; needs 64 CUDA GPUs, "
         f"this host has 0) | CPU, {torch} | {date} | `pytest -m gpu tests/gpu --validates 902` |",
-        f"| 903 | A claim that does not hold | **failed**: `test_wrong`: assert 1 == 2 | "
+        f"| 903 | A claim that does not hold | **failed**: `test_wrong`: the count was off | "
         f"CPU, {torch} | {date} | `pytest -m gpu tests/gpu --validates 903` |",
     ]
     assert _render(path, "--row", "902").stdout.count("| 90") == 1
@@ -161,6 +161,32 @@ def test_a_test_the_session_stopped_in_is_not_recorded_as_passed_and_a_failure_k
     items.pop("test_failed_after_measuring")
     path.write_text(json.dumps(dict(json.loads(path.read_text()), items=list(items.values()))))
     assert "| **did not finish**: `test_stopped`: " in _render(path).stdout
+
+
+MESSAGES = """
+import pytest
+
+CLAIMS = {906: "A claim whose checks fail with messages"}
+
+
+@pytest.mark.validates(906)
+def test_short():
+    assert 1 == 3, "confirmed 0 of 1: not tried"
+
+
+@pytest.mark.validates(906)
+def test_long():
+    assert 1 == 3, "a session's output\\nline 2\\nline 3"
+"""
+
+
+def test_a_failure_s_reason_is_its_one_line_message_else_its_comparison(pytester):
+    _gpu_conftest(pytester)
+    pytester.makepyfile(test_messages=MESSAGES)
+    path = pytester.path / "r.json"
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpu-results", str(path))
+    reasons = {i["nodeid"].rsplit("::", 1)[1]: i["reason"] for i in json.loads(path.read_text())["items"]}
+    assert reasons == {"test_short": "confirmed 0 of 1: not tried", "test_long": "assert 1 == 3"}
 
 
 def test_validates_selects_rows_and_a_gpu_session_writes_under_OUT(pytester, monkeypatch):

@@ -3,11 +3,12 @@ out, so that the call that synchronizes with the held stream is named."""
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 
 from pytest_streamrace.detector.forced_order import ForcedOrder
-from pytest_streamrace.detector.midway import MidwaySample, thread_places
+from pytest_streamrace.detector.midway import MidwaySample, parse_dump, thread_places
 
 
 def blocked_in_here(release: threading.Event) -> None:
@@ -62,15 +63,50 @@ def test_a_hold_the_host_waited_out_says_where_the_threads_were_halfway_through_
     assert out["reason"].endswith("so no hold inverts them")  # nothing sampled: nothing said
     thread, release = _blocked_thread()
     try:
-        forced.midway = MidwaySample(0.0)
-        deadline = time.monotonic() + 5
-        while forced.midway.places is None and time.monotonic() < deadline:
-            time.sleep(0.01)
+        forced.midway = MidwaySample(0.05)
+        time.sleep(0.3)
+        out = forced._waited_out({"host_gap_ms": 210.0}, "", "the held one", "the held stream")
     finally:
         release.set()
         thread.join()
-    out = forced._waited_out({"host_gap_ms": 210.0}, "", "the held one", "the held stream")
     assert out["status"] == "not-tried" and out["host_waited"] is True
     said = out["reason"].split("so no hold inverts them; halfway through the hold, ", 1)[1]
     assert said.startswith("thread 'MainThread' at ") and "thread 'stager' at " in said and "blocked_in_here" in said
-    assert out["threads_midway"] == forced.midway.places
+    assert out["threads_midway"] == forced.midway.where()
+
+
+def _hold_the_gil(seconds: float) -> None:
+    """A C call that waits without releasing the GIL (ctypes.PyDLL keeps it), as a CUDA call made under it would."""
+    ctypes.PyDLL(None).usleep(int(seconds * 1e6))
+
+
+def test_a_wait_that_holds_the_gil_is_found_by_faulthandler_s_dump_and_said_to_hold_it():
+    thread, release = _blocked_thread()
+    try:
+        taken = MidwaySample(0.1)
+        _hold_the_gil(0.4)  # the Python sampler cannot run by its time
+        time.sleep(0.05)
+    finally:
+        release.set()
+        thread.join()
+    places = taken.where()
+    assert taken.places is None and taken.gil_held_ms is not None and taken.gil_held_ms > 200
+    here = _hold_the_gil.__code__.co_firstlineno + 2
+    assert places[0] == f"thread 'MainThread' at {__file__}:{here} in _hold_the_gil", places
+    line = blocked_in_here.__code__.co_firstlineno + 1
+    assert f"thread 'stager' at {__file__}:{line} in blocked_in_here (in wait, threading.py)" in places, places
+
+
+def test_a_sample_cancelled_before_its_time_leaves_faulthandler_disarmed_and_says_nothing():
+    taken = MidwaySample(0.1)
+    taken.cancel()
+    time.sleep(0.2)
+    assert taken.where() is None and taken.gil_held_ms is None
+
+
+def test_parse_dump_reads_each_thread_s_frames_innermost_first():
+    text = ("Timeout (0:00:01)!\nThread 0x00007f3142eef6c0 (most recent call first):\n"
+            '  File "/lib/threading.py", line 327 in wait\n  File "/w/stage.py", line 9 in run\n\n'
+            "Current thread 0x000000000000002a (most recent call first):\n  <no Python frame>\n")
+    assert parse_dump(text) == {0x7F3142EEF6C0: [("/lib/threading.py", 327, "wait"), ("/w/stage.py", 9, "run")],
+                                42: []}

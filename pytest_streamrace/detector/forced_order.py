@@ -345,11 +345,16 @@ class ForcedOrder:
 
     def _where_waited(self, out: dict) -> str:
         """Where the threads were halfway through the hold: the call that waited it out is among them."""
-        places = self.midway.places if self.midway is not None else None
+        places = self.midway.where() if self.midway is not None else None
         if not places:
             return ""
         out["threads_midway"] = places
-        return "; halfway through the hold, " + ", ".join(places)
+        said = "; halfway through the hold, " + ", ".join(places)
+        if self.midway.gil_held_ms is not None:
+            out["gil_held_ms"] = self.midway.gil_held_ms
+            said += (f" (no Python thread could run until {self.midway.gil_held_ms:g} ms after that: the waiting call "
+                     "held the GIL)")
+        return said
 
     def _not_inverted(self, out: dict, lead: float) -> dict:
         """Not tried: the later access ran after the held one anyway. Says how long the held stream slept and how long

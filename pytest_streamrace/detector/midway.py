@@ -1,22 +1,33 @@
 """Where every thread of the process is halfway through a forced run's hold. When the host waits a hold out (some
 call between the two accesses synchronizes with the held stream), the confirmation says which call that was: the
-thread blocked in it is found there, mid-hold, in the call that waits."""
+thread blocked in it is found there, mid-hold, in the call that waits.
+
+Two samplers take the places at the same moment. A bare Python thread names each thread's frames as the reports do;
+it needs the GIL, which a C call that waits without releasing it keeps from every Python thread. faulthandler's
+watchdog needs none: its dump is what is said when the Python sampler could not run in time, and that lateness is
+itself said, since it tells the waiting call holds the GIL. (faulthandler has one timer a process: a
+``faulthandler_timeout`` armed for the test is off from the hold to the test's end, in a forced re-run only.)"""
 
 from __future__ import annotations
 
 import _thread
+import faulthandler
 import os
+import re
 import sys
+import tempfile
 import threading
+import time
 
 from .frames import _OURS, _in_stdlib, _walk
 
 
-def _place(frame) -> str:
+def _place(frames) -> str:
     """A thread's innermost frame outside this package and the standard library (where a blocked call was made), and
-    the standard library's innermost function it is in, if any ("... in wait, threading.py")."""
+    the standard library's innermost function it is in, if any ("... in wait, threading.py"). `frames`: (file, line,
+    function), innermost first."""
     inner = None
-    for filename, line, function in _walk(frame):
+    for filename, line, function in frames:
         if filename.startswith(_OURS):
             continue
         if _in_stdlib(filename):
@@ -26,30 +37,77 @@ def _place(frame) -> str:
     return inner or "no Python frame"
 
 
+def _names() -> dict:
+    return {t.ident: t.name for t in threading.enumerate()}
+
+
+def _lines(stacks: dict, skip: int | None, limit: int, names: dict | None = None) -> list[str]:
+    """One line per thread of `stacks` (ident -> frames), the main thread first, then by name; `names`: the threads'
+    names as they were when the stacks were taken, where some may have ended since."""
+    names = {**_names(), **(names or {})}
+    main = threading.main_thread().ident
+    order = sorted((ident for ident in stacks if ident != skip), key=lambda i: (i != main, names.get(i, "")))
+    return [f"thread '{names.get(ident, 'native')}' at {_place(stacks[ident])}" for ident in order[:limit]]
+
+
 def thread_places(skip: int | None = None, limit: int = 6) -> list[str]:
     """One line per Python thread of this process ("thread 'MainThread' at f.py:12 in step"), the main thread
     first; `skip`: a thread to leave out (the sampler's own)."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    main = threading.main_thread().ident
-    frames = sorted(((ident, frame) for ident, frame in sys._current_frames().items() if ident != skip),
-                    key=lambda pair: (pair[0] != main, names.get(pair[0], "")))
-    return [f"thread '{names.get(ident, 'native')}' at {_place(frame)}" for ident, frame in frames[:limit]]
+    return _lines({ident: _walk(frame) for ident, frame in sys._current_frames().items()}, skip, limit)
+
+
+_LATE_S = 0.02  # a new thread waits a switch interval (5 ms) for the GIL: this much past its time is lateness
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)")
+_FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.+)$')
+
+
+def parse_dump(text: str) -> dict:
+    """faulthandler's dump of every thread, as ident -> [(file, line, function)], innermost first."""
+    stacks: dict = {}
+    frames = None
+    for line in text.splitlines():
+        thread = _THREAD.match(line)
+        if thread:
+            frames = stacks.setdefault(int(thread.group(1), 16), [])
+            continue
+        frame = _FRAME.match(line)
+        if frame and frames is not None:
+            frames.append((frame.group(1), int(frame.group(2)), frame.group(3).strip()))
+    return stacks
 
 
 class MidwaySample:
-    """Takes `thread_places` once, `after_s` seconds from now, unless cancelled first. Its thread is a bare one
-    (``_thread``): the session's thread model does not follow it, and it issues no work."""
+    """Takes `thread_places` once, `after_s` seconds from now, unless cancelled first; faulthandler dumps every
+    thread then too. The Python sampler's thread is a bare one (``_thread``): the session's thread model does not
+    follow it, and it issues no work."""
 
     def __init__(self, after_s: float):
         self.places: list[str] | None = None
+        self.gil_held_ms: float | None = None  # how far past its time the Python sampler first ran, where it was late
+        self._after = after_s
+        self._started = time.perf_counter()
+        self._ident: int | None = None
+        self._names: dict = {}  # the threads' names just after the dump (they may end before it is read)
         self._cancel = _thread.allocate_lock()
         self._cancel.acquire()
+        self._dump = None
+        try:
+            self._dump = tempfile.TemporaryFile()
+            faulthandler.dump_traceback_later(after_s, file=self._dump)
+        except (OSError, RuntimeError, ValueError):  # no file or no watchdog: the Python sampler alone
+            self._dump = None
         try:
             _thread.start_new_thread(self._run, (after_s,))
         except RuntimeError:  # no thread to be had: the forced run goes on without the diagnostic
             pass
 
     def _run(self, after_s: float) -> None:
+        self._ident = _thread.get_ident()
+        late = time.perf_counter() - self._started - after_s
+        if late > _LATE_S:  # it could not start before its time: a thread held the GIL meanwhile; the dump says where
+            self.gil_held_ms = round(late * 1000, 1)
+            self._names = _names()
+            return
         if not self._cancel.acquire(timeout=after_s):
             try:
                 self.places = thread_places(skip=_thread.get_ident())
@@ -57,7 +115,25 @@ class MidwaySample:
                 self.places = None
 
     def cancel(self) -> None:
+        """The later access came: nothing more to sample (a dump already taken is kept)."""
+        self._disarm()
         try:
             self._cancel.release()
         except RuntimeError:  # released already
             pass
+
+    def _disarm(self) -> None:
+        if self._dump is not None and time.perf_counter() - self._started < self._after:
+            faulthandler.cancel_dump_traceback_later()
+
+    def where(self) -> list[str] | None:
+        """The threads' places halfway through the hold: the Python sampler's, else faulthandler's dump's."""
+        self.cancel()
+        if self.places or self._dump is None:
+            return self.places
+        try:
+            self._dump.seek(0)
+            stacks = parse_dump(self._dump.read().decode("utf-8", "replace"))
+            return _lines(stacks, self._ident, 6, self._names) or None
+        except (OSError, ValueError):
+            return None

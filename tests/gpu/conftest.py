@@ -155,12 +155,15 @@ def gpu_repeat(request) -> int:
 
 
 def _reason(report) -> str:
-    """One line for the table: an assertion's own comparison (its message is often a session's output), else the
-    exception's first line."""
+    """One line for the table: an assertion's message where it is one line, its comparison where the message is longer
+    (often a session's output), else the exception's first line."""
     crash = getattr(report.longrepr, "reprcrash", None)
     lines = (crash.message if crash is not None else str(report.longrepr)).strip().splitlines() or [""]
-    compared = [line for line in lines if line.startswith("assert ")]
-    return compared[-1] if lines[0].startswith("AssertionError") and compared else lines[0]
+    compared = [i for i, line in enumerate(lines) if line.startswith("assert ")]
+    if not lines[0].startswith("AssertionError") or not compared:
+        return lines[0]
+    said = lines[0].removeprefix("AssertionError").removeprefix(":").strip()
+    return said if said and compared[0] == 1 else lines[compared[-1]]
 
 
 class _Recorder:

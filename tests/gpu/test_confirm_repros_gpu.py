@@ -51,9 +51,10 @@ def test_each_repro_is_confirmed_on_gpus_agreeing_with_its_referee(request, tmp_
     gpu_result.record("lead ms", [c.get("lead_ms") for c in unpatched["confirmations"] if "lead_ms" in c])
     # a bug whose evidence is a buffer's lifetime (DeepSpeed #8036) has no race to force: its referee stands alone
     agrees = None if registry.get(name).relevant is None else True
-    assert unpatched["verdict"] == "reproduced" and unpatched["confirmed"]["agrees"] is agrees, (unpatched["confirmed"],
-                                                                                                said)
-    assert patched["verdict"] == "clean" and patched["confirmed"]["agrees"] is agrees, patched["confirmed"]
+    assert unpatched["verdict"] == "reproduced" and unpatched["confirmed"]["agrees"] is agrees, \
+        f"unpatched {unpatched['verdict']}, {unpatched['confirmed']['summary']}: {'; '.join(said)}"
+    assert patched["verdict"] == "clean" and patched["confirmed"]["agrees"] is agrees, \
+        f"patched {patched['verdict']}, {patched['confirmed']['summary']}"
 
 
 @pytest.mark.validates(49)
