@@ -2,6 +2,9 @@
 torchrun sessions on NCCL, the cuda backend's unit tests with the C++ capture built against the host's torch, and
 the files whose GPU items re-create a row (DCP's async staging, `streamrace run`, the device-generic API)."""
 
+import os
+from pathlib import Path
+
 import pytest
 from gpu_support import PYTEST, PYTHON, counts, framework_env, run
 
@@ -20,7 +23,12 @@ CLAIMS = {
 
 
 def _suite(gpu_result, *args: str, env: dict | None = None, workers: int = 0) -> dict[str, int]:
-    done = run([*PYTEST, "-n", str(workers), "-q", *args], timeout=1200, env=env)
+    """The files' session, each test's outcome in its log under $OUT/logs as it comes (where OUT is set), and the
+    stacks of a test still running after 5 minutes (faulthandler), so that a stopped or timed-out run says where."""
+    name = "-".join(Path(a).stem for a in args if a.startswith("tests/"))[:80] or "suite"
+    log = os.path.join(os.environ["OUT"], "logs", f"{name}.log") if os.environ.get("OUT") else None
+    done = run([*PYTEST, "-n", str(workers), "-v", "-o", "faulthandler_timeout=300", *args], timeout=1200, env=env,
+               log=log)
     got = counts(done.stdout)
     gpu_result.record("outcomes", ", ".join(f"{n} {k}" for k, n in got.items() if k != "deselected"))
     assert got.get("passed") and not (got.get("failed") or got.get("error")), done.stdout[-4000:]
