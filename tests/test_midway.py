@@ -110,3 +110,16 @@ def test_parse_dump_reads_each_thread_s_frames_innermost_first():
             "Current thread 0x000000000000002a (most recent call first):\n  <no Python frame>\n")
     assert parse_dump(text) == {0x7F3142EEF6C0: [("/lib/threading.py", 327, "wait"), ("/w/stage.py", 9, "run")],
                                 42: []}
+
+
+def test_a_forced_order_made_while_a_session_runs_orders_no_threads_by_its_own_lock():
+    """The forced run's own lock is taken by each thread that reaches one of the race's ops: a modelled lock (one made
+    with threading.Lock while a session runs) would add a handoff between those threads to the program's model."""
+    from pytest_streamrace.detector import session
+    from pytest_streamrace.detector.models.host_handoffs import _Handoff
+
+    side = {"ordinal": 3, "op": "aten::addcdiv_", "rw": "write", "start": 0, "end": 64}
+    with session.Detector("virtual"):
+        assert isinstance(threading.Lock(), _Handoff)  # what a lock made now would be
+        forced = ForcedOrder("read-after-write", side, dict(side, op="aten::copy_", rw="read"), "virtual")
+    assert not isinstance(forced._lock, _Handoff)

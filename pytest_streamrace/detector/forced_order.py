@@ -22,6 +22,7 @@ The result is a plain dict (JSON-able), read by the harness that re-ran the test
 
 from __future__ import annotations
 
+import _thread
 import re
 import threading
 import time
@@ -128,7 +129,7 @@ class ForcedOrder:
         self._op = ""  # the op the capture called about
         self.entry = None  # the candidate both accesses touch
         self.peer = False  # a rank that does not hold its collective back, and sees the other order (cuda)
-        self._lock = threading.Lock()
+        self._lock = _thread.allocate_lock()  # not threading's: one made while a session runs is a modelled handoff
         self.elsewhere: dict[str, list[str]] = {}  # side -> the ops other than it found at its place (diagnostics)
 
     # installing
