@@ -103,12 +103,12 @@ class MidwaySample:
 
     def _run(self, after_s: float) -> None:
         self._ident = _thread.get_ident()
-        late = time.perf_counter() - self._started - after_s
-        if late > _LATE_S:  # it could not start before its time: a thread held the GIL meanwhile; the dump says where
-            self.gil_held_ms = round(late * 1000, 1)
+        left = after_s - (time.perf_counter() - self._started)
+        if left < -_LATE_S:  # it could not start before its time: a thread held the GIL meanwhile; the dump says where
+            self.gil_held_ms = round(-left * 1000, 1)
             self._names = _names()
             return
-        if not self._cancel.acquire(timeout=after_s):
+        if not self._cancel.acquire(timeout=max(left, 0.0)):
             try:
                 self.places = thread_places(skip=_thread.get_ident())
             except Exception:  # a diagnostic only: never into the program
