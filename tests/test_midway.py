@@ -123,3 +123,25 @@ def test_a_forced_order_made_while_a_session_runs_orders_no_threads_by_its_own_l
         assert isinstance(threading.Lock(), _Handoff)  # what a lock made now would be
         forced = ForcedOrder("read-after-write", side, dict(side, op="aten::copy_", rw="read"), "virtual")
     assert not isinstance(forced._lock, _Handoff)
+
+
+def test_a_process_forked_during_the_hold_can_use_faulthandler_s_timer_and_the_parent_still_gets_its_dump():
+    """faulthandler's timer is copied by a fork without its thread: a child that cancels or sets one would wait for
+    that thread forever. The sample's timer is off while the process forks, and set again after."""
+    import faulthandler
+    import os
+    import signal
+
+    taken = MidwaySample(0.5)
+    pid = os.fork()
+    if pid == 0:  # the child: what pytest's faulthandler_timeout, or the inherited sample, would do
+        signal.alarm(5)
+        taken.cancel()
+        faulthandler.dump_traceback_later(30)
+        faulthandler.cancel_dump_traceback_later()
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
+    _hold_the_gil(0.8)  # past the sample's time, the Python sampler kept out: the places come from the dump
+    places = taken.where()
+    assert places and places[0].startswith("thread 'MainThread' at ") and "_hold_the_gil" in places[0], places

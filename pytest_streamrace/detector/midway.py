@@ -76,6 +76,37 @@ def parse_dump(text: str) -> dict:
     return stacks
 
 
+_armed: "MidwaySample | None" = None  # the sample whose faulthandler timer is set in this process
+_hooked = False
+
+
+def _arm(sample: "MidwaySample", seconds: float) -> None:
+    global _armed, _hooked
+    if not _hooked:
+        os.register_at_fork(before=_pause, after_in_parent=_resume, after_in_child=_forget)
+        _hooked = True
+    faulthandler.dump_traceback_later(seconds, file=sample._dump)
+    _armed = sample
+
+
+# A fork copies the timer's state but not its thread: the child, cancelling or setting a timer (a test's
+# faulthandler_timeout does), would wait forever for that thread. So the timer is off while the process forks.
+
+def _pause() -> None:
+    if _armed is not None and _armed._left() > 0:
+        faulthandler.cancel_dump_traceback_later()
+
+
+def _resume() -> None:
+    if _armed is not None and _armed._left() > 0:
+        faulthandler.dump_traceback_later(_armed._left(), file=_armed._dump)
+
+
+def _forget() -> None:
+    global _armed
+    _armed = None
+
+
 class MidwaySample:
     """Takes `thread_places` once, `after_s` seconds from now, unless cancelled first; faulthandler dumps every
     thread then too. The Python sampler's thread is a bare one (``_thread``): the session's thread model does not
@@ -93,7 +124,7 @@ class MidwaySample:
         self._dump = None
         try:
             self._dump = tempfile.TemporaryFile()
-            faulthandler.dump_traceback_later(after_s, file=self._dump)
+            _arm(self, after_s)
         except (OSError, RuntimeError, ValueError):  # no file or no watchdog: the Python sampler alone
             self._dump = None
         try:
@@ -122,9 +153,15 @@ class MidwaySample:
         except RuntimeError:  # released already
             pass
 
+    def _left(self) -> float:
+        return self._after - (time.perf_counter() - self._started)
+
     def _disarm(self) -> None:
-        if self._dump is not None and time.perf_counter() - self._started < self._after:
-            faulthandler.cancel_dump_traceback_later()
+        global _armed
+        if _armed is self:
+            _armed = None
+            if self._left() > 0:
+                faulthandler.cancel_dump_traceback_later()
 
     def where(self) -> list[str] | None:
         """The threads' places halfway through the hold: the Python sampler's, else faulthandler's dump's."""
