@@ -165,7 +165,9 @@ def _failed(result) -> set[str]:
 
 def test_work_on_other_threads_is_checked(pytester):
     pytester.makepyfile(test_user_threads=USER_THREADS, test_ranks=RANKS)
-    result = pytester.runpytest_subprocess("--streamrace", "-p", "no:cacheprovider")
+    # the virtual model on every host: the rank threads' tensors are host tensors, which only it puts on streams (the
+    # cuda backend's twins are tests/gpu/test_threads_gpu.py's)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=5, failed=6)
     assert _failed(result) == {"test_thread_joined_without_stream_wait", "test_pool_result_without_stream_wait",
                                "test_pool_started_before_the_test", "test_long_lived_worker_serves_a_later_test",
