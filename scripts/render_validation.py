@@ -50,6 +50,12 @@ def _numbers(item: dict) -> str:
     return _short(", ".join(f"{k} {_value(v)}" for k, v in shown.items()))
 
 
+def _said(item: dict, form: str) -> str:
+    """The item's numbers in `form`, or nothing where it recorded none."""
+    numbers = _numbers(item)
+    return form.format(numbers) if numbers else ""
+
+
 def _result(items: list[dict]) -> str:
     tests = {item["nodeid"].split("[", 1)[0] for item in items}
     # the items of one parametrized test by their parameters (`zero_overlap`), others by their test's name
@@ -61,16 +67,15 @@ def _result(items: list[dict]) -> str:
     skipped = sorted({i["reason"] for i in items if i["outcome"] == "skipped"})
     if failed:
         word = "**failed**" if any(i["outcome"] == "failed" for i in failed) else "**did not finish**"
-        text = f"{word}: " + "; ".join(f"`{name(i)}`: {_short(i['reason'])}" + (f" ({_numbers(i)})" if _numbers(i)
-                                                                                      else "") for i in failed)
+        text = f"{word}: " + "; ".join(f"`{name(i)}`: {_short(i['reason'])}" + _said(i, " ({})") for i in failed)
         if ran:
-            text += "; passed: " + "; ".join(f"`{name(i)}`" + (f": {_numbers(i)}" if _numbers(i) else "") for i in ran)
+            text += "; passed: " + "; ".join(f"`{name(i)}`" + _said(i, ": {}") for i in ran)
         return text.replace("|", "\\|")  # a table cell's pipes
     if not ran:
         return "skipped: " + "; ".join(skipped)
     text = "**passed**" if len(ran) == len(items) else f"**passed** ({len(ran)} of {len(items)} items; the rest " \
         f"skipped: {'; '.join(skipped)})"
-    numbers = [(f"`{name(i)}`: " if len(ran) > 1 else "") + _numbers(i) for i in ran if _numbers(i)]
+    numbers = [(f"`{name(i)}`: " if len(ran) > 1 else "") + said for i in ran if (said := _numbers(i))]
     return (text + (": " + "; ".join(numbers) if numbers else "")).replace("|", "\\|")
 
 

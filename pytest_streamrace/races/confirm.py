@@ -112,7 +112,7 @@ class Confirmer:
         return read_files(instruction["out"]), \
             f"the re-run reported nothing: {_gist(said[0].encode()) if said else 'its ranks passed'}"
 
-    def confirm(self, item: pytest.Item, records: list[dict], outcome: str, backend: str) -> list[str]:
+    def confirm(self, item: pytest.Item, records: list[dict], outcome: str, backend: str) -> tuple[list[str], float]:
         """Give each of the test's race records its ``confirmation``; the report's lines about them."""
         started = time.perf_counter()
         todo: dict[tuple, list[dict]] = {}
@@ -161,7 +161,6 @@ class Confirmer:
             for data in group:
                 data["confirmation"] = dict(results[k], test_seconds=total)
         return [describe(todo[k][0], results[k]) for k in todo], total
-
 
     def _in_one_process(self, item, tryable: dict, outcome: str, backend: str, results: dict,
                         delay_ms: float | None = None) -> None:

@@ -40,6 +40,12 @@ def run(args: list[str], *, timeout: float, env: dict | None = None, cwd=None, l
     return done
 
 
+def out_log(name: str) -> str | None:
+    """`logs/NAME.log` under $OUT, where OUT is set (the GPU host's results folder): what a run writes there as it
+    goes outlives a stopped session."""
+    return os.path.join(os.environ["OUT"], "logs", f"{name}.log") if os.environ.get("OUT") else None
+
+
 def counts(output: str) -> dict[str, int]:
     """pytest's closing summary as {outcome: count} ('3 passed, 1 failed in 2.0s')."""
     lines = [line for line in output.strip().splitlines() if re.search(r"\d+ (passed|failed|skipped|error)", line)]
@@ -119,8 +125,7 @@ def extensions_dir(dist: str, version: str) -> str:
 def repro(name: str, *args: str, config, timeout: float, env: dict | None = None, json_path=None) -> dict:
     """`python -m pytest_streamrace.repro NAME --backend cuda ARGS --json PATH`: its JSON, exit status and output
     (also in `logs/` under $OUT as it runs, where OUT is set: a repro's progress outlives a stopped session)."""
-    log = os.path.join(os.environ["OUT"], "logs", f"{name}-{Path(json_path).parent.name}.log") \
-        if os.environ.get("OUT") else None  # (json_path: in the item's own tmp_path)
+    log = out_log(f"{name}-{Path(json_path).parent.name}")  # (json_path: in the item's own tmp_path)
     done = run([PYTHON, "-m", "pytest_streamrace.repro", name, "--backend", "cuda", *args, "--json", str(json_path)],
                timeout=timeout, env=env, log=log)
     try:

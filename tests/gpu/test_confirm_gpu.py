@@ -36,7 +36,8 @@ def test_every_racy_case_of_the_corpus_is_confirmed_or_shown_benign_on_real_stre
 
 
 def _record(gpu_result, pytester) -> None:
-    """What the forced re-runs measured, from rank 0's confirmation: the hold, how far the order inverted, the values."""
+    """What the forced re-runs measured, from rank 0's confirmation: the hold, how far the order inverted, the
+    values."""
     found = json.loads((pytester.path / "races.json").read_text())["races"]
     confirmation = min(found, key=lambda r: r.get("rank", 0))["confirmation"]
     gpu_result.record("hold ms", confirmation.get("delay_ms"))

@@ -76,7 +76,7 @@ def test_streamrace_run_confirms_a_racy_script_on_real_streams(tmp_path, gpu_res
     assert out.returncode == 3, out.stderr
     [race] = json.loads((tmp_path / "races.json").read_text())["races"]
     confirmation = race["confirmation"]
-    gpu_result.record("streamrace run --confirm", f"{confirmation['status']}, max |Δ| {confirmation.get('max_abs_diff')} "
-                      f"in {confirmation.get('differing')} of {confirmation.get('elements')} elements, hold ms "
+    gpu_result.record("streamrace run --confirm", f"{confirmation['status']}, max |Δ| "
+                      f"{confirmation.get('max_abs_diff')} in {confirmation.get('differing')} of {confirmation.get('elements')} elements, hold ms "
                       f"{confirmation.get('delay_ms')}, re-runs s {confirmation.get('test_seconds')}")
     assert confirmation["status"] == "confirmed", confirmation

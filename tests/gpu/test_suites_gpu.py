@@ -2,11 +2,10 @@
 torchrun sessions on NCCL, the cuda backend's unit tests with the C++ capture built against the host's torch, and
 the files whose GPU items re-create a row (DCP's async staging, `streamrace run`, the device-generic API)."""
 
-import os
 from pathlib import Path
 
 import pytest
-from gpu_support import PYTEST, PYTHON, counts, framework_env, run
+from gpu_support import PYTEST, PYTHON, counts, framework_env, out_log, run
 
 CLAIMS = {
     20: "The launcher and torchrun sessions on NCCL (one GPU a rank, failures on any rank reported)",
@@ -25,8 +24,7 @@ CLAIMS = {
 def _suite(gpu_result, *args: str, env: dict | None = None, workers: int = 0) -> dict[str, int]:
     """The files' session, each test's outcome in its log under $OUT/logs as it comes (where OUT is set), and the
     stacks of a test still running after 5 minutes (faulthandler), so that a stopped or timed-out run says where."""
-    name = "-".join(Path(a).stem for a in args if a.startswith("tests/"))[:80] or "suite"
-    log = os.path.join(os.environ["OUT"], "logs", f"{name}.log") if os.environ.get("OUT") else None
+    log = out_log("-".join(Path(a).stem for a in args if a.startswith("tests/"))[:80] or "suite")
     done = run([*PYTEST, "-n", str(workers), "-v", "-o", "faulthandler_timeout=300", *args], timeout=1200, env=env,
                log=log)
     got = counts(done.stdout)

@@ -9,8 +9,8 @@ import pytest
 
 CLAIMS = {30: "Threads on real streams: a synchronize (device, stream, event, query, read-back) on another thread "
               "orders nothing here; each modelled handoff (locks, conditions, events, semaphores, barriers, queues, "
-              "futures, submit, start/join) carries it; a race on a library's thread names a frame and the thread; races "
-              "on started threads and pool workers confirmed by --streamrace-confirm"}
+              "futures, submit, start/join) carries it; a race on a library's thread names a frame and the thread; "
+              "races on started threads and pool workers confirmed by --streamrace-confirm"}
 
 pytestmark = [pytest.mark.gpu, pytest.mark.validates(30)]
 
