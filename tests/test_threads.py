@@ -3,6 +3,7 @@ thread pool's worker and the ranks of a MultiThreadedTestCase, each with a racy 
 waiting for a future orders the host, not the streams: only a stream wait or an event does. Threads that started
 before the test (a pool's worker, a module fixture's thread) are checked in the test their work runs in."""
 
+import json
 import re
 
 USER_THREADS = """
@@ -224,9 +225,58 @@ def test_races_on_other_threads_are_confirmed_in_re_runs(pytester):
     check_thread_races_confirmed(pytester, "virtual")
 
 
+A_POOL_PER_CHECKPOINT = """
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest, torch
+
+
+def checkpoints(device, racy_step):
+    # DCP's shape: each checkpoint makes a new pool whose one worker copies what the step wrote on a side stream;
+    # the step `racy_step` lets the copy run without waiting for that write, the other waits
+    x = torch.ones(4096, device=device)
+    side = torch.cuda.Stream()
+    for step in range(2):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            x.add_(2)                                   # STEP-WRITE
+        if step != racy_step:
+            torch.cuda.current_stream().wait_stream(side)
+        staged = torch.empty_like(x)
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            pool.submit(staged.copy_, x).result()       # STAGING-READ
+        torch.cuda.current_stream().wait_stream(side)
+
+
+@pytest.mark.parametrize("racy_step", [0, 1])
+def test_checkpoints(streamrace_device, racy_step):
+    checkpoints(streamrace_device, racy_step)
+"""
+
+
+def test_a_forced_run_tells_a_pool_made_per_checkpoint_from_the_one_before(pytester):
+    """Each checkpoint's new pool has a worker of the same name ("ThreadPoolExecutor-*_0" once Python's count is left
+    out) whose ops count from 0 alike: a forced run must find the race on the pool it was found on, not force the
+    same op of another checkpoint too (DCP's stager; on GPUs the second pool's copy came after the first checkpoint's
+    upload had waited out the hold, and the race read as one no hold can invert)."""
+    pytester.makepyfile(test_pools=A_POOL_PER_CHECKPOINT)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "--streamrace-confirm",
+                                           "--streamrace-json=races.json", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=2)
+    records = json.loads((pytester.path / "races.json").read_text())["races"]
+    races = {r["test"].split("[")[-1].rstrip("]"): r for r in records}
+    assert sorted(races) == ["0", "1"], list(races)
+    assert "nth" not in races["0"]["later"]["thread"] and races["1"]["later"]["thread"]["nth"] == 1
+    for step, (read, instead) in {"0": (1, 3), "1": (3, 5)}.items():  # the copy sees x before its step's add_
+        confirmation = races[step]["confirmation"]
+        assert (confirmation["status"], confirmation["differing"], confirmation["max_abs_diff"]) == \
+            ("confirmed", 4096, float(instead - read)), (step, confirmation)
+    result.stdout.fnmatch_lines(["streamrace confirmations: 2 confirmed, 0 not confirmed, 0 not tried*"])
+
+
 def test_a_forced_run_matches_python_s_default_thread_names_without_their_count():
     # (not in a pytester test: pytester drops the modules a test imports, torch among them, when it ends)
-    from pytest_streamrace.detector.forced_order import stable_name
+    from pytest_streamrace.detector.hb import stable_name
 
     assert stable_name("Thread-3 (stage)") == stable_name("Thread-1 (stage)") == "Thread-* (stage)"
     assert stable_name("ThreadPoolExecutor-2_0") == "ThreadPoolExecutor-*_0" != stable_name("ThreadPoolExecutor-2_1")

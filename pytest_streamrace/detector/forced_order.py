@@ -23,14 +23,13 @@ The result is a plain dict (JSON-able), read by the harness that re-ran the test
 from __future__ import annotations
 
 import _thread
-import re
 import threading
 import time
 
 import torch
 
 from .frames import thread_origin
-from .hb import RAW, WAR, WAW
+from .hb import RAW, WAR, WAW, stable_name
 from .midway import MidwaySample
 
 MAIN = "main"
@@ -40,22 +39,11 @@ OVERWRITES = frozenset({"aten::fill_", "aten::copy_", "aten::zero_", "aten::norm
                         "aten::zeros_like", "aten::ones_like", "aten::full_like"})
 
 
-# Python's own thread names count threads and pools process-wide ("Thread-3 (stage)", "ThreadPoolExecutor-2_0"): a
-# pytest re-run runs the test several times in one process, so the count differs from pass to pass
-_COUNTED = re.compile(r"^(Thread|ThreadPoolExecutor)-\d+")
-
-
-def stable_name(name: str) -> str:
-    """A thread's name as a forced run matches it: Python's process-wide count left out of its default names (two
-    such threads of one target, or the same worker index of two default-named pools, share it)."""
-    return _COUNTED.sub(r"\1-*", name)
-
-
 def thread_key(ident: int) -> str:
-    """How a thread is named across runs: its followed name (`stable_name`), "native" for a thread Python did not
+    """How a thread is named across runs: its followed name (`ThreadOrigin.key`), "native" for a thread Python did not
     start, else "main" (the test's own thread, and any thread the session does not follow)."""
     origin = thread_origin(ident)
-    return stable_name(origin.name) if origin is not None else MAIN
+    return origin.key if origin is not None else MAIN
 
 
 class Side:

@@ -27,6 +27,7 @@ second view costs an identity test per op.
 from __future__ import annotations
 
 import contextlib
+import re
 import threading
 import weakref
 from collections import deque
@@ -83,11 +84,35 @@ class Site:
 @dataclass(frozen=True, eq=False)
 class ThreadOrigin:
     """A thread other than the main one, for reports: its name and where its work came from (`how` the call at
-    `site` gave it: "started" by Thread.start(), or "work submitted" to a pool)."""
+    `site` gave it: "started" by Thread.start(), or "work submitted" to a pool). `nth`: how many threads of the same
+    `stable_name` the session started before this one, so that a forced re-run tells the pool a program makes for
+    each checkpoint from the one before it (their threads share a name and count their ops alike)."""
 
     name: str
     how: str
     site: Site
+    nth: int = 0
+
+    @property
+    def key(self) -> str:
+        return thread_key_of(self.name, self.nth)
+
+
+# Python's own thread names count threads and pools process-wide ("Thread-3 (stage)", "ThreadPoolExecutor-2_0"): a
+# pytest re-run runs the test several times in one process, so the count differs from pass to pass
+_COUNTED = re.compile(r"^(Thread|ThreadPoolExecutor)-\d+")
+
+
+def stable_name(name: str) -> str:
+    """A thread's name as a forced run matches it: Python's process-wide count left out of its default names (two
+    such threads of one target, or the same worker index of two default-named pools, share it; `ThreadOrigin.nth`
+    tells them apart)."""
+    return _COUNTED.sub(r"\1-*", name)
+
+
+def thread_key_of(name: str, nth: int = 0) -> str:
+    """How a forced run knows a thread: its `stable_name`, and which of the session's threads of that name it is."""
+    return stable_name(name) + (f"#{nth}" if nth else "")
 
 
 NATIVE = "native"  # the name (and `how`) of a thread Python did not start: autograd's device threads, on GPUs

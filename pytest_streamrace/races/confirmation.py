@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import os
 
+from ..detector.hb import thread_key_of
 from . import record as records_
 
 _FORCED = {"read-after-write", "write-after-read", "write-after-write"}
@@ -109,7 +110,7 @@ def _dtype(data: dict) -> str:
 
 def _side(access: dict) -> dict:
     thread = access.get("thread")
-    return {"thread_key": thread["name"] if thread else None, "ordinal": access["ordinal"], "op": access["op"],
+    return {"thread_key": thread_key_of(thread["name"], thread.get("nth", 0)) if thread else None, "ordinal": access["ordinal"], "op": access["op"],
             "rw": access["rw"], "start": access["start"], "end": access["end"],
             "at": _at(access)}
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import textwrap
-from typing import Callable, Iterable, Sequence, TypedDict
+from typing import Callable, Iterable, NotRequired, Sequence, TypedDict
 
 from ..detector.hb import FREE, NATIVE, RAW, WAR, WAW, Access, Op, Race, Site, TensorInfo, ThreadOrigin, identity
 
@@ -51,6 +51,7 @@ class ThreadRecord(TypedDict):
     name: str  # the thread's name ("ThreadPoolExecutor-0_0")
     how: str  # "started" | "work submitted": what the call at `frames` did
     frames: list[FrameRecord]
+    nth: NotRequired[int]  # threads of its name the session started before it, where any did (a forced run's key)
 
 
 class AccessRecord(TypedDict, total=False):
@@ -101,6 +102,8 @@ def _access_to_json(access: Access, stream_name: StreamName, free: bool) -> Acce
     thread = site.thread
     if thread is not None:
         out["thread"] = {"name": thread.name, "how": thread.how, "frames": _frames_to_json(thread.site)}
+        if thread.nth:  # the session started threads of this name before it
+            out["thread"]["nth"] = thread.nth
     if getattr(site, "ordinal", 0):  # its op's place on its thread: what a confirmation's re-run holds back
         out["ordinal"] = site.ordinal
     return out
@@ -150,7 +153,8 @@ def _access_from_json(a: dict) -> Access:
     site = _site_from_json(a["op"], a.get("frames", []))
     thread = a.get("thread")
     if thread is not None:
-        site.thread = ThreadOrigin(str(thread["name"]), str(thread["how"]), _site_from_json("", thread["frames"]))
+        site.thread = ThreadOrigin(str(thread["name"]), str(thread["how"]), _site_from_json("", thread["frames"]),
+                                   int(thread.get("nth", 0)))
     op = Op(a["stream"], 0, int(a.get("seq", 0)), site)
     return Access(op, None, int(a.get("start", 0)), int(a.get("end", 0)), a["rw"] != "read",
                   _tensor_from_json(a["tensor"]))

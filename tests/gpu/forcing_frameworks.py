@@ -1,4 +1,6 @@
 """GPU driver for forcing: stock frameworks are correct until forced, then wrong — with the forcing plain API.
+Megatron's DDP with two distributed-optimizer instances built on a side stream is Megatron-LM #3670's race: unforced,
+it shows now and then, as timing has it; forced, every iteration.
 
 Run by tests/gpu/test_forcing_gpu.py under ``torchrun --nproc_per_node 2``:
   deepspeed: ZeRO-2 overlap_comm, 12 x Linear(512), 2 SGD steps, params compared exactly with an overlap_comm=False

@@ -39,7 +39,14 @@ def test_forcing_turns_a_stock_framework_wrong(request, framework, versions, gpu
     assert len(rows) >= 2, output[-4000:]
     for _, name, wrong, total, unit, _, worst in rows:
         gpu_result.record(name.strip(), f"{wrong}/{total} {unit} wrong, max relative error {worst.strip()}")
-        assert int(wrong) == (int(total) if "forced" in name else 0), output[-4000:]
+    for _, name, wrong, total, unit, _, _ in rows:
+        # forced: wrong every time; on the default stream: never (the hooks are ordered). Megatron's DDP built on a
+        # side stream unforced is the race itself, left to timing: how often it shows is recorded, not asserted
+        # (0/12 on an idle host; 2/12 with four GPU jobs sharing it)
+        if "forced" in name:
+            assert int(wrong) == int(total), f"{name.strip()}: forced, only {wrong}/{total} {unit} wrong"
+        elif "default stream" in name:
+            assert int(wrong) == 0, f"{name.strip()}: {wrong}/{total} {unit} wrong without forcing"
     for key, version in versions.items():
         gpu_result.record(key.replace("_", "-"), version)
 

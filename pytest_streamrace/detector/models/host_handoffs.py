@@ -33,7 +33,7 @@ from concurrent.futures import thread as pool
 
 from ...patching import AttrPatch, WrapPatch
 from ..frames import set_thread_origin, stack
-from ..hb import Site, ThreadOrigin
+from ..hb import Site, ThreadOrigin, stable_name
 
 _session = None  # (hb, tracker) of the active session, or None: every edge is then a no-op
 _inside = threading.local()  # .busy: this thread is applying an edge (a drain's own locks are not handoffs)
@@ -74,7 +74,7 @@ def thread_started(thread) -> None:
         return
     try:
         session[0].own_host()
-        set_thread_origin(threading.get_ident(), ThreadOrigin(thread.name, "started", _origin(thread)))
+        set_thread_origin(threading.get_ident(), ThreadOrigin(thread.name, "started", _origin(thread), _nth(thread)))
     except Exception:
         return
     acquire(thread)
@@ -99,18 +99,41 @@ def work_item_starting(item) -> None:
     if session is not None:
         try:
             session[0].own_host()
-            set_thread_origin(threading.get_ident(),
-                              ThreadOrigin(threading.current_thread().name, "work submitted", _origin(item)))
+            worker = threading.current_thread()
+            set_thread_origin(threading.get_ident(), ThreadOrigin(worker.name, "work submitted", _origin(item),
+                                                                  _nth(worker)))
         except Exception:
             return
     acquire(item)
 
 
 _ORIGIN = "_streamrace_origin"  # where a thread was started or a work item submitted (a Site), on the object
+_NTH = "_streamrace_nth"  # on a thread: how many of the session's threads of its stable name started before it
+_started_by_name: dict = {}  # stable name -> threads of that name started in this session
+_counting = _thread.allocate_lock()  # a C lock made at import: no handoff
 
 
 def _origin(obj) -> Site:
     return getattr(obj, _ORIGIN, None) or Site("")
+
+
+def _nth(thread) -> int:
+    return getattr(thread, _NTH, 0)
+
+
+def _count_start(thread) -> None:
+    """Numbered in the order of start() calls (not of first steps, which race): a program that starts its threads
+    in one order starts them so in a re-run."""
+    if _session is None:
+        return
+    try:
+        name = stable_name(thread.name)
+        with _counting:
+            n = _started_by_name.get(name, 0)
+            _started_by_name[name] = n + 1
+        setattr(thread, _NTH, n)
+    except Exception:
+        pass
 
 
 def _mark_origin(obj, op: str) -> None:
@@ -217,6 +240,7 @@ def _submitted(work_item_init):
 def _started(start):
     def call(self, *args, **kwargs):
         _mark_origin(self, "Thread.start")
+        _count_start(self)
         release(self)
         return start(self, *args, **kwargs)
     return _named(call, start)
@@ -358,6 +382,7 @@ class HostHandoffs:
 
     def install(self) -> None:
         global _session
+        _started_by_name.clear()
         _session = (self.hb, self.tracker)
 
     def uninstall(self) -> None:
