@@ -29,7 +29,7 @@ import time
 import torch
 
 from .frames import thread_origin
-from .hb import RAW, WAR, WAW, stable_name
+from .hb import RAW, WAR, WAW
 from .midway import MidwaySample
 
 MAIN = "main"
@@ -50,7 +50,7 @@ class Side:
     """One access of the race, as the locate run's record gives it."""
 
     def __init__(self, data: dict):
-        self.thread = stable_name(str(data.get("thread_key") or MAIN))
+        self.thread = str(data.get("thread_key") or MAIN)  # the plan's `thread_key_of`
         self.ordinal = int(data["ordinal"])
         self.op = str(data["op"])
         self.write = data["rw"] != "read"

@@ -110,7 +110,8 @@ def _dtype(data: dict) -> str:
 
 def _side(access: dict) -> dict:
     thread = access.get("thread")
-    return {"thread_key": thread_key_of(thread["name"], thread.get("nth", 0)) if thread else None, "ordinal": access["ordinal"], "op": access["op"],
+    return {"thread_key": thread_key_of(thread["name"], thread.get("nth", 0)) if thread else None,
+            "ordinal": access["ordinal"], "op": access["op"],
             "rw": access["rw"], "start": access["start"], "end": access["end"],
             "at": _at(access)}
 

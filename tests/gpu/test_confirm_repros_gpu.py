@@ -77,6 +77,7 @@ def test_streamrace_run_confirms_a_racy_script_on_real_streams(tmp_path, gpu_res
     [race] = json.loads((tmp_path / "races.json").read_text())["races"]
     confirmation = race["confirmation"]
     gpu_result.record("streamrace run --confirm", f"{confirmation['status']}, max |Δ| "
-                      f"{confirmation.get('max_abs_diff')} in {confirmation.get('differing')} of {confirmation.get('elements')} elements, hold ms "
+                      f"{confirmation.get('max_abs_diff')} in {confirmation.get('differing')} of "
+                      f"{confirmation.get('elements')} elements, hold ms "
                       f"{confirmation.get('delay_ms')}, re-runs s {confirmation.get('test_seconds')}")
     assert confirmation["status"] == "confirmed", confirmation
