@@ -45,8 +45,10 @@ def _short(text: str) -> str:
     return re.sub(r"(?:/[\w.+-]+)+/(?:site-packages|dist-packages|streamrace-sites/[\w.+-]+)/", "", text)
 
 
-def _numbers(item: dict) -> str:
-    shown = {k: v for k, v in item["numbers"].items() if k not in _VERSIONS and v not in (None, "", [], {})}
+def _numbers(item: dict, leave: dict | None = None) -> str:
+    """The item's numbers, less the versions (the hardware column's) and those in `leave` (said once for the row)."""
+    shown = {k: v for k, v in item["numbers"].items()
+             if k not in _VERSIONS and v not in (None, "", [], {}) and (leave or {}).get(k, object()) != v}
     return _short(", ".join(f"{k} {_value(v)}" for k, v in shown.items()))
 
 
@@ -75,7 +77,11 @@ def _result(items: list[dict]) -> str:
         return "skipped: " + "; ".join(skipped)
     text = "**passed**" if len(ran) == len(items) else f"**passed** ({len(ran)} of {len(items)} items; the rest " \
         f"skipped: {'; '.join(skipped)})"
-    numbers = [(f"`{name(i)}`: " if len(ran) > 1 else "") + said for i in ran if (said := _numbers(i))]
+    # a number every item recorded alike (the runs per variant, the tests' source) is said once, first
+    shared = {k: v for k, v in ran[0]["numbers"].items() if all(i["numbers"].get(k) == v for i in ran[1:])} \
+        if len(ran) > 1 else {}
+    numbers = [_numbers({"numbers": shared})] if _numbers({"numbers": shared}) else []
+    numbers += [(f"`{name(i)}`: " if len(ran) > 1 else "") + said for i in ran if (said := _numbers(i, shared))]
     return (text + (": " + "; ".join(numbers) if numbers else "")).replace("|", "\\|")
 
 

@@ -19,12 +19,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = sys.executable
 PYTEST = [PYTHON, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:randomly", "--color=no"]
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")  # colours a suite's conftest turns on (DeepSpeed's sets color=yes)
 
 
 def run(args: list[str], *, timeout: float, env: dict | None = None, cwd=None, log=None) -> subprocess.CompletedProcess:
-    """A subprocess with stdout and stderr merged, as text; the environment is this one's plus `env`. With `log`, the
-    output goes to that file as it comes (a session stopped from outside leaves what the run had said). One that runs
-    past `timeout` fails the test in one line (the results file keeps it as the row's reason), with its output's end."""
+    """A subprocess with stdout and stderr merged, as text without colour codes; the environment is this one's plus
+    `env`. With `log`, the output goes to that file as it comes (a session stopped from outside leaves what the run
+    had said). One that runs past `timeout` fails the test in one line (the results file keeps it as the row's
+    reason), with its output's end."""
     if log is not None:
         os.makedirs(os.path.dirname(os.path.abspath(log)), exist_ok=True)
     try:
@@ -37,6 +39,7 @@ def run(args: list[str], *, timeout: float, env: dict | None = None, cwd=None, l
         pytest.fail(f"{' '.join(str(a) for a in args[-3:])} ran past {timeout:g} s\n{said[-3000:]}", pytrace=False)
     if log is not None:
         done.stdout = Path(log).read_text(encoding="utf-8", errors="replace")
+    done.stdout = _ANSI.sub("", done.stdout or "")
     return done
 
 
