@@ -81,7 +81,8 @@ def _result(items: list[dict]) -> str:
     shared = {k: v for k, v in ran[0]["numbers"].items() if all(i["numbers"].get(k) == v for i in ran[1:])} \
         if len(ran) > 1 else {}
     numbers = [_numbers({"numbers": shared})] if _numbers({"numbers": shared}) else []
-    numbers += [(f"`{name(i)}`: " if len(ran) > 1 else "") + said for i in ran if (said := _numbers(i, shared))]
+    numbers += [(f"`{name(i)}`" + (f": {said}" if said else "") if len(ran) > 1 else said)
+                for i in ran if (said := _numbers(i, shared)) or (shared and len(ran) > 1)]
     return (text + (": " + "; ".join(numbers) if numbers else "")).replace("|", "\\|")
 
 

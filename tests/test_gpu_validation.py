@@ -131,7 +131,7 @@ CLAIMS = {906: "A claim two variants re-create"}
 
 
 @pytest.mark.validates(906)
-@pytest.mark.parametrize("variant, error", [("first", 0.5), ("second", 0.25)])
+@pytest.mark.parametrize("variant, error", [("first", 0.5), ("second", 0.25), ("third", None)])
 def test_variant(gpu_result, variant, error):
     gpu_result.record("runs", 3)
     gpu_result.record("source", "abc123")
@@ -143,9 +143,9 @@ def test_a_number_every_item_of_a_row_recorded_alike_is_said_once(pytester):
     _gpu_conftest(pytester)
     pytester.makepyfile(test_shared=SHARED)
     path = pytester.path / "shared.json"
-    pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpu-results", str(path)).assert_outcomes(passed=2)
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpu-results", str(path)).assert_outcomes(passed=3)
     row = _render(path).stdout.splitlines()[2]
-    assert "| **passed**: runs 3, source abc123; `first-0.5`: max error 0.5; `second-0.25`: max error 0.25 |" in row
+    assert "| **passed**: runs 3, source abc123; `first-0.5`: max error 0.5; `second-0.25`: max error 0.25; `third-None` |" in row
 
 
 STOPPED = """
