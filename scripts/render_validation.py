@@ -52,9 +52,9 @@ def _numbers(item: dict, leave: dict | None = None) -> str:
     return _short(", ".join(f"{k} {_value(v)}" for k, v in shown.items()))
 
 
-def _said(item: dict, form: str) -> str:
-    """The item's numbers in `form`, or nothing where it recorded none."""
-    numbers = _numbers(item)
+def _said(item: dict, form: str, leave: dict | None = None) -> str:
+    """The item's numbers (less `leave`) in `form`, or nothing where it has none."""
+    numbers = _numbers(item, leave)
     return form.format(numbers) if numbers else ""
 
 
@@ -77,12 +77,12 @@ def _result(items: list[dict]) -> str:
         return "skipped: " + "; ".join(skipped)
     text = "**passed**" if len(ran) == len(items) else f"**passed** ({len(ran)} of {len(items)} items; the rest " \
         f"skipped: {'; '.join(skipped)})"
-    # a number every item recorded alike (the runs per variant, the tests' source) is said once, first
-    shared = {k: v for k, v in ran[0]["numbers"].items() if all(i["numbers"].get(k) == v for i in ran[1:])} \
-        if len(ran) > 1 else {}
-    numbers = [_numbers({"numbers": shared})] if _numbers({"numbers": shared}) else []
-    numbers += [(f"`{name(i)}`" + (f": {said}" if said else "") if len(ran) > 1 else said)
-                for i in ran if (said := _numbers(i, shared)) or (shared and len(ran) > 1)]
+    if len(ran) == 1:
+        numbers = [own] if (own := _numbers(ran[0])) else []
+    else:  # a number every item recorded alike (the runs per variant, the tests' source) is said once, first
+        shared = {k: v for k, v in ran[0]["numbers"].items() if all(i["numbers"].get(k) == v for i in ran[1:])}
+        numbers = [once] if (once := _numbers({"numbers": shared})) else []
+        numbers += [f"`{name(i)}`" + _said(i, ": {}", shared) for i in ran if shared or _numbers(i)]
     return (text + (": " + "; ".join(numbers) if numbers else "")).replace("|", "\\|")
 
 

@@ -43,10 +43,10 @@ def run(args: list[str], *, timeout: float, env: dict | None = None, cwd=None, l
     return done
 
 
-def out_log(name: str) -> str | None:
-    """`logs/NAME.log` under $OUT, where OUT is set (the GPU host's results folder): what a run writes there as it
-    goes outlives a stopped session."""
-    return os.path.join(os.environ["OUT"], "logs", f"{name}.log") if os.environ.get("OUT") else None
+def out_log(name: str, suffix: str = ".log") -> str | None:
+    """`logs/NAME.log` (or another `suffix`) under $OUT, where OUT is set (the GPU host's results folder): what a run
+    writes there as it goes outlives a stopped session."""
+    return os.path.join(os.environ["OUT"], "logs", name + suffix) if os.environ.get("OUT") else None
 
 
 def counts(output: str) -> dict[str, int]:

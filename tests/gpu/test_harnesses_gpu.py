@@ -83,10 +83,10 @@ def _both_ways(tmp_path, tests: Path, env, name, *args) -> tuple[dict, dict, lis
     plain = {k: v[0] for k, v in junit_outcomes(tmp_path / f"{name}-plain.xml", qualified=True).items()}
     checked = {k: v[0] for k, v in junit_outcomes(tmp_path / f"{name}-streamrace.xml", qualified=True).items()}
     assert plain and checked, first.stdout[-3000:] + second.stdout[-3000:]
-    kept = out_log(f"{name}-{re.sub(r'[^A-Za-z0-9]+', '_', args[-1])[:40]}-races")  # beside the host's logs
+    kept = out_log(f"{name}-{re.sub(r'[^A-Za-z0-9]+', '_', args[-1])[:40]}-races", ".json")  # beside the logs
     if kept and (tmp_path / f"{name}-races.json").is_file():
         os.makedirs(os.path.dirname(kept), exist_ok=True)
-        shutil.copy(tmp_path / f"{name}-races.json", kept.removesuffix(".log") + ".json")
+        shutil.copy(tmp_path / f"{name}-races.json", kept)
     return plain, checked, races(tmp_path / f"{name}-races.json")
 
 
