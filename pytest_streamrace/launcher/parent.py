@@ -45,7 +45,9 @@ class ParentPlugin:
         if mark is None:
             return None
         item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
-        for rep in self._run(item, mark):
+        reports = self._run(item, mark)
+        _tear_down_to(item, nextitem, reports)
+        for rep in reports:
             item.ihook.pytest_runtest_logreport(report=rep)
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
@@ -136,6 +138,23 @@ class ParentPlugin:
             if value is not None:
                 argv += ["-o", f"{s.name}={str(value).lower() if isinstance(value, bool) else value}"]
         return argv
+
+
+def _tear_down_to(item: pytest.Item, nextitem: pytest.Item | None, reports: list[pytest.TestReport]) -> None:
+    """Tear down, in this process, what earlier items set up here and `nextitem` does not share, as pytest's own
+    teardown phase does (``SetupState.teardown_exact``): the module, class and session fixtures an item's plain
+    neighbours hold. The ranks ran the item's own fixtures; these are the parent's, and left in place they break
+    the next module's first test ("previous item was not torn down properly"). An error there is the item's
+    teardown error, as pytest reports it."""
+    call = pytest.CallInfo.from_call(lambda: item.session._setupstate.teardown_exact(nextitem), when="teardown")
+    if call.excinfo is None:
+        return
+    teardown = next(r for r in reports if r.when == "teardown")
+    error = pytest.TestReport.from_item_and_call(item, call)
+    if teardown.passed:
+        teardown.outcome, teardown.longrepr = "failed", error.longrepr
+    else:  # the ranks' own teardown failed too: both are said
+        teardown.sections.append(("Captured teardown error in the session's process", error.longreprtext))
 
 
 def _env(spec: RankSpec, output: str, nodeid: str) -> dict[str, str]:
