@@ -8,7 +8,11 @@
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/Storage.h>
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
 #include <algorithm>
+#include <cstring>
 #include <atomic>
 #include <deque>
 #include <iterator>
@@ -216,8 +220,26 @@ struct Here {
   void* spare[4] = {};
   int spares = 0;
   bool reaper_armed = false, gone = false;
+  int8_t collective_worker = -1;  // `in_collective_worker`, once known (-1: not asked yet)
 };
 thread_local Here here;
+
+// Whether this thread is a c10d backend's worker (gloo's "pt_gloo_runloop"): the ops it runs are a collective's own
+// work (gloo stages a CUDA tensor's collective through pinned host memory on a pooled stream of its own and copies
+// the result back there), which the collectives model stands for as one access on the group's communication stream,
+// ordered by the work's wait(). Their copies are not the program's: recorded, they race with that modelled access.
+bool in_collective_worker() {
+  Here& h = here;
+  if (h.collective_worker < 0) {
+    char name[16] = {};
+#ifdef __linux__
+    h.collective_worker = prctl(PR_GET_NAME, name, 0, 0, 0) == 0 && std::strncmp(name, "pt_gloo", 7) == 0;
+#else
+    h.collective_worker = 0;
+#endif
+  }
+  return h.collective_worker > 0;
+}
 
 struct Reaper {  // made on a thread once it keeps a spare: gives them back as the thread ends
   ~Reaper() {
@@ -713,7 +735,7 @@ bool issuing() {  // Python issues the collective this thread runs
 
 std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
   Here& h = here;
-  if (h.depth > 0 || h.paused || !live()) return nullptr;
+  if (h.depth > 0 || h.paused || !live() || (cuda && in_collective_worker())) return nullptr;
   if (ops_added.load(std::memory_order_relaxed)) hook_ops(!cuda);
   auto plan = plan_for(call);
   if (plan == nullptr || !plan->below_autograd) return nullptr;
