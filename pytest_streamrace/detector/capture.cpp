@@ -13,6 +13,7 @@
 #endif
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <atomic>
 #include <deque>
 #include <iterator>
@@ -87,7 +88,7 @@ void release_stacks() {  // the GIL held
 // held (host memory only): the storage, first seen here, kept alive until drained (see `hold`)
 using Shape = c10::SmallVector<int64_t, 5>;  // inline: no allocation per access
 struct Span { int64_t storage, start, end; bool write; Shape shape; c10::ScalarType dtype; int64_t nbytes;
-              c10::Storage held; };
+              c10::Storage held; bool host = false; };  // host: a host storage's (host_op)
 using Spans = c10::SmallVector<Span, 3>;  // an op's reads and writes, or its fresh outputs: inline for most ops
 
 // "float", "long", ...: as a tensor's description names its dtype (hb.TensorInfo). Called with the GIL held.
@@ -132,6 +133,9 @@ struct Record {
   std::optional<int64_t> synced;
   bool sync = false;  // the op is a host sync's (tracker.host_syncs): the tracker judges whether it applies
   int64_t touched = 0;  // tensors of the modelled device among its arguments and fresh outputs, empty ones included
+  int64_t device_args = 0, hosts = 0;  // device tensors among its arguments; host storages (host_party) it touches
+  // a copy_'s, where host storages exist (host_op): whether it copies into one, from one, and asked not to block
+  bool copy_into_host = false, copy_from_host = false, non_blocking = false;
   std::shared_ptr<const Plan> plan; std::vector<c10::IValue> args;  // the arguments, where the plan keeps them
   std::vector<c10::IValue> outputs;  // a queued collective's, as it returned
   // the thread that recorded it: the core applies its launch, syncs and frees with that thread's host clock
@@ -556,6 +560,21 @@ std::shared_ptr<const Plan> plan_for(const OpCall& call) {
 
 bool on_device(const at::Tensor& t) { return cuda ? t.device().is_cuda() : t.device().is_cpu(); }
 
+// Host storages (host_party.py): host memory a stream's copy touches, by data pointer, marked by the tracker. An op
+// whose tensors are host storages and no device memory is the host's: recorded on its thread's host timeline (the
+// stream `kHostStream`, which the feed turns into that thread's timeline). Code that marks none pays a relaxed load.
+constexpr int64_t kHostStream = std::numeric_limits<int64_t>::min();
+std::mutex hosts_mutex;
+std::unordered_set<int64_t> host_storages;
+std::atomic<bool> any_hosts{false};
+
+bool is_host_storage(const at::Tensor& t) {
+  if (!any_hosts.load(std::memory_order_relaxed) || !t.device().is_cpu() || !t.has_storage()) return false;
+  auto key = reinterpret_cast<int64_t>(t.storage().data());
+  std::lock_guard<std::mutex> guard(hosts_mutex);
+  return host_storages.count(key) > 0;
+}
+
 }  // namespace
 void queue_free(int64_t ptr);  // below: a free queued in order with the ops
 void hook_ops(bool expand);  // kernel_entry.cpp
@@ -595,8 +614,15 @@ void add(Record& r, Spans& out, const at::Tensor& t, bool write, bool fresh) try
   const auto* impl = t.unsafeGetTensorImpl();
   // a Python scalar boxed for the kernel; a tensor subclass nested in a list argument (whose op is not recorded)
   if (impl->is_wrapped_number() || impl->key_set().has(c10::DispatchKey::Python)) return;
-  if (!on_device(t)) return;  // not the modelled device (host memory under cuda)
-  ++r.touched;
+  bool host = is_host_storage(t);
+  if (host) {
+    ++r.hosts;
+  } else if (on_device(t)) {
+    ++r.touched;
+    if (!fresh) ++r.device_args;
+  } else {
+    return;  // not the modelled device (host memory under cuda)
+  }
   if (!t.has_storage() || t.numel() == 0) return;
   int64_t size = t.element_size(), start = t.storage_offset() * size, last = 0;
   if (t.is_contiguous()) last = t.numel() - 1;
@@ -606,6 +632,7 @@ void add(Record& r, Spans& out, const at::Tensor& t, bool write, bool fresh) try
   Span& span = out.emplace_back(Span{key, start, start + (last + 1) * size, write, Shape(), t.scalar_type(),
                                       fresh ? (int64_t)t.storage().nbytes() : -1, {}});
   span.shape.assign(t.sizes().begin(), t.sizes().end());  // in place: a Shape moved is its dims copied
+  span.host = host;
   if (!cuda && !frees_reported(t)) hold(span, t);
 } catch (const std::exception&) {
   return;  // no plain storage to read (functionalization wrappers and the like)
@@ -733,6 +760,28 @@ bool issuing() {  // Python issues the collective this thread runs
   return h.issuing > 0 && h.issuing_generation == generation.load(std::memory_order_relaxed);
 }
 
+// Whether an op that touches host storages is the host's own (tracker._host_side says why): on a GPU, one that
+// touches no device memory; on the virtual backend, any but a copy between the device and a host storage (into device
+// memory from one; into one from device memory where non_blocking asks for it). Its accesses are then the host
+// storages' alone (a host op's other CPU tensors stand for host data), and its fresh outputs none of the device's.
+bool host_op(Record& r) {
+  bool host;
+  if (cuda) {
+    host = r.device_args == 0 && r.touched == 0;
+  } else if (r.op == nullptr || std::strcmp(r.op, "aten::copy_") != 0 || r.device_args == 0) {
+    host = true;
+  } else {
+    host = r.copy_into_host && !(r.non_blocking && !r.copy_from_host);
+  }
+  if (!host) return false;
+  if (!cuda) {
+    auto kept = std::remove_if(r.accesses.begin(), r.accesses.end(), [](const Span& s) { return !s.host; });
+    r.accesses.erase(kept, r.accesses.end());
+    r.fresh.clear();
+  }
+  return true;
+}
+
 std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
   Here& h = here;
   if (h.depth > 0 || h.paused || !live() || (cuda && in_collective_worker())) return nullptr;
@@ -767,6 +816,12 @@ std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
     }
     r.stack = stack_here();
     if (cuda && plan->copy && into_pageable_host(call)) r.synced = r.stream;
+    if (!cuda && plan->copy && any_hosts.load(std::memory_order_relaxed) && inputs.size() >= 2 &&
+        inputs[0].isTensor() && inputs[1].isTensor()) {
+      r.copy_into_host = is_host_storage(inputs[0].toTensor());
+      r.copy_from_host = is_host_storage(inputs[1].toTensor());
+      r.non_blocking = inputs.size() > 2 && inputs[2].isBool() && inputs[2].toBool();
+    }
     h.in_flight = &r;
   }
   return pending;
@@ -842,7 +897,11 @@ void on_end(c10::ArrayRef<c10::IValue> outputs, at::ObserverContext* context) {
     r.fresh.reserve(outputs.size());
     for (const auto& v : outputs) add_value(r, r.fresh, v, plan->writes_output, true);
   }
-  if (!cuda && r.touched == 0) return;  // no tensor of the modelled device: no launch, as under the dispatch mode
+  if (r.hosts > 0 && host_op(r)) {
+    r.stream = kHostStream;  // the host's own op: its thread's host timeline
+  } else if (!cuda && r.touched == 0) {
+    return;  // no tensor of the modelled device: no launch, as under the dispatch mode
+  }
   push(std::move(r));
 }
 
@@ -862,6 +921,11 @@ void clear_all() {
     plans.clear();
     plans_made.fetch_add(1, std::memory_order_release);
     dropped.swap(records);
+  }
+  {
+    std::lock_guard<std::mutex> guard(hosts_mutex);
+    host_storages.clear();
+    any_hosts.store(false, std::memory_order_relaxed);
   }
   std::lock_guard<std::mutex> guard(known_mutex);
   known.clear();
@@ -961,6 +1025,19 @@ bool sync_inside_op(int64_t stream) {
 
 // Whether this thread is running a captured op (a sync reported now is that op's: a read-back's).
 bool in_op() { return here.in_flight != nullptr; }
+
+// A host storage (host_party.py) from now on, or no longer (freed: its address may be another storage's).
+void mark_host(int64_t ptr) {
+  std::lock_guard<std::mutex> guard(hosts_mutex);
+  host_storages.insert(ptr);
+  any_hosts.store(true, std::memory_order_relaxed);
+}
+
+void unmark_host(int64_t ptr) {
+  std::lock_guard<std::mutex> guard(hosts_mutex);
+  host_storages.erase(ptr);
+  any_hosts.store(!host_storages.empty(), std::memory_order_relaxed);
+}
 
 // A storage freed (the allocator's callback, or a storage's weak reference): queued in order with the ops. Its address
 // may be handed out again from now on, to a storage the tracker does not watch yet. stack: whether to take one.
@@ -1352,6 +1429,8 @@ class Feed {
     note_ = tracker.attr("note");
     queued_ = tracker.attr("_queued");
     rule_stream_ = tracker.attr("_rule_stream");
+    host_timeline_ = tracker.attr("host_timeline");
+    forget_host_ = tracker.attr("hosts").attr("discard");
     free_core.store(&core_);
     if (site_factory == nullptr)
       site_factory = new py::object(py::module_::import("pytest_streamrace.detector.backward_sites").attr("site_of"));
@@ -1577,6 +1656,7 @@ class Feed {
   void apply_one(Record& r) {
     Tables& t = *tables_;
     if (r.what == What::kFree) {  // tracker._freed
+      if (any_hosts.load(std::memory_order_relaxed)) forget_host(r.handle);
       if (t.watched.erase(r.handle) == 0) return;  // never touched by a tracked op
       if (!t.names.empty()) t.names.erase(r.handle);
       t.last_writer.erase(r.handle);
@@ -1592,6 +1672,12 @@ class Feed {
     if (r.what == What::kQueuedStart && r.plan->rule && apply_rule(r, *r.plan->rule)) return;
     if (r.what != What::kOp) {  // tracker._queued: the model's, in order, named by the thread that issued it
       queued_(*queued_call(r, core_.stream_key(stream(r.stream))), py::arg("thread") = r.thread);
+      return;
+    }
+    if (r.stream == kHostStream) {  // the host's own op, on its thread's timeline, done before the host goes on
+      const py::object& timeline = host_timeline(r.thread);
+      launch(r, core_.locked_stream_id(timeline));
+      core_.synchronize_stream(timeline, py::none());
       return;
     }
     int32_t id = stream(r.stream);
@@ -1613,10 +1699,29 @@ class Feed {
     }
   }
 
+  // A thread's host timeline (tracker.host_timeline), asked once per thread.
+  const py::object& host_timeline(int64_t thread) {
+    auto found = timelines_.find(thread);
+    if (found != timelines_.end()) return found->second;
+    return timelines_.emplace(thread, host_timeline_(thread)).first->second;
+  }
+
+  // A freed host storage's address may be another storage's next (tracker._forget_host).
+  void forget_host(int64_t ptr) {
+    {
+      std::lock_guard<std::mutex> guard(hosts_mutex);
+      if (host_storages.count(ptr) == 0) return;
+    }
+    unmark_host(ptr);
+    forget_host_(ptr);
+  }
+
   py::object core_object_;
   PyCore& core_;
   std::shared_ptr<Tables> tables_;
-  py::object ref_keys_, on_dead_, captured_sync_, report_, note_, queued_, rule_stream_;
+  py::object ref_keys_, on_dead_, captured_sync_, report_, note_, queued_, rule_stream_, host_timeline_;
+  py::object forget_host_;
+  std::unordered_map<int64_t, py::object> timelines_;
   std::unordered_map<const void*, Named> named_;
   bool track_frees_ = false, engine_records_streams_ = false;
   py::object streams_ = py::none();
@@ -1675,6 +1780,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_stream", &set_stream);
   m.def("sync_inside_op", &sync_inside_op);
   m.def("in_op", &in_op);
+  m.def("mark_host", &mark_host);
+  m.def("unmark_host", &unmark_host);
   m.def("record_kernel", &record_kernel, py::arg("name"), py::arg("stream"), py::arg("args"), py::arg("roles"));
   m.def("mark_free", &mark_free, py::arg("ptr"), py::arg("stack") = true);
   m.def("drain", &drain);

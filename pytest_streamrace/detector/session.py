@@ -99,9 +99,11 @@ class Detector:
             self.tracker.current_stream = self.streams.current  # per op: no detour through the session
             autograd = VirtualAutograd(self.streams, self.hb, self.tracker, extension)
             patches += autograd.patches()
+            from .models.host_memory import PinnedMemory
             from .models.virtual_host_reads import HostReads
 
             patches += HostReads(self.tracker).patches()
+            patches += PinnedMemory(self.tracker).patches()
             on_outputs = autograd.adopt_outputs
             function_mode = lambda: autograd.mode  # noqa: E731 (exists once autograd's patches are installed)
         else:
@@ -112,8 +114,14 @@ class Detector:
             self.streams = CudaStreams(self.hb, self.tracker)
             self.tracker.current_stream = self.streams.current
             patches = self.streams.patches()
+            from .models.host_memory import AsyncCopies
+
+            patches += AsyncCopies(self.tracker).patches()
             on_outputs = None  # the engine binds compiled code's autograd nodes itself
             function_mode = None
+        from .models.host_memory import HostBufferReads
+
+        patches += HostBufferReads(self.tracker).patches()
         from .models.compiled import CompiledCode
 
         _handle.register(self.streams)

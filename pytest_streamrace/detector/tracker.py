@@ -28,7 +28,7 @@ from torch._C._autograd import _get_sequence_nr
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..patching import skip_in_dynamo
-from . import host_sync
+from . import host_party, host_sync
 from .backward_sites import ForwardSites
 from .frames import Captured, stack, thread_origin
 from .hb import HappensBefore, Race, Site
@@ -41,6 +41,7 @@ _NO_KERNEL = re.compile(r"^aten::(empty.*|new_empty.*)$")
 _SKIPPED_OPS = {"aten::record_stream"}  # not a kernel: the stream model turns it into hb.record_stream
 # modelled by a namespace handler (models.collectives, models.functional_collectives), never as plain ops
 _HANDLED_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
+_ASYNC_COPIES = host_party.ASYNC_COPIES
 
 
 def byte_range(t: torch.Tensor) -> tuple[int, int] | None:
@@ -236,6 +237,10 @@ class AccessTracker(TorchDispatchMode):
         self._explicit = threading.local()  # .name: the explicit sync API running on this thread (cuda model)
         self.forward_sites = ForwardSites()  # the sites of forward ops by the autograd number of their node
         self._forward_seq = threading.local()  # .seq: the autograd number this thread's last forward op saw
+        # host storages by key (``host_party``): pinned memory, the host side of async copies; and each thread's
+        # host timeline, made as the thread's host first touches one
+        self.hosts: set[Hashable] = set()
+        self._timelines: dict[int, host_party.HostTimeline] = {}
 
     @property
     def enabled(self) -> bool:
@@ -426,7 +431,10 @@ class AccessTracker(TorchDispatchMode):
                              captured, ordinal, record[2])
                 return
             _, name, stream, in_node, spans, fresh, captured, seq, node, synced, arguments, ordinal, _ = record
-            if streams is not None:
+            host = stream == host_party.HOST_STREAM  # the host's own op (capture.cpp's host_op)
+            if host:
+                stream = self.host_timeline(record[-1])
+            elif streams is not None:
                 stream = streams[stream]
             if redirect:  # a gradient's add the engine runs on its consumer's stream (virtual autograd)
                 for span in spans:
@@ -461,9 +469,12 @@ class AccessTracker(TorchDispatchMode):
                 if seq >= 0:
                     self.forward_sites.forward(seq, site)
             _, races = self.hb.record(stream, site, accesses, allocs)
+            if host:
+                self.host_did(stream)
             if races:
                 self._report(races)
-            self._captured_sync(name, stream, synced, captured, arguments, bool(spans) or streams is not None)
+            if not host:
+                self._captured_sync(name, stream, synced, captured, arguments, bool(spans) or streams is not None)
         except Exception as exc:  # never inside the user's test: this op goes unchecked, said once
             self.note(f"{record[1] if record[0] == 'op' else record[0]} is not checked: "
                       f"{type(exc).__name__}: {exc}")
@@ -551,6 +562,8 @@ class AccessTracker(TorchDispatchMode):
             records = self._capture.drain()
 
     def _freed(self, key: Hashable, site: Site) -> None:
+        if self.hosts:
+            self._forget_host(key)
         if self.watched.pop(key, False) is False:
             return  # never touched by a tracked op
         if self.names:
@@ -564,6 +577,134 @@ class AccessTracker(TorchDispatchMode):
         """Stop watching storages (the session ends): no callback fires into a finished detector."""
         self.watched.clear()
         self._ref_keys.clear()
+
+    # the host as a party (host_party)
+
+    def mark_host(self, t: torch.Tensor) -> None:
+        """`t`'s storage is a host storage: pinned memory, or the host side of an async copy. Its free is watched
+        (pinned memory comes from an allocator of its own), so that its address is forgotten as host memory then."""
+        found = plain_storage(t)
+        if found is None:
+            return
+        key, storage = found
+        if key in self.hosts:
+            return
+        if self.watched.get(key) is None:
+            ref = weakref.ref(storage, self._on_dead)
+            self._ref_keys[ref] = key
+            self.watched[key] = ref
+        self.hosts.add(key)
+        if self._capture is not None:
+            self._capture.mark_host(key)
+
+    def is_host(self, t: torch.Tensor) -> bool:
+        found = plain_storage(t) if self.hosts else None
+        return found is not None and found[0] in self.hosts
+
+    def _forget_host(self, key: Hashable) -> None:
+        self.hosts.discard(key)
+        if self._capture is not None:
+            self._capture.unmark_host(key)
+
+    def host_timeline(self, ident: int) -> host_party.HostTimeline:
+        """Thread `ident`'s host, as a stream's key (named in reports after the thread)."""
+        timeline = self._timelines.get(ident)
+        if timeline is None:
+            timeline = self._timelines[ident] = host_party.HostTimeline(ident, host_party.name_of(ident))
+            self.hb.add_stream(timeline, timeline.name)
+        return timeline
+
+    def host_did(self, timeline: host_party.HostTimeline) -> None:
+        """The host has done what it just launched on its timeline before it issues anything else: its clock learns
+        it (explicitly: the host's own program order, in both views)."""
+        self.hb.synchronize_stream(timeline)
+
+    def host_access(self, name: str, reads=(), writes=(), frames=None) -> None:
+        """A host access no op reports (``.numpy()``, ``.tolist()``, the buffer protocol) to host storages."""
+        with self._lock:
+            self.drain()
+            touched = [(t, False) for t in reads if self.is_host(t)] + [(t, True) for t in writes if self.is_host(t)]
+            if not touched:
+                return
+            ident = threading.get_ident()
+            timeline = self.host_timeline(ident)
+            site = Site(name, frames if frames is not None else stack(), thread_origin(ident))
+            _, races = self.hb.record(timeline, site, self._accesses(touched, timeline, []))
+            self.host_did(timeline)
+            self._report(races)
+
+    def copied_to_host(self, t: torch.Tensor, name: str) -> None:
+        """A non_blocking copy from the device wrote host storage `t` on the current stream, in an op recorded before
+        `t` was known as host memory (the capture's; the dispatch mode learns it in the op: `_async_copy_hosts`)."""
+        if not self.capturing:
+            return
+        with self._lock:
+            self.drain()
+            stream = self.current_stream()
+            ident = threading.get_ident()
+            _, races = self.hb.record(stream, Site(name, stack(), thread_origin(ident)),
+                                      self._accesses([(t, True)], stream, []))
+            self._report(races)
+
+    def _async_copy_hosts(self, name: str, args, kwargs, out) -> None:
+        """On a GPU: a non_blocking copy between the device and pinned memory makes its host side a host storage."""
+        if not host_party.non_blocking(name, args, kwargs):
+            return
+        if name == "aten::copy_":
+            dst, src = args[0], args[1]
+            host = src if dst.is_cuda and src.is_cpu else dst if src.is_cuda and dst.is_cpu else None
+        elif isinstance(out, Tensor):
+            src = args[0]
+            host = out if out.is_cpu and src.is_cuda else src if src.is_cpu and out.is_cuda else None
+        else:
+            return
+        if host is not None and host.is_pinned():
+            self.mark_host(host)
+
+    def _host_side(self, plan, args, kwargs, out):
+        """`_record`'s look at an op while host storages exist: None where it touches none; True where it is the
+        host's own op, applied here on the thread's host timeline; else it is a copy between the device and host
+        memory, the current stream's, and the host storages it touches are returned, as (tensor, write), for the op's
+        accesses (on the virtual backend they are among them already)."""
+        name, inputs, fresh_returns, _ = plan
+        hosts, on_device = self.hosts, self.on_device
+        host: list[tuple[torch.Tensor, bool]] = []
+        device = False
+        nargs = len(args)
+        for i, arg_name, write in inputs:
+            value = args[i] if i < nargs else kwargs.get(arg_name)
+            for v in (value,) if isinstance(value, Tensor) else value if isinstance(value, (list, tuple)) else ():
+                if not isinstance(v, Tensor):
+                    continue
+                found = plain_storage(v)
+                if found is not None and found[0] in hosts:
+                    host.append((v, write))
+                elif on_device(v):
+                    device = True
+        outs = [(t, True) for t in _tensors(out) if self.is_host(t)] if fresh_returns else []
+        if not host and not outs:
+            return None
+        cuda = self.device_type == "cuda"
+        if cuda and (device or any(on_device(t) for t in _tensors(out))) or \
+                not cuda and device and self._copies_with_device(name, args, kwargs):
+            return host + outs if cuda else []
+        ident = threading.get_ident()
+        timeline = self.host_timeline(ident)  # the host's own op: what it touches besides host memory is the host's
+        _, races = self.hb.record(timeline, self._site(name), self._accesses(host + outs, timeline, []))
+        self.host_did(timeline)
+        self._report(races)
+        return True
+
+    def _copies_with_device(self, name: str, args, kwargs) -> bool:
+        """On the virtual backend, where device memory is CPU memory too: whether a copy that touches a host storage
+        is one between the device and the host (a stream's), not the host's own write into its memory. A copy into
+        device memory from a host storage is; one into a host storage only where non_blocking asks for a copy from
+        the device (a blocking copy into pinned memory from other CPU memory is taken as the host staging data)."""
+        if name != "aten::copy_":
+            return False
+        if not self.is_host(args[0]):
+            return True
+        return host_party.non_blocking(name, args, kwargs) and not self.is_host(args[1])
 
     # accesses
 
@@ -678,6 +819,11 @@ class AccessTracker(TorchDispatchMode):
         name, inputs, fresh_returns, writes_output = plan
         if name == "aten::copy_" and _onto_itself(args):
             return  # ATen returns before launching anything: no access
+        if name in _ASYNC_COPIES and self.device_type == "cuda":
+            self._async_copy_hosts(name, args, kwargs, out)
+        extra = self._host_side(plan, args, kwargs, out) if self.hosts else None
+        if extra is True:
+            return
         on_device = self.on_device
         touched: list[tuple[torch.Tensor, bool]] = []
         nargs = len(args)
@@ -696,6 +842,8 @@ class AccessTracker(TorchDispatchMode):
                 results = out if isinstance(out, (tuple, list)) and len(fresh_returns) == len(out) else (out,)
                 fresh = [t for is_fresh, value in zip(fresh_returns, results) if is_fresh
                          for t in _tensors(value) if on_device(t)]
+        if extra:
+            touched += extra
         if not touched and not fresh:
             return
         if self._unnamed_syncs:

@@ -16,6 +16,7 @@ import textwrap
 from typing import Callable, Iterable, NotRequired, Sequence, TypedDict
 
 from ..detector.hb import FREE, NATIVE, RAW, WAR, WAW, Access, Op, Race, Site, TensorInfo, ThreadOrigin, identity
+from ..detector.host_party import is_host
 
 SCHEMA_VERSION = 1
 FRAMES_SHOWN = 3  # user frames per access in the text report
@@ -315,6 +316,10 @@ def _hint(race: Race, earlier: str, later: str) -> str:
                 f"is alive, or make '{later}' wait for '{earlier}' ({_how(earlier)}) before dropping the last "
                 f"reference")
     access = {RAW: "read", WAR: "write", WAW: "write"}.get(race.kind, "access")
+    if is_host(later) and not is_host(earlier):
+        return (f"the host goes on while the stream works: make the host wait for '{earlier}' (that stream's "
+                f"synchronize(), an event recorded on it after the access and the event's synchronize(), or "
+                f"torch.cuda.synchronize()) before this {access}")
     return (f"the later access is not ordered after the earlier one: make '{later}' wait for '{earlier}' "
             f"({_how(earlier)}) before this {access}")
 

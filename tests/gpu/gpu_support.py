@@ -151,3 +151,39 @@ def verdicts(data: dict, variant: str) -> dict[str, int]:
         if r["variant"] == variant:
             out[r["verdict"]] = out.get(r["verdict"], 0) + 1
     return out
+
+
+def stack_twins(stack: str, gpu_result, tmp_path, env: dict, log: str, extra=()) -> None:
+    """A tests/stacks module run plain and under `--streamrace` (cuda backend, `extra` options): the same outcomes both
+    ways, no race on a clean test, every racy twin caught at its tagged lines; the counts go to `gpu_result`."""
+    import test_stacks  # the CPU suite's reading of a stack: its racy twins and their tagged lines
+
+    path = ROOT / "tests" / "stacks" / f"stack_{stack}.py"
+    outcomes = {}
+    for mode, args in (("plain", []), ("streamrace", ["--streamrace", "--streamrace-backend=cuda", *extra,
+                                                       "--streamrace-json", str(tmp_path / "races.json")])):
+        junit = tmp_path / f"{mode}.xml"
+        done = run([*PYTEST, str(path), "-n", "0", "-rA", "-q", f"--junitxml={junit}", *args], timeout=600, env=env,
+                   log=out_log(f"{log}-{mode}"))
+        outcomes[mode] = {name: outcome for name, (outcome, _) in junit_outcomes(junit).items()}
+        assert outcomes[mode], done.stdout[-3000:]
+    source = path.read_text()
+    racy, tags = test_stacks.racy_twins(source), test_stacks.tagged(source)
+    found = races(tmp_path / "races.json")
+
+    def test_of(race: dict) -> str:
+        return race["test"].split("::")[-1].split("[")[0]
+
+    clean_with_races = sorted({test_of(r) for r in found} - racy)
+    missed = sorted(t for t in racy if not any(
+        f["line"] in tags.get(t, ()) for r in found if test_of(r) == t
+        for access in (r["earlier"], r["later"]) for f in access["frames"] if f["file"].endswith(path.name)))
+    differ = sorted(n for n in outcomes["plain"] if outcomes["plain"][n] != outcomes["streamrace"].get(n))
+    gpu_result.record("tests", len(outcomes["plain"]))
+    gpu_result.record("racy twins caught", f"{len(racy) - len(missed)}/{len(racy)}")
+    gpu_result.record("clean tests with races", len(clean_with_races))
+    gpu_result.record("outcomes that differ", len(differ))
+    assert not clean_with_races, f"races on clean tests: {clean_with_races}: " + "\n".join(
+        json.dumps(r)[:600] for r in found if test_of(r) in clean_with_races)
+    assert not missed, f"racy twins not caught at their tagged lines: {missed}"
+    assert not differ, f"outcomes differ plain vs --streamrace: {differ}"

@@ -28,8 +28,8 @@ class HostReads:
 
     def read_back(self, sync: HostSync, tensor: torch.Tensor) -> None:
         tracker = self.tracker
-        if not tracker.enabled or not tracker.on_device(tensor):
-            return
+        if not tracker.enabled or not tracker.on_device(tensor) or tracker.is_host(tensor):
+            return  # a host storage's read is the host's own (host_memory.HostBufferReads)
         stream = tracker.current_stream()
         tracker.run(sync.name, stream, reads=[tensor])
         tracker.host_synced(sync, stream)

@@ -1,0 +1,185 @@
+"""Host memory as the program uses it: pinned memory on the virtual backend, and host reads that reach no op.
+
+CPU-only torch has no pinned allocator: ``pin_memory=True`` raises there, so a test of code that stages data through
+pinned buffers could not run on CPU CI. Under the virtual backend ``PinnedMemory`` makes ``pin_memory=True`` (the
+factories), ``Tensor.pin_memory()``, ``Tensor.is_pinned()`` and DataLoader's ``pin_memory=True`` (its pin thread, or
+the loading loop) work, each pinned tensor a host storage (``host_party``): what tells host memory apart from the CPU
+memory standing for the device's. ``.to(device)`` of a pinned tensor is a copy to the device, as on a GPU (on the CPU
+it would hand back the pinned tensor itself, and the device would compute in the host's buffer).
+
+On both backends ``HostBufferReads`` sees the host read a host storage where no op runs: ``.numpy()``, ``.tolist()``
+and the buffer protocol (``__array__``). Only plain tensors, and only while host storages exist: other code pays one
+set test per call.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from ...patching import AttrPatch, WrapPatch
+
+# torch's factories that take pin_memory=True (through TensorOptions), those present in this torch
+_FACTORIES = ("empty", "empty_strided", "empty_permuted", "zeros", "ones", "full", "rand", "randn", "randint",
+              "randperm", "arange", "tensor", "empty_like", "zeros_like", "ones_like", "full_like", "rand_like",
+              "randn_like")
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+class PinnedMemory:
+    """Patches (virtual backend): pinning works, and marks its tensors host storages."""
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+
+    def _factory(self, original):
+        tracker = self.tracker
+
+        @functools.wraps(original)
+        def factory(*args, pin_memory=False, **kwargs):
+            out = original(*args, **kwargs)
+            if pin_memory and isinstance(out, torch.Tensor):
+                tracker.mark_host(out)
+            return out
+        return factory
+
+    def _pin_memory(self, original):
+        tracker = self.tracker
+
+        @functools.wraps(original)
+        def pin_memory(tensor, device=None):
+            if tracker.is_host(tensor):
+                return tensor  # pinned already: torch hands the tensor back
+            with torch.no_grad():
+                out = torch.empty_like(tensor, memory_format=torch.preserve_format)
+                tracker.mark_host(out)
+                out.copy_(tensor)  # the host copies into its new pinned buffer: the host's op
+            return out.requires_grad_(tensor.requires_grad) if tensor.is_leaf else out
+        return pin_memory
+
+    def _is_pinned(self, original):
+        tracker = self.tracker
+
+        @functools.wraps(original)
+        def is_pinned(tensor, device=None):
+            return tracker.is_host(tensor)
+        return is_pinned
+
+    def _to(self, original):
+        tracker = self.tracker
+
+        @functools.wraps(original)
+        def to(tensor, *args, **kwargs):
+            out = original(tensor, *args, **kwargs)
+            if out is tensor and tracker.hosts and tensor.__class__ in _PLAIN and not torch.compiler.is_compiling() \
+                    and tracker.is_host(tensor) and _names_device(args, kwargs):
+                copy = torch.empty_like(tensor)  # the device's own memory, as a GPU's .to(device) makes
+                copy.copy_(tensor, non_blocking=bool(kwargs.get("non_blocking", False)))
+                return copy
+            return out
+        return to
+
+    def patches(self) -> list:
+        patches = [WrapPatch(torch, name, self._factory) for name in _FACTORIES if hasattr(torch, name)]
+        patches += [WrapPatch(torch.Tensor, "pin_memory", self._pin_memory),
+                    WrapPatch(torch.Tensor, "is_pinned", self._is_pinned),
+                    WrapPatch(torch.Tensor, "to", self._to)]
+        patches.append(self._loader_patch())
+        return patches
+
+    def _loader_patch(self) -> AttrPatch:
+        """DataLoader(pin_memory=True) pins as on a GPU host: its iterator asks for an accelerator, which the virtual
+        backend does not claim to have (code that branches on one keeps the CPU), so the iterator is told to pin."""
+        from torch.utils.data import dataloader  # imported with torch
+
+        base = dataloader._BaseDataLoaderIter
+        original = base.__init__
+
+        @functools.wraps(original)
+        def __init__(iterator, loader, *args, **kwargs):
+            with warnings.catch_warnings():
+                if loader.pin_memory:
+                    warnings.filterwarnings("ignore", message=".*pin_memory.*")
+                original(iterator, loader, *args, **kwargs)
+            if loader.pin_memory:
+                iterator._pin_memory, iterator._pin_memory_device = True, "cuda"
+        return AttrPatch(base, "__init__", __init__)
+
+
+def _names_device(args, kwargs) -> bool:
+    """Whether a Tensor.to call names a device (a copy between memories), not only a dtype."""
+    for value in (*args, kwargs.get("device")):
+        if isinstance(value, (str, torch.device)) or (isinstance(value, int) and not isinstance(value, bool)):
+            return True
+    return False
+
+
+class HostBufferReads:
+    """Patches (both backends): the host reading a host storage without an op."""
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+
+    def _wrap(self, name: str, original):
+        tracker = self.tracker
+
+        @functools.wraps(original)
+        def method(tensor, *args, **kwargs):
+            if tracker.hosts and tensor.__class__ in _PLAIN and tracker.enabled and not torch.compiler.is_compiling():
+                tracker.host_access(f".{name}()", reads=[tensor])
+            return original(tensor, *args, **kwargs)
+        return method
+
+    def patches(self) -> list:
+        return [WrapPatch(torch.Tensor, name, functools.partial(self._wrap, name))
+                for name in ("numpy", "tolist", "__array__")]
+
+
+class AsyncCopies:
+    """Patches (cuda backend): a ``non_blocking`` copy between the device and pinned memory makes its host side a host
+    storage (``host_party``), before the op where the host side is its source or destination (so that the capture
+    records it), after it where the copy makes it (``.to("cpu", non_blocking=True)``: torch pins its output)."""
+
+    def __init__(self, tracker):
+        self.tracker = tracker
+
+    def _host(self, t) -> bool:
+        return t.__class__ in _PLAIN and t.is_cpu and t.is_pinned()
+
+    def _copy_(self, original):
+        model = self
+
+        @functools.wraps(original)
+        def copy_(dst, src, non_blocking=False):
+            if non_blocking and isinstance(src, torch.Tensor) and not torch.compiler.is_compiling() and \
+                    model.tracker.enabled:
+                if dst.is_cuda and model._host(src):
+                    model.tracker.mark_host(src)
+                elif src.is_cuda and model._host(dst):
+                    model.tracker.mark_host(dst)
+            return original(dst, src, non_blocking)
+        return copy_
+
+    def _to(self, original, name: str):
+        model = self
+
+        @functools.wraps(original)
+        def to(tensor, *args, **kwargs):
+            tracker = model.tracker
+            asked = (kwargs.get("non_blocking") or any(a is True for a in args[:3])) and \
+                not torch.compiler.is_compiling() and tracker.enabled
+            if asked and tensor.is_cpu and model._host(tensor):
+                tracker.mark_host(tensor)  # a copy to the device reads it
+            out = original(tensor, *args, **kwargs)
+            if asked and out is not tensor and tensor.is_cuda and isinstance(out, torch.Tensor) and model._host(out):
+                tracker.mark_host(out)
+                tracker.copied_to_host(out, name)
+            return out
+        return to
+
+    def patches(self) -> list:
+        return [WrapPatch(torch.Tensor, "copy_", self._copy_),
+                WrapPatch(torch.Tensor, "to", lambda original: self._to(original, ".to()")),
+                WrapPatch(torch.Tensor, "cuda", lambda original: self._to(original, ".cuda()"))]

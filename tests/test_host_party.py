@@ -1,0 +1,73 @@
+"""The host as a party, on the virtual backend: pinned memory and non_blocking copies (stacks/stack_pinned_memory.py)
+through pytest as users run it, with the C++ capture and with the pure-Python fallback, and the clean twins under
+``--streamrace-latent=fail`` (no clean twin rests on an ordering the program did not ask for). test_stacks.py runs the
+same file in the default mode; tests/gpu/test_host_party_gpu.py on real streams."""
+
+import json
+from pathlib import Path
+
+import pytest
+from test_stacks import racy_twins, tagged
+
+STACK = Path(__file__).parent / "stacks" / "stack_pinned_memory.py"
+
+
+@pytest.mark.parametrize("mode", ["fallback", "latent-fail"])
+def test_pinned_memory_twins(pytester, monkeypatch, mode):
+    source = STACK.read_text()
+    module = pytester.makepyfile(**{STACK.stem: source})
+    args = ["--streamrace", "--streamrace-backend=virtual", "--streamrace-json", "races.json", "-p", "no:cacheprovider",
+            "-rA", str(module)]
+    if mode == "fallback":
+        monkeypatch.setenv("STREAMRACE_NATIVE", "0")
+    else:
+        args.append("--streamrace-latent=fail")
+    result = pytester.runpytest_subprocess(*args)
+    outcomes = result.parseoutcomes()
+    assert outcomes.get("failed", 0) == outcomes.get("error", 0) == 0, result.stdout.str()
+    assert outcomes["passed"] >= 13
+    races = json.loads((pytester.path / "races.json").read_text())["races"]
+    tags = tagged(source)
+    for test in racy_twins(source):
+        mine = [r for r in races if r["test"].split("[")[0].endswith("::" + test)]
+        lines = {f["line"] for race in mine for access in (race["earlier"], race["later"]) for f in access["frames"]
+                 if Path(f["file"]).name == module.name}
+        assert lines & tags[test], f"{test}: no race at its tagged line; races:\n" + "\n".join(map(json.dumps, mine))
+        assert any(race["later"]["stream"] == "the host" for race in mine), mine  # it reads early or writes late
+    clean = {r["test"] for r in races if r["test"].split("::")[-1].split("[")[0] not in racy_twins(source)}
+    assert clean == set(), clean
+
+
+def test_a_race_with_the_host_says_how_the_host_waits(pytester):
+    pytester.makepyfile(test_host="""
+        import torch
+
+        def test_read_early(streamrace_device):
+            host = torch.empty(256, pin_memory=True)
+            host.copy_(torch.randn(256, device=streamrace_device), non_blocking=True)
+            host.sum()
+    """)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "-p", "no:cacheprovider")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*read-after-write*", "*earlier*write*aten::copy_*on default stream*",
+                                 "*later*read*aten::sum*on the host*",
+                                 "*make the host wait for 'default stream'*"])
+
+
+def test_pinned_memory_works_under_the_virtual_backend_only(pytester):
+    """CPU-only torch has no pinned allocator: under the virtual backend pinning works (and stays host memory);
+    without the plugin's session it raises as torch does."""
+    pytester.makepyfile(test_pin="""
+        import pytest, torch
+
+        def test_pin(request):
+            if request.config.getoption("streamrace"):
+                t = torch.zeros(8, pin_memory=True)
+                assert t.is_pinned() and torch.ones(8).pin_memory().is_pinned()
+                assert not torch.ones(8).is_pinned()
+            elif not torch.cuda.is_available():
+                with pytest.raises(RuntimeError):
+                    torch.zeros(8, pin_memory=True)
+    """)
+    for args in (["--streamrace", "--streamrace-backend=virtual"], []):
+        pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider").assert_outcomes(passed=1)
