@@ -216,7 +216,8 @@ class ForcedOrder:
             self.events[2].record(stream)
             # where the earlier access writes a fresh output: what the later read sees of it, copied into memory
             # taken before the hold
-            self.fresh_spare = torch.empty(self.hi - self.lo, dtype=torch.uint8, device=stream.device)
+            if self.kind == RAW:
+                self.fresh_spare = torch.empty(self.hi - self.lo, dtype=torch.uint8, device=stream.device)
             torch.cuda._sleep(cycles)
             self.events[0].record(stream)
             self.midway = MidwaySample(self.delay_ms / 2000.0)  # where the host is, should it wait the hold out
@@ -258,7 +259,7 @@ class ForcedOrder:
         for t in self._covering(inputs + outputs):
             fresh = t.untyped_storage().data_ptr() not in self.candidates
             entry = self.candidates.setdefault(t.untyped_storage().data_ptr(), {"view": _bytes_of(t)})
-            if fresh and self.cuda and self.events is not None:
+            if fresh and self.cuda and self.events is not None and self.kind == RAW:
                 self._poison(entry)
             entry["after"] = self._snapshot(entry)
 
@@ -463,6 +464,7 @@ class ForcedOrder:
         """What the forced run saw: status "forced" with the values, or "not-tried" with the reason."""
         if self.midway is not None:
             self.midway.cancel()
+        self.fresh_spare = None
         out: dict = {"kind": self.kind, "held": "earlier", "backend": "cuda" if self.cuda else "virtual"}
         if self.cuda:
             out["delay_ms"] = self.delay_ms
