@@ -124,8 +124,9 @@ def test_read_freed_after_record_stream(streamrace_device):
 '''
 
 
-def line(marker: str) -> int:
-    return next(n for n, text in enumerate(CASES.splitlines(), 1) if marker in text)
+def line(pytester, marker: str) -> int:
+    text = (pytester.path / "test_identity.py").read_text()
+    return next(n for n, line_ in enumerate(text.splitlines(), 1) if marker in line_)
 
 
 def run(pytester, backend: str, *extra: str):
@@ -157,11 +158,11 @@ def check(pytester, result, by_test, runs) -> None:
     confirmation = pool[0]["confirmation"]
     assert (confirmation["status"], confirmation["differing"], confirmation["max_abs_diff"]) == \
         ("confirmed", 4096, 2.0), json.dumps(confirmation)  # x + 1 read 1 for 3
-    assert confirmation["held"] == f"test_identity.py:{line('TASK-WRITE')}"
+    assert confirmation["held"] == f"test_identity.py:{line(pytester, 'TASK-WRITE')}"
 
     fresh = [r for r in by_test["test_output_made_on_a_side_stream_read_without_wait"]
              if r["kind"] == "read-after-write"]
-    assert fresh and fresh[0]["later"]["frames"][0]["line"] == line("FRESH-READ"), fresh
+    assert fresh and fresh[0]["later"]["frames"][0]["line"] == line(pytester, "FRESH-READ"), fresh
     confirmation = fresh[0]["confirmation"]
     assert confirmation["status"] == "confirmed" and confirmation["unwritten"], json.dumps(confirmation)
     assert confirmation["differing"] == confirmation["elements"] == 4096
@@ -171,10 +172,10 @@ def check(pytester, result, by_test, runs) -> None:
     confirmation = freed[0]["confirmation"]
     assert (confirmation["status"], confirmation["freed"], confirmation["differing"]) == ("confirmed", True, 4096), \
         json.dumps(confirmation)
-    assert confirmation["held"] == f"test_identity.py:{line('FREED-READ')}"
+    assert confirmation["held"] == f"test_identity.py:{line(pytester, 'FREED-READ')}"
     result.stdout.fnmatch_lines([
-        f"*confirmed: free-while-in-use test_identity.py:{line('FREED-READ')} -> *: with the read at * held back, "
-        "the values read at * differed * (the read saw the block after its free)*",
+        f"*confirmed: free-while-in-use test_identity.py:{line(pytester, 'FREED-READ')} -> *: with the read at * held "
+        "back, the values read at * differed * (the read saw the block after its free)*",
         "streamrace confirmations: 3 confirmed, 0 not confirmed, 0 not tried*"])
 
 

@@ -221,6 +221,8 @@ class ForcedOrder:
             torch.cuda._sleep(cycles)
             self.events[0].record(stream)
             self.midway = MidwaySample(self.delay_ms / 2000.0)  # where the host is, should it wait the hold out
+        elif self.cuda and self.peer:  # the last rank holds its collective: where this one is, should it wait it out
+            self.midway = MidwaySample(self.delay_ms / 2000.0)
         for entry in self.candidates.values():
             # right before the earlier access (on a GPU, once the hold is over): what a held-back write has not
             # written yet when the read runs (RAW), what a held-back read sees once the write went first (WAR)
@@ -290,7 +292,7 @@ class ForcedOrder:
             return
         self.entry = found
         if self.cuda:
-            if "held" not in found and "poisoned" in found:  # a fresh output: what this read sees of it if it goes first
+            if "held" not in found and "poisoned" in found:  # a fresh output: what this read sees of it first
                 torch.cuda.current_stream().wait_event(found["poisoned"])
                 region = self._region(found["view"])
                 found["held"] = self.fresh_spare.copy_(region) if self.fresh_spare is not None else region.clone()
