@@ -29,6 +29,7 @@ import time
 import torch
 
 from .frames import thread_origin
+from .host_sync import incidental
 from .hb import FREE, RAW, WAR, WAW
 from .midway import MidwaySample
 from .models import host_handoffs
@@ -115,8 +116,11 @@ def _tensors(values) -> list[torch.Tensor]:
 class ForcedOrder:
     """Installed for one test; `result()` after it."""
 
-    def __init__(self, kind: str, earlier: dict, later: dict, backend: str, delay_ms: float = 200.0):
+    def __init__(self, kind: str, earlier: dict, later: dict, backend: str, delay_ms: float = 200.0,
+                 incidental=()):
         self.kind = kind
+        self.incidental = tuple(incidental)  # the incidental-sync rules' files: syncs the program did not ask for
+        self.later_thread: int | None = None  # the thread that issued the later access
         self.earlier, self.later = Side(earlier), Side(later)
         self.cuda = backend == "cuda"
         # the bytes both accesses touch: the race is about these, and only these are snapshot and swapped
@@ -285,6 +289,7 @@ class ForcedOrder:
 
     def _later_before(self, inputs, outputs) -> None:
         self.host["later"] = time.perf_counter()
+        self.later_thread = threading.get_ident()
         if self.midway is not None:
             self.midway.cancel()  # issued before halfway: nothing waited out the hold
         found = self._shared(inputs)
@@ -412,6 +417,22 @@ class ForcedOrder:
             out["gil_held_ms"] = self.midway.gil_held_ms
             said += (f" (no Python thread could run until {self.midway.gil_held_ms:g} ms after that: the waiting call "
                      "held the GIL)")
+        return said + self._the_call(out)
+
+    def _the_call(self, out: dict) -> str:
+        """The call that waited: where the thread that issued the later access was halfway through the hold. Made
+        from a file of an incidental-sync rule, it is a sync the program did not ask for: the race is latent, ordered
+        today by that call."""
+        found = self.midway.call_of(self.later_thread)
+        if found is None:
+            return ""
+        place, frames = found
+        out["waited_at"] = place
+        said = f"; the call that waited: {place}"
+        if self.incidental and incidental(frames, self.incidental):
+            out["latent_sync"] = place
+            said += (" (a sync the program did not ask for: an incidental-sync rule names its file; the race is "
+                     "latent, ordered today by that call)")
         return said
 
     def _not_inverted(self, out: dict, lead: float) -> dict:
@@ -558,7 +579,6 @@ def skip_syncs(globs) -> "callable":
     """Explicit synchronizes made from the files of an ``incidental-sync`` rule (a framework's timer) do nothing
     until the returned function is called: the latent race they order today runs in its bad order. Returns the undo."""
     from .frames import user_frames
-    from .host_sync import incidental
 
     places = [(torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize")]
     saved = [(owner, name, owner.__dict__[name]) for owner, name in places if name in owner.__dict__]

@@ -105,7 +105,8 @@ class ConfirmRun:
         from ..detector.forced_order import ForcedOrder
 
         self.orders = {key: ForcedOrder(plan["kind"], plan["earlier"], plan["later"], self.backend,
-                                        float(plan.get("delay_ms", 200.0))) for key, plan in plans.items()}
+                                        float(plan.get("delay_ms", 200.0)), incidental)
+                       for key, plan in plans.items()}
         self.order = self.orders["own"] if self.rank_of is None else ForRank(self.orders, self.rank_of)
         problem = detector.force(self.order)
         for order in self.orders.values():

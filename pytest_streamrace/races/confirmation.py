@@ -207,7 +207,7 @@ def verdict(plan: dict, forced: list[dict], problem: str | None, outcome: str) -
             return {"status": NOT_TRIED, "reason": "the re-run never reached the race"}
         # the hold's numbers; `host_waited` also tells `_longer_hold` that a longer hold would only be waited out
         numbers = {k: tried[0][k] for k in ("delay_ms", "host_gap_ms", "lead_ms", "slept_ms", "later_call_ms",
-                                           "host_waited", "held_by") if k in tried[0]}
+                                           "host_waited", "held_by", "waited_at", "latent_sync") if k in tried[0]}
         return {"status": NOT_TRIED, "reason": tried[0]["reason"], **numbers}
     best = max(done, key=lambda r: (r.get("differing", 0), r.get("max_abs_diff", 0.0)))
     out = {k: v for k, v in best.items() if k != "status"}
