@@ -368,20 +368,15 @@ def test_the_ini_key_and_the_option_both_turn_it_on(pytester, confirm):
     result.stdout.fnmatch_lines(["streamrace confirmations: 1 confirmed, 0 not confirmed, 0 not tried*"])
 
 
-# The corpus: every racy case forced. Not confirmed only where the collective runs on a world of one rank (an
-# all-reduce of one rank is the identity: the bytes it writes are the ones there); a free is not forced.
+# The corpus: every racy case forced, on both backends. Not confirmed only where the collective runs on a world of one
+# rank (an all-reduce of one rank leaves the bytes it reads), with that reason; none is not tried.
 CORPUS_BENIGN = {"test_async_collective_output_read_before_wait", "test_sync_collective_output_read_on_another_stream",
                  "test_collective_on_stream_that_waited_on_the_wrong_stream"}
-CORPUS_NOT_TRIED = {"test_free_while_another_stream_reads"}
+ONE_RANK = "a collective over a world of one rank leaves the bytes it reads"
 
 
-# On a GPU, one rank's collective can be held back only with the stream its read runs on: a world of one has no peer
-# to see the other order, so that case is not tried there. (A later write that reads what it writes, the bucket's
-# division or an in-place collective, is judged by `left_behind`: the one-rank all-reduce leaves what it read.)
-CORPUS_NOT_TRIED_CUDA = {"test_async_collective_output_read_before_wait"}
-
-
-def check_corpus(pytester, backend: str) -> None:
+def check_corpus(pytester, backend: str) -> dict:
+    """The corpus under --streamrace-confirm: each racy case's verdict right; {test: confirmation} of its races."""
     from test_corpus import CORPUS, RACY
 
     result = pytester.runpytest_subprocess(str(CORPUS), "--streamrace", f"--streamrace-backend={backend}",
@@ -389,13 +384,21 @@ def check_corpus(pytester, backend: str) -> None:
                                            "-p", "no:cacheprovider")
     result.assert_outcomes(passed=2 * len(RACY))
     verdicts: dict = {}
+    confirmations: dict = {}
     for race in json.loads((pytester.path / "races.json").read_text())["races"]:
-        verdicts.setdefault(race["test"].rsplit("::", 1)[1], set()).add(race["confirmation"]["status"])
+        test = race["test"].rsplit("::", 1)[1]
+        verdicts.setdefault(test, set()).add(race["confirmation"]["status"])
+        confirmations[test] = race["confirmation"]
     assert set(verdicts) == set(RACY)  # no clean twin was re-run: it had no race to confirm
     for test, found in verdicts.items():
-        not_tried = CORPUS_NOT_TRIED | (CORPUS_NOT_TRIED_CUDA if backend == "cuda" else set())
-        want = "not-tried" if test in not_tried else "not-confirmed" if test in CORPUS_BENIGN else "confirmed"
-        assert found == {want}, (test, found)
+        want = "not-confirmed" if test in CORPUS_BENIGN else "confirmed"
+        assert found == {want}, (test, found, confirmations[test])
+        if want == "not-confirmed":
+            assert confirmations[test]["reason"] == ONE_RANK, confirmations[test]
+    assert confirmations["test_free_while_another_stream_reads"]["freed"]
+    result.stdout.fnmatch_lines([f"streamrace confirmations: {len(RACY) - len(CORPUS_BENIGN)} confirmed, "
+                                 f"{len(CORPUS_BENIGN)} not confirmed, 0 not tried*"])
+    return confirmations
 
 
 def test_every_racy_case_of_the_corpus_is_confirmed_or_shown_benign(pytester):

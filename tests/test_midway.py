@@ -75,6 +75,29 @@ def test_a_hold_the_host_waited_out_says_where_the_threads_were_halfway_through_
     assert out["threads_midway"] == forced.midway.where()
 
 
+def test_a_hold_waited_out_names_the_call_that_waited_and_a_sync_the_program_did_not_ask_for_makes_it_latent():
+    """The thread that issued the later access, sampled halfway through the hold, is the call that waited: named as
+    such; made from a file an incidental-sync rule names (a framework's timer), the race is latent, ordered by it."""
+    side = {"ordinal": 3, "op": "aten::addcdiv_", "rw": "write", "start": 0, "end": 64}
+    for rules, latent in (((), False), (("*/test_midway.py",), True)):
+        forced = ForcedOrder("read-after-write", side, dict(side, op="aten::copy_", rw="read"), "cuda",
+                             incidental=rules)
+        thread, release = _blocked_thread()
+        try:
+            forced.later_thread = thread.ident  # the thread that issued the later access, once its wait was over
+            forced.midway = MidwaySample(0.05)
+            time.sleep(0.3)
+            out = forced._waited_out({"host_gap_ms": 210.0}, "", "the held one", "the held stream")
+        finally:
+            release.set()
+            thread.join()
+        line = blocked_in_here.__code__.co_firstlineno + 1
+        call = f"{__file__}:{line} in blocked_in_here (in wait, threading.py)"
+        assert out["waited_at"] == call and f"; the call that waited: {call}" in out["reason"], out
+        assert (out.get("latent_sync") == call) is latent, out
+        assert ("a sync the program did not ask for" in out["reason"]) is latent
+
+
 def _hold_the_gil(seconds: float) -> None:
     """A C call that waits without releasing the GIL (ctypes.PyDLL keeps it), as a CUDA call made under it would."""
     ctypes.PyDLL(None).usleep(int(seconds * 1e6))

@@ -1192,6 +1192,19 @@ void set_forcing(py::object fn, std::vector<int64_t> ordinals) {
   forcing_on.store(true);
 }
 
+// One more place a forced run names, without turning forcing off meanwhile: a pool task's op, whose place on its
+// worker is known only once a worker starts the task (forced_order.ForcedOrder's `task_started`).
+void add_forcing_ordinal(int64_t ordinal) {
+  std::lock_guard<std::mutex> guard(forcing_mutex);
+  forcing_ordinals.insert(ordinal);
+}
+
+// The ops captured on this thread so far in this session: a pool task's ops are counted from here.
+int64_t thread_ordinal() {
+  Here& h = here;
+  return h.ordinal_generation == generation.load(std::memory_order_relaxed) ? h.ordinal : 0;
+}
+
 int64_t forcing_wants(at::ObserverContext* context) {  // the op's ordinal where the forced run names it, else 0
   if (!forcing_on.load(std::memory_order_relaxed) || context == nullptr) return 0;
   int64_t ordinal = static_cast<Pending*>(context)->ordinal;
@@ -1777,6 +1790,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_recording", &set_recording);
   m.def("set_issuing", &set_issuing);
   m.def("set_forcing", &set_forcing, py::arg("fn"), py::arg("ordinals"));
+  m.def("add_forcing_ordinal", &add_forcing_ordinal);
+  m.def("thread_ordinal", &thread_ordinal);
   m.def("set_stream", &set_stream);
   m.def("sync_inside_op", &sync_inside_op);
   m.def("in_op", &in_op);

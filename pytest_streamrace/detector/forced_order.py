@@ -29,8 +29,10 @@ import time
 import torch
 
 from .frames import thread_origin
-from .hb import RAW, WAR, WAW
+from .host_sync import incidental
+from .hb import FREE, RAW, WAR, WAW
 from .midway import MidwaySample
+from .models import host_handoffs
 
 MAIN = "main"
 # Writes whose bytes do not depend on what was there: on a GPU, what they leave is what an ordered run leaves too.
@@ -47,14 +49,34 @@ def thread_key(ident: int) -> str:
 
 
 class Side:
-    """One access of the race, as the locate run's record gives it."""
+    """One access of the race, as the locate run's record gives it: its op's place on its thread (`ordinal`; none for
+    a free, which is no op), or on a pool's submitted task (`task`, `task_ordinal`), whichever worker runs it."""
 
     def __init__(self, data: dict):
         self.thread = str(data.get("thread_key") or MAIN)  # the plan's `thread_key_of`
-        self.ordinal = int(data["ordinal"])
+        self.ordinal = int(data.get("ordinal") or 0)
+        self.task = str(data.get("task") or "")
+        self.task_ordinal = int(data.get("task_ordinal") or 0)
         self.op = str(data["op"])
         self.write = data["rw"] != "read"
         self.start, self.end = int(data["start"]), int(data["end"])
+
+    def at_place(self, ordinal: int, thread: int) -> bool:
+        """Whether the op the capture calls about stands where this access's op stood: its task's n-th op (on the
+        worker running that task now), else its thread's n-th op."""
+        if self.task:
+            origin = thread_origin(thread)
+            return origin is not None and origin.task == self.task and ordinal - origin.base == self.task_ordinal
+        return self.ordinal == ordinal
+
+    def where(self) -> str:
+        return f"op {self.task_ordinal} of task '{self.task}'" if self.task else \
+            f"op {self.ordinal} of thread '{self.thread}'"
+
+
+def _collective(op: str) -> bool:
+    """A race's op that is a collective: a collectives model's name ("all_reduce"), or an op of a c10d namespace."""
+    return op != "free" and ("::" not in op or "c10d" in op.partition("::")[0])
 
 
 def same_op(recorded: str, op: str) -> bool:
@@ -94,8 +116,11 @@ def _tensors(values) -> list[torch.Tensor]:
 class ForcedOrder:
     """Installed for one test; `result()` after it."""
 
-    def __init__(self, kind: str, earlier: dict, later: dict, backend: str, delay_ms: float = 200.0):
+    def __init__(self, kind: str, earlier: dict, later: dict, backend: str, delay_ms: float = 200.0,
+                 incidental=()):
         self.kind = kind
+        self.incidental = tuple(incidental)  # the incidental-sync rules' files: syncs the program did not ask for
+        self.later_thread: int | None = None  # the thread that issued the later access
         self.earlier, self.later = Side(earlier), Side(later)
         self.cuda = backend == "cuda"
         # the bytes both accesses touch: the race is about these, and only these are snapshot and swapped
@@ -119,12 +144,26 @@ class ForcedOrder:
         self.peer = False  # a rank that does not hold its collective back, and sees the other order (cuda)
         self._lock = _thread.allocate_lock()  # not threading's: one made while a session runs is a modelled handoff
         self.elsewhere: dict[str, list[str]] = {}  # side -> the ops other than it found at its place (diagnostics)
+        self._capture = None
+        self.fresh_spare = None  # memory for what a later read sees of a fresh output held back (cuda)
 
     # installing
 
     def install(self, capture) -> None:
-        ordinals = sorted({self.earlier.ordinal, self.later.ordinal})
-        capture.set_forcing(self._called, ordinals)
+        self._capture = capture
+        capture.set_forcing(self._called, self.ordinals())
+        host_handoffs.task_watch = self.task_started
+
+    def ordinals(self) -> list[int]:
+        """The places the capture calls about from the start (a task's are added as a worker starts the task)."""
+        return sorted({side.ordinal for side in (self.earlier, self.later) if side.ordinal and not side.task})
+
+    def task_started(self, task: str, base: int) -> None:
+        """A worker starts a submitted task (``host_handoffs``): where it is one of the race's, the place its op will
+        have on that worker."""
+        for side in (self.earlier, self.later):
+            if side.task == task and self._capture is not None:
+                self._capture.add_forcing_ordinal(base + side.task_ordinal)
 
     # the capture's calls
 
@@ -132,11 +171,11 @@ class ForcedOrder:
         key = thread_key(thread)
         with self._lock:
             for name, side in (("earlier", self.earlier), ("later", self.later)):
-                if side.ordinal != ordinal:
+                if not side.at_place(ordinal, thread):
                     continue
-                # the same place on the same thread, and the same op: the threads Python started that the session
-                # does not follow share the name "main", those Python did not start (autograd's, on GPUs) "native"
-                if side.thread != key or not same_op(side.op, op):
+                # the same place on the same thread (or task), and the same op: the threads Python started that the
+                # session does not follow share the name "main", those Python did not start (autograd's) "native"
+                if (side.thread != key and not side.task) or not same_op(side.op, op):
                     if when == "before" and len(self.elsewhere.setdefault(name, [])) < 3:
                         self.elsewhere[name].append(f"{op} on thread '{key}'")  # what ran at its place instead
                     continue
@@ -179,9 +218,15 @@ class ForcedOrder:
             # the last tells how long the held stream really slept, where the order did not invert
             self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             self.events[2].record(stream)
+            # where the earlier access writes a fresh output: what the later read sees of it, copied into memory
+            # taken before the hold
+            if self.kind == RAW:
+                self.fresh_spare = torch.empty(self.hi - self.lo, dtype=torch.uint8, device=stream.device)
             torch.cuda._sleep(cycles)
             self.events[0].record(stream)
             self.midway = MidwaySample(self.delay_ms / 2000.0)  # where the host is, should it wait the hold out
+        elif self.cuda and self.peer:  # the last rank holds its collective: where this one is, should it wait it out
+            self.midway = MidwaySample(self.delay_ms / 2000.0)
         for entry in self.candidates.values():
             # right before the earlier access (on a GPU, once the hold is over): what a held-back write has not
             # written yet when the read runs (RAW), what a held-back read sees once the write went first (WAR)
@@ -202,7 +247,15 @@ class ForcedOrder:
             return True
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        if not (dist.is_available() and dist.is_initialized()):
+            return True
+        if dist.get_world_size() == 1 and self.kind == RAW:
+            # holding it would hold the stream the read runs on too (the communicator's waits for the issuing one),
+            # and a world of one has no peer to see the other order: what the read sees in each order is the bytes
+            # before the collective and after it, compared without a hold (`result`)
+            self.one_rank = True
+            return False
+        if dist.get_world_size() < 2:
             return True
         self.peer = dist.get_rank() != dist.get_world_size() - 1
         return not self.peer
@@ -210,8 +263,22 @@ class ForcedOrder:
     def _earlier_after(self, inputs, outputs) -> None:
         # after the earlier access: what it wrote (RAW: the ordered read's bytes; WAW: the forced run's leftovers)
         for t in self._covering(inputs + outputs):
+            fresh = t.untyped_storage().data_ptr() not in self.candidates
             entry = self.candidates.setdefault(t.untyped_storage().data_ptr(), {"view": _bytes_of(t)})
+            if fresh and self.cuda and self.events is not None and self.kind == RAW:
+                self._poison(entry)
             entry["after"] = self._snapshot(entry)
+
+    def _poison(self, entry: dict) -> None:
+        """A fresh output of the held write (cuda): its memory holds what the allocator's last user left, maybe the
+        same values from an earlier pass. Filled with 0xFF bytes (NaN in every float type) on a stream of its own,
+        after what the held stream ran before its hold and while it sleeps: a read that comes first sees those."""
+        poison = torch.cuda.Stream()
+        poison.wait_event(self.events[2])
+        with torch.cuda.stream(poison):
+            self._region(entry["view"]).fill_(0xFF)
+        entry["poisoned"] = torch.cuda.Event()
+        entry["poisoned"].record(poison)
 
     def _shared(self, tensors) -> dict | None:
         for t in self._covering(tensors):
@@ -222,6 +289,7 @@ class ForcedOrder:
 
     def _later_before(self, inputs, outputs) -> None:
         self.host["later"] = time.perf_counter()
+        self.later_thread = threading.get_ident()
         if self.midway is not None:
             self.midway.cancel()  # issued before halfway: nothing waited out the hold
         found = self._shared(inputs)
@@ -229,7 +297,13 @@ class ForcedOrder:
             return
         self.entry = found
         if self.cuda:
-            return  # nothing on the later access's stream before it: the snapshots are the held stream's
+            if "held" not in found and "poisoned" in found:  # a fresh output: what this read sees of it first
+                torch.cuda.current_stream().wait_event(found["poisoned"])
+                region = self._region(found["view"])
+                found["held"] = self.fresh_spare.copy_(region) if self.fresh_spare is not None else region.clone()
+                self.fresh_spare = None
+                self.unwritten = True
+            return  # nothing else on the later access's stream before it: the snapshots are the held stream's
         self._wait_works()  # the earlier op's async part done (gloo's thread): its bytes are final
         region = self._region(found["view"])
         if self.kind == RAW:
@@ -343,6 +417,22 @@ class ForcedOrder:
             out["gil_held_ms"] = self.midway.gil_held_ms
             said += (f" (no Python thread could run until {self.midway.gil_held_ms:g} ms after that: the waiting call "
                      "held the GIL)")
+        return said + self._the_call(out)
+
+    def _the_call(self, out: dict) -> str:
+        """The call that waited: where the thread that issued the later access was halfway through the hold. Made
+        from a file of an incidental-sync rule, it is a sync the program did not ask for: the race is latent, ordered
+        today by that call."""
+        found = self.midway.call_of(self.later_thread)
+        if found is None:
+            return ""
+        place, frames = found
+        out["waited_at"] = place
+        said = f"; the call that waited: {place}"
+        if self.incidental and incidental(frames, self.incidental):
+            out["latent_sync"] = place
+            said += (" (a sync the program did not ask for: an incidental-sync rule names its file; the race is "
+                     "latent, ordered today by that call)")
         return said
 
     def _not_inverted(self, out: dict, lead: float) -> dict:
@@ -362,6 +452,27 @@ class ForcedOrder:
         # issued after halfway through the hold: where the host was then
         return dict(out, status="not-tried", reason=why + ")" + self._where_waited(out))
 
+    def _one_rank_collective(self) -> bool:
+        return (self.one_rank or _world_size() == 1) and any(_collective(s.op) for s in (self.earlier, self.later))
+
+    def _freed(self, out: dict, dtype: str | None) -> dict:
+        """A read freed while in use (free-while-in-use), held back past its free: what it read against what it sees
+        of the block once the allocator may hand it out. On a GPU the held stream reads the block as it is after the
+        hold (the next allocation on the freeing stream may have written it meanwhile); on the virtual backend a block
+        handed back holds the allocator's bytes, 0xFF (NaN in every float type), as a fresh output's do."""
+        entry = next((e for e in self.candidates.values() if "first" in e), None)
+        if entry is None:
+            return dict(out, status="not-tried", reason="the read freed while in use touched no tensor in the re-run")
+        if self.cuda:
+            torch.cuda.synchronize()
+            forced = entry.get("held")
+        else:
+            forced = torch.full_like(entry["first"], 0xFF)
+        out.update(compare(entry["first"], forced, dtype), freed=True, status="forced")
+        if not out["differing_bytes"]:
+            out["reason"] = "nothing wrote the freed block while the read was held back"
+        return out
+
     def _never_reached(self, missing: list[str]) -> str:
         """Why a side was not found: where it was looked for, and what ran there instead (the op counts differ)."""
         places = []
@@ -369,13 +480,14 @@ class ForcedOrder:
             side = getattr(self, name)
             found = self.elsewhere.get(name)
             ran = f"; the re-run ran {', '.join(found)} there" if found else ""
-            places.append(f"{side.op}, op {side.ordinal} of thread '{side.thread}'{ran}")
+            places.append(f"{side.op}, {side.where()}{ran}")
         return f"the re-run never reached the {' and '.join(missing)} access ({'; '.join(places)})"
 
     def result(self, dtype: str | None = None) -> dict:
         """What the forced run saw: status "forced" with the values, or "not-tried" with the reason."""
         if self.midway is not None:
             self.midway.cancel()
+        self.fresh_spare = None
         out: dict = {"kind": self.kind, "held": "earlier", "backend": "cuda" if self.cuda else "virtual"}
         if self.cuda:
             out["delay_ms"] = self.delay_ms
@@ -388,9 +500,12 @@ class ForcedOrder:
                                             "came back to Python, where the forced run observes it")
         if self.problem:
             return dict(out, status="not-tried", reason=self.problem)
-        missing = [name for name in ("earlier", "later") if name not in self.seen]
+        missing = [name for name in (("earlier",) if self.kind == FREE else ("earlier", "later"))
+                   if name not in self.seen]
         if missing:
             return dict(out, status="not-tried", reason=self._never_reached(missing))
+        if self.kind == FREE:
+            return self._freed(out, dtype)
         if self.cuda:
             torch.cuda.synchronize()
             if self.entry is not None and self.ordered is None and self.kind == RAW:  # a collective's, now done
@@ -418,6 +533,12 @@ class ForcedOrder:
                 if lead <= 0:
                     return self._not_inverted(out, lead)
         out.update(compare(self.ordered, self.forced, dtype))
+        if self.cuda and self.events is None and self.one_rank and out["differing_bytes"]:
+            return dict(out, status="not-tried", reason=(
+                "a collective over a world of one rank cannot be held back apart from the stream its read runs on, "
+                "and it changed the bytes: no forced order shows what the read would see"))
+        if not out["differing_bytes"] and self._one_rank_collective():
+            out["one_rank"] = True  # the reason the values are the same: an all-reduce of one rank is the identity
         if self.unwritten:
             out["unwritten"] = True
         if self.read_modify_write:
@@ -458,7 +579,6 @@ def skip_syncs(globs) -> "callable":
     """Explicit synchronizes made from the files of an ``incidental-sync`` rule (a framework's timer) do nothing
     until the returned function is called: the latent race they order today runs in its bad order. Returns the undo."""
     from .frames import user_frames
-    from .host_sync import incidental
 
     places = [(torch.cuda, "synchronize"), (torch.cuda.Stream, "synchronize"), (torch.cuda.Event, "synchronize")]
     saved = [(owner, name, owner.__dict__[name]) for owner, name in places if name in owner.__dict__]

@@ -92,6 +92,10 @@ class ThreadOrigin:
     how: str
     site: Site
     nth: int = 0
+    # a pool's work item: which submitted task this is ("<submitter's key>/<its submit count>", the same in a re-run
+    # whichever worker runs it), and how many ops its worker had captured before it (its ops count from there)
+    task: str = ""
+    base: int = 0
 
     @property
     def key(self) -> str:

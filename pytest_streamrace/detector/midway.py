@@ -114,6 +114,7 @@ class MidwaySample:
 
     def __init__(self, after_s: float):
         self.places: list[str] | None = None
+        self.stacks: dict = {}  # ident -> frames, innermost first, as sampled (or as faulthandler's dump gives them)
         self.gil_held_ms: float | None = None  # how far past its time the Python sampler first ran, where it was late
         self._after = after_s
         self._started = time.perf_counter()
@@ -141,7 +142,8 @@ class MidwaySample:
             return
         if not self._cancel.acquire(timeout=max(left, 0.0)):
             try:
-                self.places = thread_places(skip=_thread.get_ident())
+                self.stacks = {ident: list(_walk(frame)) for ident, frame in sys._current_frames().items()}
+                self.places = _lines(self.stacks, _thread.get_ident(), 6)
             except Exception:  # a diagnostic only: never into the program
                 self.places = None
 
@@ -170,7 +172,14 @@ class MidwaySample:
             return self.places
         try:
             self._dump.seek(0)
-            stacks = parse_dump(self._dump.read().decode("utf-8", "replace"))
-            return _lines(stacks, self._ident, 6, self._names) or None
+            self.stacks = parse_dump(self._dump.read().decode("utf-8", "replace"))
+            return _lines(self.stacks, self._ident, 6, self._names) or None
         except (OSError, ValueError):
             return None
+
+    def call_of(self, ident: int | None) -> tuple[str, list] | None:
+        """Where thread `ident` was halfway through the hold: its place (as `where` says it) and its frames, innermost
+        first; None where it was not sampled."""
+        self.where()
+        frames = self.stacks.get(ident) if ident is not None else None
+        return (_place(frames), frames) if frames else None

@@ -188,7 +188,13 @@ class Detector:
         capture = self.tracker._capture if self.tracker is not None else None
         if capture is None:
             return None if order is None else "forcing an order needs the C++ capture"
-        capture.set_forcing(None, []) if order is None else order.install(capture)
+        if order is None:
+            from .models import host_handoffs
+
+            capture.set_forcing(None, [])
+            host_handoffs.task_watch = None
+        else:
+            order.install(capture)
         collectives = self.tracker.fixed_rules.get("c10d")
         if collectives is not None:  # a collective's work, which the capture does not hand over, as Python gets it
             collectives.returned = None if order is None else order.collective_returned

@@ -105,7 +105,8 @@ class ConfirmRun:
         from ..detector.forced_order import ForcedOrder
 
         self.orders = {key: ForcedOrder(plan["kind"], plan["earlier"], plan["later"], self.backend,
-                                        float(plan.get("delay_ms", 200.0))) for key, plan in plans.items()}
+                                        float(plan.get("delay_ms", 200.0)), incidental)
+                       for key, plan in plans.items()}
         self.order = self.orders["own"] if self.rank_of is None else ForRank(self.orders, self.rank_of)
         problem = detector.force(self.order)
         for order in self.orders.values():
@@ -156,8 +157,16 @@ class ForRank:
         self.key: str | None = None  # the rank_key of the order in use, once picked
 
     def install(self, capture) -> None:
-        capture.set_forcing(self._called, sorted({side.ordinal for order in self.orders.values()
-                                                  for side in (order.earlier, order.later)}))
+        for order in self.orders.values():
+            order.install(capture)  # each learns the capture, and where a task of its race starts
+        capture.set_forcing(self._called, sorted({n for order in self.orders.values() for n in order.ordinals()}))
+        from ..detector.models import host_handoffs
+
+        host_handoffs.task_watch = self._task_started
+
+    def _task_started(self, task: str, base: int) -> None:
+        for order in ([self.orders[self.key]] if self.key is not None else self.orders.values()):
+            order.task_started(task, base)
 
     def _called(self, *args) -> None:
         if self.key is None and rank_key(self.rank_of()) in self.orders:

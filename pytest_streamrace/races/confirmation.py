@@ -17,7 +17,8 @@ import os
 from ..detector.hb import thread_key_of
 from . import record as records_
 
-_FORCED = {"read-after-write", "write-after-read", "write-after-write"}
+_FORCED = {"read-after-write", "write-after-read", "write-after-write", "free-while-in-use"}
+FREE = "free-while-in-use"
 CONFIRMED, NOT_CONFIRMED, NOT_TRIED = "confirmed", "not-confirmed", "not-tried"
 INCIDENTAL = " (incidental)"  # the end of a latent race's sync op where an incidental-sync rule made it one
 
@@ -54,16 +55,25 @@ def why_not(data: dict) -> str | None:
         return "a latent race: its order is kept today by a host sync at {} that the program needs".format(
             data["latent"].get("at") or data["latent"].get("op"))
     if data.get("kind") not in _FORCED:
-        return "a free's reuse is not forced"
-    if not data.get("earlier", {}).get("ordinal") or not data.get("later", {}).get("ordinal"):
+        return f"a {data.get('kind')} is not forced"
+    if data["kind"] == FREE and data.get("earlier", {}).get("rw") != "read":
+        return "a write freed while in use is not forced (what it corrupts is the block's next owner's)"
+    if not placed(data):
         return "its ops were not captured (the C++ capture is off, or a model made them)"
     return None
+
+
+def placed(data: dict) -> bool:
+    """Whether a record names its ops' places, as a forced run finds them: both ops' (a free is no op: the earlier
+    access's, the read the free may hand to the block's next owner)."""
+    earlier, later = data.get("earlier") or {}, data.get("later") or {}
+    return bool(earlier.get("ordinal")) and (data.get("kind") == FREE or bool(later.get("ordinal")))
 
 
 def plan_for(k: tuple, located: list[dict] | None) -> dict | None:
     for found in located or ():
         for data in found.get("races", ()):
-            if records_.key(data) == k and data["earlier"].get("ordinal") and data["later"].get("ordinal"):
+            if records_.key(data) == k and placed(data):
                 return plan_of(data)
     return None
 
@@ -75,7 +85,7 @@ def forcing_for(k: tuple, located: list[dict] | None) -> dict | None:
     own, plans = None, {}
     for found in located or ():
         for data in found.get("races", ()):
-            if records_.key(data) != k or not (data["earlier"].get("ordinal") and data["later"].get("ordinal")):
+            if records_.key(data) != k or not placed(data):
                 continue
             if data.get("pid") is None:
                 own = own or plan_of(data)
@@ -110,10 +120,14 @@ def _dtype(data: dict) -> str:
 
 def _side(access: dict) -> dict:
     thread = access.get("thread")
-    return {"thread_key": thread_key_of(thread["name"], thread.get("nth", 0)) if thread else None,
-            "ordinal": access["ordinal"], "op": access["op"],
+    side = {"thread_key": thread_key_of(thread["name"], thread.get("nth", 0)) if thread else None,
+            "ordinal": access.get("ordinal", 0), "op": access["op"],
             "rw": access["rw"], "start": access["start"], "end": access["end"],
             "at": _at(access)}
+    task = (thread or {}).get("task")
+    if task:  # a pool's task: found by the task, on whichever worker runs it
+        side["task"], side["task_ordinal"] = task["id"], task["ordinal"]
+    return side
 
 
 def _at(access: dict) -> str:
@@ -193,7 +207,7 @@ def verdict(plan: dict, forced: list[dict], problem: str | None, outcome: str) -
             return {"status": NOT_TRIED, "reason": "the re-run never reached the race"}
         # the hold's numbers; `host_waited` also tells `_longer_hold` that a longer hold would only be waited out
         numbers = {k: tried[0][k] for k in ("delay_ms", "host_gap_ms", "lead_ms", "slept_ms", "later_call_ms",
-                                           "host_waited", "held_by") if k in tried[0]}
+                                           "host_waited", "held_by", "waited_at", "latent_sync") if k in tried[0]}
         return {"status": NOT_TRIED, "reason": tried[0]["reason"], **numbers}
     best = max(done, key=lambda r: (r.get("differing", 0), r.get("max_abs_diff", 0.0)))
     out = {k: v for k, v in best.items() if k != "status"}
@@ -205,7 +219,22 @@ def verdict(plan: dict, forced: list[dict], problem: str | None, outcome: str) -
     out["outcome"] = {"ordered": outcome, "forced": forced_outcome}
     changed = best.get("differing", 0) > 0 or (forced_outcome is not None and forced_outcome != outcome)
     out["status"] = CONFIRMED if changed else NOT_CONFIRMED
+    if not changed:
+        out["reason"] = benign(plan["kind"], out)
     return out
+
+
+def benign(kind: str, result: dict) -> str:
+    """Why a forced order left the values the same: what the race cannot change in this run."""
+    if result.get("reason"):
+        return result["reason"]
+    if result.get("one_rank"):
+        return "a collective over a world of one rank leaves the bytes it reads"
+    if result.get("identity"):
+        return "the later write leaves what it reads unchanged here"
+    return {"write-after-write": "both writes leave the same bytes",
+            "write-after-read": "the later write stores the values the read sees anyway"}.get(
+        kind, "the held-back write stores the values already there")
 
 
 def describe(data: dict, result: dict, unit: str = "test") -> str:
@@ -219,9 +248,9 @@ def describe(data: dict, result: dict, unit: str = "test") -> str:
     seen = "left behind" if data["kind"] == "write-after-write" and not result.get("read_modify_write") else "read"
     skipped = f" and the incidental sync at {result['skipped_sync']} skipped" if result.get("skipped_sync") else ""
     what = (f"with the {rw} at {result['held']} held back{skipped}, the values {seen} at "
-            f"{result['observed'] if data['kind'] != 'write-after-read' else result['held']}")
+            f"{result['held'] if data['kind'] in ('write-after-read', FREE) else result['observed']}")
     if status == NOT_CONFIRMED:
-        why = " (the later write leaves what it reads unchanged here)" if result.get("identity") else ""
+        why = f" ({benign(data['kind'], result)})"
         return f"not confirmed: {where}: {what} were identical in {result.get('runs', 1)} forced run{why}"
     line = f"confirmed: {where}: {what} differed"
     if "max_abs_diff" in result:
@@ -229,6 +258,8 @@ def describe(data: dict, result: dict, unit: str = "test") -> str:
     line += f" in {result.get('differing', 0):,} of {result.get('elements', 0):,} elements"
     if result.get("unwritten"):
         line += " (the read saw bytes the write had not written yet)"
+    if result.get("freed"):
+        line += " (the read saw the block after its free)"
     if result.get("forced_nonfinite"):
         line += f"; {result['forced_nonfinite']:,} not finite"
     forced = (result.get("outcome") or {}).get("forced")

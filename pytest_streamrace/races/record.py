@@ -53,6 +53,8 @@ class ThreadRecord(TypedDict):
     how: str  # "started" | "work submitted": what the call at `frames` did
     frames: list[FrameRecord]
     nth: NotRequired[int]  # threads of its name the session started before it, where any did (a forced run's key)
+    # a pool's submitted task: {"id": "<submitter's key>/<its submit count>", "ordinal": the op's place in the task}
+    task: NotRequired[dict]
 
 
 class AccessRecord(TypedDict, total=False):
@@ -107,6 +109,8 @@ def _access_to_json(access: Access, stream_name: StreamName, free: bool) -> Acce
             out["thread"]["nth"] = thread.nth
     if getattr(site, "ordinal", 0):  # its op's place on its thread: what a confirmation's re-run holds back
         out["ordinal"] = site.ordinal
+        if thread is not None and thread.task:  # a pool's task: its op's place in the task, whichever worker runs it
+            out["thread"]["task"] = {"id": thread.task, "ordinal": site.ordinal - thread.base}
     return out
 
 
@@ -154,8 +158,10 @@ def _access_from_json(a: dict) -> Access:
     site = _site_from_json(a["op"], a.get("frames", []))
     thread = a.get("thread")
     if thread is not None:
+        task = thread.get("task") or {}
         site.thread = ThreadOrigin(str(thread["name"]), str(thread["how"]), _site_from_json("", thread["frames"]),
-                                   int(thread.get("nth", 0)))
+                                   int(thread.get("nth", 0)), str(task.get("id", "")),
+                                   int(a.get("ordinal", 0)) - int(task.get("ordinal", 0)) if task else 0)
     op = Op(a["stream"], 0, int(a.get("seq", 0)), site)
     return Access(op, None, int(a.get("start", 0)), int(a.get("end", 0)), a["rw"] != "read",
                   _tensor_from_json(a["tensor"]))

@@ -7,6 +7,7 @@ import json
 import pytest
 
 import test_confirm as twins
+import test_confirm_identity as identity
 
 CLAIMS = {
     45: "`--streamrace-confirm` on real streams: each race forced into its bad order by a sleep kernel on the held "
@@ -33,6 +34,16 @@ def test_each_race_is_forced_on_real_streams(pytester, gpu_result):
 def test_every_racy_case_of_the_corpus_is_confirmed_or_shown_benign_on_real_streams(pytester, gpu_result):
     twins.check_corpus(pytester, "cuda")
     gpu_result.record("corpus verdicts", "13 racy cases as expected")
+
+
+@pytest.mark.validates(45)
+def test_each_race_is_found_by_what_its_accesses_are_on_real_streams(pytester, gpu_result):
+    """A pool task run by another worker in each run, a fresh output made on a side stream (its memory filled with
+    0xFF during the hold: an earlier pass may have left the very values there), a read freed while in use (held past
+    its free, it sees the block's next owner's zeros): each confirmed on real streams."""
+    result, by_test, runs = identity.run(pytester, "cuda")
+    identity.check(pytester, result, by_test, runs)
+    gpu_result.record("confirm seconds (3 tests with races)", twins.confirm_seconds(by_test))
 
 
 def _record(gpu_result, pytester) -> None:

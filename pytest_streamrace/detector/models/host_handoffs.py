@@ -32,7 +32,7 @@ from concurrent import futures
 from concurrent.futures import thread as pool
 
 from ...patching import AttrPatch, WrapPatch
-from ..frames import set_thread_origin, stack
+from ..frames import set_thread_origin, stack, thread_origin
 from ..hb import Site, ThreadOrigin, stable_name
 
 _session = None  # (hb, tracker) of the active session, or None: every edge is then a no-op
@@ -100,11 +100,45 @@ def work_item_starting(item) -> None:
         try:
             session[0].own_host()
             worker = threading.current_thread()
+            task, base = getattr(item, _TASK, ""), _captured_so_far()
             set_thread_origin(threading.get_ident(), ThreadOrigin(worker.name, "work submitted", _origin(item),
-                                                                  _nth(worker)))
+                                                                  _nth(worker), task, base))
+            watch = task_watch
+            if watch is not None and task:
+                watch(task, base)
         except Exception:
             return
     acquire(item)
+
+
+# A forced run's hook (``forced_order.ForcedOrder``): called on the worker as it starts a submitted task, with the
+# task's identity and its worker's op count so far
+task_watch = None
+_TASK = "_streamrace_task"  # on a work item: "<submitter's key>/<its submit count>"
+_submits: dict = {}  # submitter's key -> tasks it submitted in this session
+
+
+def _captured_so_far() -> int:
+    from .. import capture
+
+    extension = capture._extension
+    return extension.thread_ordinal() if extension is not None else 0
+
+
+def _mark_task(item) -> None:
+    """A submitted task's identity: its submitter (a task itself where a pool's worker submits it; else its thread's
+    key) and how many it submitted before, in this session. The same in a re-run, whichever worker runs it."""
+    if _session is None:
+        return
+    try:
+        origin = thread_origin(threading.get_ident())
+        submitter = (origin.task or origin.key) if origin is not None else "main"
+        with _counting:
+            n = _submits.get(submitter, 0)
+            _submits[submitter] = n + 1
+        setattr(item, _TASK, f"{submitter}/{n}")
+    except Exception:
+        pass
 
 
 _ORIGIN = "_streamrace_origin"  # where a thread was started or a work item submitted (a Site), on the object
@@ -233,6 +267,7 @@ def _submitted(work_item_init):
     def init(self, *args, **kwargs):
         work_item_init(self, *args, **kwargs)
         _mark_origin(self, "submit")
+        _mark_task(self)
         release(self)
     return _named(init, work_item_init)
 
@@ -383,6 +418,7 @@ class HostHandoffs:
     def install(self) -> None:
         global _session
         _started_by_name.clear()
+        _submits.clear()
         _session = (self.hb, self.tracker)
 
     def uninstall(self) -> None:
