@@ -1054,6 +1054,9 @@ void enqueue(What what, int64_t handle, int64_t stream, std::shared_ptr<Stack> s
 }
 
 void mark_free(int64_t ptr, bool stack) {
+  // no longer host memory from now on: the allocator may hand the address to the next storage before the free is
+  // applied, and that one is classified as its op is captured
+  if (any_hosts.load(std::memory_order_relaxed)) unmark_host(ptr);
   std::shared_ptr<Stack> taken = stack ? stack_here() : nullptr;
   {
     std::lock_guard<std::mutex> guard(known_mutex);
@@ -1443,7 +1446,8 @@ class Feed {
     queued_ = tracker.attr("_queued");
     rule_stream_ = tracker.attr("_rule_stream");
     host_timeline_ = tracker.attr("host_timeline");
-    forget_host_ = tracker.attr("hosts").attr("discard");
+    hosts_ = tracker.attr("hosts");
+    forget_host_ = hosts_.attr("discard");
     free_core.store(&core_);
     if (site_factory == nullptr)
       site_factory = new py::object(py::module_::import("pytest_streamrace.detector.backward_sites").attr("site_of"));
@@ -1669,7 +1673,7 @@ class Feed {
   void apply_one(Record& r) {
     Tables& t = *tables_;
     if (r.what == What::kFree) {  // tracker._freed
-      if (any_hosts.load(std::memory_order_relaxed)) forget_host(r.handle);
+      if (PySet_GET_SIZE(hosts_.ptr()) > 0) forget_host_(r.handle);  // (the capture forgot it as it was freed)
       if (t.watched.erase(r.handle) == 0) return;  // never touched by a tracked op
       if (!t.names.empty()) t.names.erase(r.handle);
       t.last_writer.erase(r.handle);
@@ -1719,21 +1723,11 @@ class Feed {
     return timelines_.emplace(thread, host_timeline_(thread)).first->second;
   }
 
-  // A freed host storage's address may be another storage's next (tracker._forget_host).
-  void forget_host(int64_t ptr) {
-    {
-      std::lock_guard<std::mutex> guard(hosts_mutex);
-      if (host_storages.count(ptr) == 0) return;
-    }
-    unmark_host(ptr);
-    forget_host_(ptr);
-  }
-
   py::object core_object_;
   PyCore& core_;
   std::shared_ptr<Tables> tables_;
   py::object ref_keys_, on_dead_, captured_sync_, report_, note_, queued_, rule_stream_, host_timeline_;
-  py::object forget_host_;
+  py::object hosts_, forget_host_;  // tracker.hosts, and its discard
   std::unordered_map<int64_t, py::object> timelines_;
   std::unordered_map<const void*, Named> named_;
   bool track_frees_ = false, engine_records_streams_ = false;

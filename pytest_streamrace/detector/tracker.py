@@ -516,6 +516,8 @@ class AccessTracker(TorchDispatchMode):
 
     def _dead(self, ref: weakref.ref) -> None:
         key = self._ref_keys.pop(ref, None)
+        if key is not None and self.hosts:
+            self.hosts.discard(key)  # at once: the allocator may hand the address out before the free is applied
         if key is not None and self.watched.get(key) is ref:
             # a free's site is read only by a free-while-in-use race or a trace: neither exists while every access
             # so far ran on one stream, so the stack (a third of a free's cost) is taken only where they can
@@ -587,6 +589,11 @@ class AccessTracker(TorchDispatchMode):
         if found is None:
             return
         key, storage = found
+        with self._lock:
+            self.drain()  # a free of an earlier storage at this address lands first
+            self._mark_host(key, storage)
+
+    def _mark_host(self, key: Hashable, storage) -> None:
         if key in self.hosts:
             return
         if self.watched.get(key) is None:
@@ -598,8 +605,14 @@ class AccessTracker(TorchDispatchMode):
             self._capture.mark_host(key)
 
     def is_host(self, t: torch.Tensor) -> bool:
-        found = plain_storage(t) if self.hosts else None
-        return found is not None and found[0] in self.hosts
+        if not self.hosts:
+            return False
+        found = plain_storage(t)
+        if found is None:
+            return False
+        with self._lock:
+            self.drain()  # frees not yet applied (the capture's deleter reports them in C++) forget their addresses
+            return found[0] in self.hosts
 
     def _forget_host(self, key: Hashable) -> None:
         self.hosts.discard(key)
@@ -681,7 +694,8 @@ class AccessTracker(TorchDispatchMode):
                     host.append((v, write))
                 elif on_device(v):
                     device = True
-        outs = [(t, True) for t in _tensors(out) if self.is_host(t)] if fresh_returns else []
+        outs = [(t, True) for t in _tensors(out) if (f := plain_storage(t)) is not None and f[0] in hosts] \
+            if fresh_returns else []
         if not host and not outs:
             return None
         cuda = self.device_type == "cuda"
