@@ -71,3 +71,20 @@ def test_pinned_memory_works_under_the_virtual_backend_only(pytester):
     """)
     for args in (["--streamrace", "--streamrace-backend=virtual"], []):
         pytester.runpytest_subprocess(*args, "-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
+def test_host_races_are_confirmed(pytester):
+    """--streamrace-confirm forces a host race: the copy's write held back from the host's read, or the copy's read
+    held back past the host's rewrite. A host read that runs no op (.numpy()) has no place to hold: not tried."""
+    module = pytester.makepyfile(**{STACK.stem: STACK.read_text()})
+    result = pytester.runpytest_subprocess(str(module), "--streamrace", "--streamrace-backend=virtual",
+                                           "--streamrace-confirm",
+                                           "-p", "no:cacheprovider", "-k", "before_sync or syncing_the_default or "
+                                           "rewritten_while or without_events")
+    result.assert_outcomes(passed=5)
+    out = result.stdout.str()
+    for test in ("test_device_to_host_read_before_sync", "test_side_stream_copy_read_after_syncing_the_default_stream",
+                 "test_staging_buffer_rewritten_while_a_copy_may_read_it", "test_prefetcher_without_events"):
+        assert f"{test}: confirmed:" in out, out
+    assert "test_device_to_host_numpy_before_sync: not tried:" in out
+    assert "streamrace confirmations: 4 confirmed, 0 not confirmed, 1 not tried" in out
