@@ -88,3 +88,21 @@ def test_host_races_are_confirmed(pytester):
         assert f"{test}: confirmed:" in out, out
     assert "test_device_to_host_numpy_before_sync: not tried:" in out
     assert "streamrace confirmations: 4 confirmed, 0 not confirmed, 1 not tried" in out
+
+
+def test_torchscript_compiles_the_factories_the_virtual_backend_wraps(pytester):
+    """Under the virtual backend torch's factories take pin_memory=True through a wrapper; TorchScript, which
+    compiles a call to torch.zeros by the function's identity, still sees the op (PyTorch's distributed test base
+    scripts such functions in its tests)."""
+    pytester.makepyfile(test_script="""
+        import torch
+
+        def test_script(streamrace_device):
+            @torch.jit.script
+            def make(n: int):
+                return torch.zeros(n) + torch.ones(n)
+
+            assert make(3).tolist() == [1.0, 1.0, 1.0]
+    """)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)

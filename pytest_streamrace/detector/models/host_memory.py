@@ -82,7 +82,7 @@ class PinnedMemory:
         return to
 
     def patches(self) -> list:
-        patches = [WrapPatch(torch, name, self._factory) for name in _FACTORIES if hasattr(torch, name)]
+        patches: list = [_FactoryPatch(torch, name, self._factory) for name in _FACTORIES if hasattr(torch, name)]
         patches += [WrapPatch(torch.Tensor, "pin_memory", self._pin_memory),
                     WrapPatch(torch.Tensor, "is_pinned", self._is_pinned),
                     WrapPatch(torch.Tensor, "to", self._to)]
@@ -106,6 +106,27 @@ class PinnedMemory:
             if loader.pin_memory:
                 iterator._pin_memory, iterator._pin_memory_device = True, "cuda"
         return AttrPatch(base, "__init__", __init__)
+
+
+class _FactoryPatch(WrapPatch):
+    """A torch factory wrapped while installed, and known to TorchScript as the op it wraps: TorchScript compiles a
+    call to ``torch.zeros`` by the function's identity, and would try to compile a wrapper it does not know from its
+    source."""
+
+    def install(self) -> None:
+        from torch.jit import _builtins
+
+        _builtins._get_builtin_table()  # built from torch's attributes: before any of them is a wrapper
+        super().install()
+        op = _builtins._find_builtin(self._original)
+        if op is not None:
+            _builtins._register_builtin(self.value, op)
+
+    def uninstall(self) -> None:
+        from torch.jit import _builtins
+
+        _builtins._get_builtin_table().pop(id(self.value), None)
+        super().uninstall()
 
 
 def _names_device(args, kwargs) -> bool:
