@@ -1,10 +1,12 @@
 """--streamrace-confirm finds a race's accesses in its re-run by what they are, through pytest as users run it
-(virtual backend; `tests/gpu/test_confirm_identity_gpu.py` runs the same cases on real streams): a pool's task by
+(virtual backend; `tests/gpu/test_confirm_gpu.py` runs the same cases on real streams): a pool's task by
 the task (its submitter and submit count), whichever worker runs it in the re-run; a tensor the test allocates, by
 the op that makes it, wherever the allocator puts it; a read freed while in use, held back past its free. Each racy
 twin is confirmed with the values that changed; each clean twin is never re-run."""
 
 import json
+
+from test_confirm import run_cases
 
 CASES = '''
 import os
@@ -131,16 +133,7 @@ def line(pytester, marker: str) -> int:
 
 def run(pytester, backend: str, *extra: str):
     """The cases under --streamrace-confirm: (the run, {test: [records]}, runs per test)."""
-    pytester.makepyfile(test_identity=CASES)
-    result = pytester.runpytest_subprocess("--streamrace", f"--streamrace-backend={backend}", "--streamrace-confirm",
-                                           "--streamrace-json=races.json", "-p", "no:cacheprovider", *extra)
-    by_test: dict = {}
-    for race in json.loads((pytester.path / "races.json").read_text())["races"]:
-        by_test.setdefault(race["test"].split("::")[-1], []).append(race)
-    runs: dict = {}
-    for name in (pytester.path / "runs.txt").read_text().split():
-        runs[name] = runs.get(name, 0) + 1
-    return result, by_test, runs
+    return run_cases(pytester, backend, *extra, files={"test_identity": CASES})
 
 
 def check(pytester, result, by_test, runs) -> None:

@@ -52,26 +52,26 @@ def test_device_to_host_numpy_before_sync(streamrace_device):
     assert host.numpy().shape == (N,)  # race: test_device_to_host_numpy_before_sync
 
 
-@pytest.mark.streamrace(expect="race")
-def test_side_stream_copy_read_after_syncing_the_default_stream(streamrace_device):
+def _copied_on_a_side_stream(device):
     side = torch.cuda.Stream()
-    x = _produced(streamrace_device)
+    x = _produced(device)
     host = torch.empty(N, pin_memory=True)
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         host.copy_(x, non_blocking=True)
+    return side, host
+
+
+@pytest.mark.streamrace(expect="race")
+def test_side_stream_copy_read_after_syncing_the_default_stream(streamrace_device):
+    _, host = _copied_on_a_side_stream(streamrace_device)
     torch.cuda.current_stream().synchronize()  # not the copy's stream
     assert host.max().item() != 0.5  # race: test_side_stream_copy_read_after_syncing_the_default_stream
 
 
 @pytest.mark.streamrace(expect="clean")
 def test_side_stream_copy_read_after_syncing_its_stream(streamrace_device):
-    side = torch.cuda.Stream()
-    x = _produced(streamrace_device)
-    host = torch.empty(N, pin_memory=True)
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        host.copy_(x, non_blocking=True)
+    side, host = _copied_on_a_side_stream(streamrace_device)
     side.synchronize()
     assert host.max().item() != 0.5
 
