@@ -391,7 +391,8 @@ class VirtualStreams:
                        "synchronize": accelerator_synchronize, "current_device_index": current_device_index,
                        "current_device_idx": current_device_idx, "set_device_index": set_device_index,
                        "set_device_idx": set_device_idx, "device_index": device_index}
-        out += [AttrPatch(torch.accelerator, name, value) for name, value in accelerator.items()
-                if hasattr(torch.accelerator, name)]  # older torch lacks some
+        module = getattr(torch, "accelerator", None)  # torch 2.6 on; a program cannot call what its torch lacks
+        out += [AttrPatch(module, name, value) for name, value in accelerator.items()
+                if hasattr(module, name)]  # older torch lacks some
         out.append(WhenImported("torch._dynamo", _opaque_to_dynamo))
         return out
