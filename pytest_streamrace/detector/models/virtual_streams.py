@@ -319,7 +319,7 @@ def _opaque_to_dynamo(_dynamo=None) -> None:
         module[name] = disabled(original)
         if _session_model() is not None:  # dynamo arrived during a session: what it patched in becomes the opaque one
             owner, attr = _OWNERS.get(name, ("cuda", name))
-            owner = getattr(torch, owner)
+            owner = getattr(torch, owner, None)  # torch.accelerator: torch 2.6 on
             if getattr(owner, attr, None) is original:
                 setattr(owner, attr, module[name])
 
