@@ -296,9 +296,10 @@ def _ninja_on_path() -> None:
 
 def sources() -> list[str]:
     """The extension's C++ sources (package data), in the order they are joined: the happens-before core
-    (``hb_core.cpp``), what differs between torch releases (``torch_compat.cpp``), the virtual model's node binding (``node_streams.cpp``), the native stack of a fatal signal
-    (``fatal_signals.cpp``), the capture (``capture.cpp``), which uses them and whose module binds them, then its
-    kernel entry (``kernel_entry.cpp``), which hands it ops."""
+    (``hb_core.cpp``), what differs between torch releases (``torch_compat.cpp``), the virtual model's node binding
+    (``node_streams.cpp``), the native stack of a fatal signal (``fatal_signals.cpp``), the capture
+    (``capture.cpp``), which uses them and whose module binds them, then its kernel entry (``kernel_entry.cpp``),
+    which hands it ops."""
     files = importlib.resources.files(__package__)
     return [files.joinpath(name).read_text(encoding="utf-8")
             for name in ("hb_core.cpp", "torch_compat.cpp", "node_streams.cpp", "fatal_signals.cpp", "capture.cpp",
