@@ -49,6 +49,24 @@ def test_only_a_finished_build_is_imported_as_it_is(tmp_path):
     assert not capture._built_here("other", str(tmp_path))
 
 
+def test_from_torch_2_14_only_a_held_lock_means_a_build_under_way(tmp_path):
+    """torch 2.14's cpp_extension holds `lock` as an advisory lock and leaves the file behind every build: a finished
+    build is one whose lock nobody holds (were the file's existence taken for a build, every session would wait for
+    it to go stale)."""
+    import fcntl
+
+    assert [capture._advisory_lock(v) for v in ("2.4.1", "2.13.0+cpu", "2.14.1+cu130", "2.15.0a0", "3.0")] == \
+        [False, False, True, True, True]
+    (tmp_path / "m.so").write_bytes(b"")
+    (tmp_path / "lock").write_text("")
+    assert capture._built_here("m", str(tmp_path), advisory=True)
+    with open(tmp_path / "lock") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # a build under way
+        assert not capture._built_here("m", str(tmp_path), advisory=True)
+    assert capture._built_here("m", str(tmp_path), advisory=True)
+    assert not capture._built_here("other", str(tmp_path), advisory=True)
+
+
 def test_a_killed_builds_lock_is_cleared_and_a_live_ones_waited_for(tmp_path, monkeypatch):
     """cpp_extension waits without end on the lock of a build that was killed: every later session would hang. A build
     under way is waited for until its lock goes; a lock older than any build is removed, however young it was when the

@@ -95,7 +95,7 @@ using Spans = c10::SmallVector<Span, 3>;  // an op's reads and writes, or its fr
 py::str dtype_name(c10::ScalarType dtype) {
   static auto* names = new std::unordered_map<int, py::object>();  // never freed: outlives the interpreter
   auto& name = (*names)[static_cast<int>(dtype)];
-  if (!name) name = py::str(c10::getDtypeNames(dtype).first);
+  if (!name) name = py::str(torch_compat::dtype_name(dtype));
   return name;
 }
 
@@ -714,7 +714,7 @@ int64_t stream_now() {
 int64_t current_stream() {
   if (!cuda) return stream_now();
   const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-  return reinterpret_cast<int64_t>(impl->getStream(impl->getDevice()).native_handle());
+  return reinterpret_cast<int64_t>(torch_compat::stream_handle(impl->getStream(impl->getDevice())));
 }
 
 // Below autograd, the node an op made is already numbered: the first recording op on this thread to see the number
@@ -942,6 +942,7 @@ bool observe() {
 void unobserve() { here.observed = false; }
 
 void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, bool host_frees) {
+  if (on_cuda) torch_compat::ready_for_gpu_streams();
   cuda = on_cuda;
   if (!cuda && host_frees && cpu_deleter == nullptr)
     cpu_deleter = c10::GetDefaultCPUAllocator()->allocate(1).get_deleter();

@@ -165,11 +165,12 @@ def _build(prefix: str, code: list[str]):
     if not same:
         with open(path, "w", encoding="utf-8") as f:
             f.write(source)
-    elif _built_here(name, directory):
+    elif _built_here(name, directory, _advisory_lock(torch.__version__)):
         return _import(name, os.path.join(directory, f"{name}.so"))
     from torch.utils.cpp_extension import load
 
-    _clear_stale_lock(directory)
+    if not _advisory_lock(torch.__version__):
+        _clear_stale_lock(directory)
     _say_building(prefix, torch.__version__, directory)
     return load(name, [path], extra_cflags=_CFLAGS, build_directory=directory)
 
@@ -214,11 +215,35 @@ def _where(prefix: str, source: str, torch) -> tuple[str, str]:
     return name, _build_directory(name, torch)
 
 
-def _built_here(name: str, directory: str) -> bool:
+def _built_here(name: str, directory: str, advisory: bool = False) -> bool:
     """Whether the build folder (one per source, flags and torch installation) holds a finished build: then the module
     is imported as it is, without cpp_extension's per-process checks (ninja and the compiler run again, 0.2 s of every
-    session's start). No lock: nobody is building it now."""
-    return not os.path.exists(os.path.join(directory, "lock")) and os.path.exists(os.path.join(directory, f"{name}.so"))
+    session's start). Nobody is building it now: no `lock`, or where cpp_extension's lock is `advisory`, none held."""
+    if not os.path.exists(os.path.join(directory, f"{name}.so")):
+        return False
+    lock = os.path.join(directory, "lock")
+    if not advisory:
+        return not os.path.exists(lock)
+    import fcntl
+
+    try:
+        fd = os.open(lock, os.O_RDONLY)
+    except OSError:
+        return True  # no lock file: no build ever ran here under a lock, or it was cleared
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released as the file closes
+    except OSError:
+        return False  # a build under way holds it
+    finally:
+        os.close(fd)
+    return True
+
+
+def _advisory_lock(version: str) -> bool:
+    """Whether cpp_extension holds its build folder's `lock` as an OS-level advisory lock (torch 2.14 on): the file then
+    stays after every build, and only a lock held means a build under way (the kernel releases a killed builder's).
+    Before, the file's existence meant one, and a killed build's file stayed (`_clear_stale_lock`)."""
+    return tuple(int(part) for part in re.findall(r"\d+", version)[:2]) >= (2, 14)
 
 
 def _import(name: str, path: str):
@@ -271,12 +296,14 @@ def _ninja_on_path() -> None:
 
 def sources() -> list[str]:
     """The extension's C++ sources (package data), in the order they are joined: the happens-before core
-    (``hb_core.cpp``), the virtual model's node binding (``node_streams.cpp``), the native stack of a fatal signal
-    (``fatal_signals.cpp``), the capture (``capture.cpp``), which uses them and whose module binds them, then its
-    kernel entry (``kernel_entry.cpp``), which hands it ops."""
+    (``hb_core.cpp``), what differs between torch releases (``torch_compat.cpp``), the virtual model's node binding
+    (``node_streams.cpp``), the native stack of a fatal signal (``fatal_signals.cpp``), the capture
+    (``capture.cpp``), which uses them and whose module binds them, then its kernel entry (``kernel_entry.cpp``),
+    which hands it ops."""
     files = importlib.resources.files(__package__)
     return [files.joinpath(name).read_text(encoding="utf-8")
-            for name in ("hb_core.cpp", "node_streams.cpp", "fatal_signals.cpp", "capture.cpp", "kernel_entry.cpp")]
+            for name in ("hb_core.cpp", "torch_compat.cpp", "node_streams.cpp", "fatal_signals.cpp", "capture.cpp",
+                         "kernel_entry.cpp")]
 
 
 def failure() -> str | None:

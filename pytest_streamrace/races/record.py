@@ -12,8 +12,14 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import textwrap
-from typing import Callable, Iterable, NotRequired, Sequence, TypedDict
+from typing import Callable, Iterable, Sequence, TypedDict
+
+if sys.version_info >= (3, 11):
+    from typing import NotRequired
+else:  # typing_extensions: a dependency of torch
+    from typing_extensions import NotRequired
 
 from ..detector.hb import FREE, NATIVE, RAW, WAR, WAW, Access, Op, Race, Site, TensorInfo, ThreadOrigin, identity
 from ..detector.host_party import is_host

@@ -171,8 +171,11 @@ def _read(path: str, name: str) -> dict | None:
     if name == "pyproject.toml":
         try:
             import tomllib
-        except ImportError:  # Python 3.10: pytest reads it with tomli, which may be absent
-            return None
+        except ImportError:  # Python 3.10: tomli, as pytest reads it there (its dependency on 3.10)
+            try:
+                import tomli as tomllib
+            except ImportError:
+                return None
         try:
             with open(path, "rb") as f:
                 tool = tomllib.load(f).get("tool", {})

@@ -319,7 +319,7 @@ def _opaque_to_dynamo(_dynamo=None) -> None:
         module[name] = disabled(original)
         if _session_model() is not None:  # dynamo arrived during a session: what it patched in becomes the opaque one
             owner, attr = _OWNERS.get(name, ("cuda", name))
-            owner = getattr(torch, owner)
+            owner = getattr(torch, owner, None)  # torch.accelerator: torch 2.6 on
             if getattr(owner, attr, None) is original:
                 setattr(owner, attr, module[name])
 
@@ -391,7 +391,8 @@ class VirtualStreams:
                        "synchronize": accelerator_synchronize, "current_device_index": current_device_index,
                        "current_device_idx": current_device_idx, "set_device_index": set_device_index,
                        "set_device_idx": set_device_idx, "device_index": device_index}
-        out += [AttrPatch(torch.accelerator, name, value) for name, value in accelerator.items()
-                if hasattr(torch.accelerator, name)]  # older torch lacks some
+        module = getattr(torch, "accelerator", None)  # torch 2.6 on; a program cannot call what its torch lacks
+        out += [AttrPatch(module, name, value) for name, value in accelerator.items()
+                if hasattr(module, name)]  # older torch lacks some
         out.append(WhenImported("torch._dynamo", _opaque_to_dynamo))
         return out
