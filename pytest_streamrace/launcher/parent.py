@@ -146,7 +146,8 @@ def _tear_down_to(item: pytest.Item, nextitem: pytest.Item | None, reports: list
     neighbours hold. The ranks ran the item's own fixtures; these are the parent's, and left in place they break
     the next module's first test ("previous item was not torn down properly"). An error there is the item's
     teardown error, as pytest reports it."""
-    call = pytest.CallInfo.from_call(lambda: item.session._setupstate.teardown_exact(nextitem), when="teardown")
+    call = pytest.CallInfo.from_call(lambda: item.session._setupstate.teardown_exact(nextitem), when="teardown",
+                                     reraise=(pytest.exit.Exception, KeyboardInterrupt))
     if call.excinfo is None:
         return
     teardown = next(r for r in reports if r.when == "teardown")
