@@ -640,11 +640,7 @@ class AccessTracker(TorchDispatchMode):
             if not touched:
                 return
             ident = threading.get_ident()
-            timeline = self.host_timeline(ident)
-            site = Site(name, frames if frames is not None else stack(), thread_origin(ident))
-            _, races = self.hb.record(timeline, site, self._accesses(touched, timeline, []))
-            self.host_did(timeline)
-            self._report(races)
+            self._host_op(Site(name, frames if frames is not None else stack(), thread_origin(ident)), touched)
 
     def copied_to_host(self, t: torch.Tensor, name: str) -> None:
         """A non_blocking copy from the device wrote host storage `t` on the current stream, in an op recorded before
@@ -702,12 +698,15 @@ class AccessTracker(TorchDispatchMode):
         if cuda and (device or any(on_device(t) for t in _tensors(out))) or \
                 not cuda and device and self._copies_with_device(name, args, kwargs):
             return host + outs if cuda else []
-        ident = threading.get_ident()
-        timeline = self.host_timeline(ident)  # the host's own op: what it touches besides host memory is the host's
-        _, races = self.hb.record(timeline, self._site(name), self._accesses(host + outs, timeline, []))
+        self._host_op(self._site(name), host + outs)  # what it touches besides host memory is the host's
+        return True
+
+    def _host_op(self, site: Site, touched: list[tuple[torch.Tensor, bool]]) -> None:
+        """The calling thread's host accesses `touched` (host storages), on its host timeline, done at once."""
+        timeline = self.host_timeline(threading.get_ident())
+        _, races = self.hb.record(timeline, site, self._accesses(touched, timeline, []))
         self.host_did(timeline)
         self._report(races)
-        return True
 
     def _copies_with_device(self, name: str, args, kwargs) -> bool:
         """On the virtual backend, where device memory is CPU memory too: whether a copy that touches a host storage
