@@ -7,7 +7,6 @@ import contextlib
 import os
 import shutil
 import tempfile
-import warnings
 
 from pytest_streamrace.patching import patched
 from pytest_streamrace.repro.spec import Repro, Variant
@@ -54,10 +53,8 @@ def _stager(ctx):
     from pytest_streamrace.frameworks.accelerator import accelerator_available
 
     with contextlib.ExitStack() as scope:
-        if ctx.backend == "virtual":  # its staging stream, made only where an accelerator is available
+        if ctx.backend == "virtual":  # its staging stream and pinned memory, made only where an accelerator is
             scope.enter_context(accelerator_available())
-            scope.enter_context(warnings.catch_warnings())
-            warnings.filterwarnings("ignore", "Ignoring pin_memory flag")  # pinning needs CUDA
         stager = DefaultStager(StagingOptions(True, True, True, True))
     ctx.detector.name_stream(stager._staging_stream, STAGING_STREAM)
     return stager

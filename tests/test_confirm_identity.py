@@ -110,7 +110,9 @@ def freed_while_read(device, racy):
     if not racy:
         x.record_stream(side)
     del x
-    torch.zeros(4096, device=device)                    # the block's next owner on the default stream
+    # the block's next owner on the default stream: a few, so that one gets it whichever free block of that size the
+    # allocator picks first (earlier passes of the re-run left some)
+    owners = [torch.zeros(4096, device=device) for _ in range(4)]
     torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
     return total

@@ -145,7 +145,10 @@ class ForcedOrder:
         self._lock = _thread.allocate_lock()  # not threading's: one made while a session runs is a modelled handoff
         self.elsewhere: dict[str, list[str]] = {}  # side -> the ops other than it found at its place (diagnostics)
         self._capture = None
-        self.fresh_spare = None  # memory for what a later read sees of a fresh output held back (cuda)
+        # a fresh output held back (cuda): memory for its snapshot after the write and for what the later read sees of
+        # it first, and the stream that poisons it, all taken before the hold (`_poison`)
+        self.fresh_spare: list = []
+        self.poison_stream = None
 
     # installing
 
@@ -213,15 +216,19 @@ class ForcedOrder:
             self.candidates[t.untyped_storage().data_ptr()] = {"view": view, "first": first, "spare": spare}
         if holds:
             stream = torch.cuda.current_stream()
+            _load_own_kernels()
             cycles = int(self.delay_ms * _cycles_per_ms())
             # [the held access starts after this, the later access has run by this, the hold starts after this]:
             # the last tells how long the held stream really slept, where the order did not invert
             self.events = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             self.events[2].record(stream)
-            # where the earlier access writes a fresh output: what the later read sees of it, copied into memory
-            # taken before the hold
+            # where the earlier access writes a fresh output: its snapshot after the write and what the later read
+            # sees of it, copied into memory taken before the hold, and poisoned from a stream made before it (an
+            # allocation or a new stream between the hold and the later access can wait the hold out)
             if self.kind == RAW:
-                self.fresh_spare = torch.empty(self.hi - self.lo, dtype=torch.uint8, device=stream.device)
+                self.fresh_spare = [torch.empty(self.hi - self.lo, dtype=torch.uint8, device=stream.device)
+                                    for _ in range(2)]
+                self.poison_stream = torch.cuda.Stream()
             torch.cuda._sleep(cycles)
             self.events[0].record(stream)
             self.midway = MidwaySample(self.delay_ms / 2000.0)  # where the host is, should it wait the hold out
@@ -267,13 +274,15 @@ class ForcedOrder:
             entry = self.candidates.setdefault(t.untyped_storage().data_ptr(), {"view": _bytes_of(t)})
             if fresh and self.cuda and self.events is not None and self.kind == RAW:
                 self._poison(entry)
+                if self.fresh_spare:
+                    entry["spare"] = [self.fresh_spare.pop()]
             entry["after"] = self._snapshot(entry)
 
     def _poison(self, entry: dict) -> None:
         """A fresh output of the held write (cuda): its memory holds what the allocator's last user left, maybe the
         same values from an earlier pass. Filled with 0xFF bytes (NaN in every float type) on a stream of its own,
         after what the held stream ran before its hold and while it sleeps: a read that comes first sees those."""
-        poison = torch.cuda.Stream()
+        poison = self.poison_stream or torch.cuda.Stream()
         poison.wait_event(self.events[2])
         with torch.cuda.stream(poison):
             self._region(entry["view"]).fill_(0xFF)
@@ -300,8 +309,7 @@ class ForcedOrder:
             if "held" not in found and "poisoned" in found:  # a fresh output: what this read sees of it first
                 torch.cuda.current_stream().wait_event(found["poisoned"])
                 region = self._region(found["view"])
-                found["held"] = self.fresh_spare.copy_(region) if self.fresh_spare is not None else region.clone()
-                self.fresh_spare = None
+                found["held"] = self.fresh_spare.pop().copy_(region) if self.fresh_spare else region.clone()
                 self.unwritten = True
             return  # nothing else on the later access's stream before it: the snapshots are the held stream's
         self._wait_works()  # the earlier op's async part done (gloo's thread): its bytes are final
@@ -487,7 +495,7 @@ class ForcedOrder:
         """What the forced run saw: status "forced" with the values, or "not-tried" with the reason."""
         if self.midway is not None:
             self.midway.cancel()
-        self.fresh_spare = None
+        self.fresh_spare, self.poison_stream = [], None
         out: dict = {"kind": self.kind, "held": "earlier", "backend": "cuda" if self.cuda else "virtual"}
         if self.cuda:
             out["delay_ms"] = self.delay_ms
@@ -606,6 +614,22 @@ def host_waited(delay_ms: float, gap_ms: float) -> bool:
 
 
 _CYCLES: list[float] = []
+_LOADED: list[bool] = []
+
+
+def _load_own_kernels() -> None:
+    """Launch once, before any hold, the kernels the forcing itself runs while a held stream sleeps (a fresh output's
+    poison fill, the byte snapshots): CUDA loads a kernel's module at its first launch, and that load can wait for the
+    sleeping stream, so a first launch during the hold keeps the later access from going first. The test's own kernels
+    are loaded by the re-run's warm-up pass (``confirm_run``) or ``CUDA_MODULE_LOADING=EAGER``; these run in no pass
+    but a forced one. Called inside the capture's call about the held op, so none of it is recorded."""
+    if _LOADED:
+        return
+    scratch = torch.empty(64, dtype=torch.uint8, device="cuda")
+    scratch.fill_(0xFF)
+    scratch[:32].clone().copy_(scratch[32:])
+    _cycles_per_ms()
+    _LOADED.append(True)
 
 
 def _cycles_per_ms() -> float:

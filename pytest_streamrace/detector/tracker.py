@@ -39,6 +39,10 @@ READ, WRITE = 1, 2  # a launched kernel's argument roles, as bits (Tracker.launc
 _METADATA_INPUTS = re.compile(r"^aten::(new_.*|.*_like|empty.*)$")
 _NO_KERNEL = re.compile(r"^aten::(empty.*|new_empty.*)$")
 _SKIPPED_OPS = {"aten::record_stream"}  # not a kernel: the stream model turns it into hb.record_stream
+# In-place ops on a tensor's metadata only: their schemas mark `self` written (Tensor(a!)), yet no bytes move; `set_`
+# points a tensor at other storage (DCP's stager points a new CPU tensor at the pinned copy it just queued)
+_METADATA_MUTATIONS = {f"aten::{name}" for name in ("set_", "as_strided_", "squeeze_", "unsqueeze_", "t_",
+                                                    "transpose_", "swapdims_", "swapaxes_", "detach_")}
 # modelled by a namespace handler (models.collectives, models.functional_collectives), never as plain ops
 _HANDLED_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
 _ASYNC_COPIES = host_party.ASYNC_COPIES
@@ -108,7 +112,7 @@ def _plan(func):
         return _HANDLED
     schema = func._schema
     name = schema.name
-    if name in _SKIPPED_OPS:
+    if name in _SKIPPED_OPS or name in _METADATA_MUTATIONS:
         return _SKIPPED
     metadata_inputs = _METADATA_INPUTS.match(name) is not None
     inputs = []
@@ -603,6 +607,21 @@ class AccessTracker(TorchDispatchMode):
         self.hosts.add(key)
         if self._capture is not None:
             self._capture.mark_host(key)
+
+    def mark_host_address(self, key: int) -> None:
+        """The storage that starts at `key` was pinned in place (registered): a host storage until
+        `forget_host_address` (its unregistering, as it dies)."""
+        with self._lock:
+            self.drain()
+            if key not in self.hosts:
+                self.hosts.add(key)
+                if self._capture is not None:
+                    self._capture.mark_host(key)
+
+    def forget_host_address(self, key: int) -> None:
+        with self._lock:
+            self.drain()
+            self._forget_host(key)
 
     def is_host(self, t: torch.Tensor) -> bool:
         if not self.hosts:

@@ -13,7 +13,8 @@ CLAIMS = {
     45: "`--streamrace-confirm` on real streams: each race forced into its bad order by a sleep kernel on the held "
         "stream; racy twins (read-after-write, write-after-read, write-after-write) confirmed with the values that "
         "changed, a write of the same values not confirmed, a latent race not tried; the corpus: every racy case "
-        "confirmed or not confirmed/not tried with its reason",
+        "confirmed or not confirmed/not tried with its reason; found in the re-run by what the accesses are: a pool "
+        "task run by another worker, an output made on a side stream, a read freed while in use, each confirmed",
     46: "`--streamrace-confirm` on 2 ranks over NCCL: an async all-reduce's buffer read before `wait()` confirmed "
         "(the last rank holds its collective back; its peer reads the bytes from before it), and the same with the "
         "collective issued on another thread; a bucket filled on a side stream and all-reduced in place with no wait "
@@ -36,8 +37,7 @@ def test_every_racy_case_of_the_corpus_is_confirmed_or_shown_benign_on_real_stre
     gpu_result.record("corpus verdicts", "13 racy cases as expected")
 
 
-@pytest.mark.xfail(strict=True, reason="on real streams the output made on a side stream is not yet inverted: the "
-                   "later read runs as the held write starts (not tried: the hold did not invert the order)")
+@pytest.mark.validates(45)
 def test_each_race_is_found_by_what_its_accesses_are_on_real_streams(pytester, gpu_result):
     """A pool task run by another worker in each run, a fresh output made on a side stream (its memory filled with
     0xFF during the hold: an earlier pass may have left the very values there), a read freed while in use (held past

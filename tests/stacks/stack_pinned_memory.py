@@ -154,3 +154,69 @@ def test_dataloader_pin_memory_training_loop(streamrace_device, workers):
         F.mse_loss(model(x), y).backward()
         opt.step()
         opt.zero_grad()
+
+
+@pytest.mark.streamrace(expect="clean")
+def test_pinned_block_freed_during_a_copy_and_allocated_again(streamrace_device):
+    """torch's pinned allocator records the copy's stream on the block and hands it out again only once the copy is
+    done: a buffer dropped right after its non_blocking copy is safe."""
+    on_device = torch.empty(N, device=streamrace_device)
+    for step in range(4):
+        staging = torch.full((N,), float(step), pin_memory=True)
+        on_device.copy_(staging, non_blocking=True)
+        del staging
+    assert on_device.max().item() == 3
+
+
+class _PinnedPool:
+    """A program's own free list of pinned buffers, as offload engines keep one: a buffer given back goes to the next
+    request. With `events`, it goes out once the copy that last read it is done."""
+
+    def __init__(self, events: bool):
+        self.free, self.events = [], events
+
+    def get(self):
+        if not self.free:
+            return torch.empty(N, pin_memory=True)
+        buffer, done = self.free.pop()
+        if done is not None:
+            done.synchronize()
+        return buffer
+
+    def give_back(self, buffer):
+        done = None
+        if self.events:
+            done = torch.cuda.Event()
+            done.record()
+        self.free.append((buffer, done))
+
+
+def _staged_through_a_pool(device, events: bool):
+    pool, on_device = _PinnedPool(events), torch.empty(N, device=device)
+    for step in range(3):
+        staging = pool.get()
+        staging.fill_(float(step))  # race: test_pinned_buffer_given_back_during_a_copy_and_handed_out_again
+        on_device.copy_(staging, non_blocking=True)
+        pool.give_back(staging)
+        on_device.mul_(2)
+    return on_device
+
+
+@pytest.mark.streamrace(expect="race")
+def test_pinned_buffer_given_back_during_a_copy_and_handed_out_again(streamrace_device):
+    _staged_through_a_pool(streamrace_device, events=False)
+
+
+@pytest.mark.streamrace(expect="clean")
+def test_pinned_buffer_handed_out_again_after_its_copy(streamrace_device):
+    _staged_through_a_pool(streamrace_device, events=True)
+
+
+@pytest.mark.streamrace(expect="clean")
+def test_a_tensor_pointed_at_a_buffer_a_copy_fills(streamrace_device):
+    """``set_`` moves no bytes: torch DCP's stager points a new tensor at the pinned buffer its copy is filling."""
+    host = torch.empty(N, pin_memory=True)
+    host.copy_(_produced(streamrace_device), non_blocking=True)
+    view = torch.empty(()).set_(host.untyped_storage(), 0, (N,), (1,))  # as the stager: new_empty([]), then set_
+    torch.cuda.current_stream().synchronize()
+    assert view.sum().item() != 0.5

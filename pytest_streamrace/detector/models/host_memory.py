@@ -2,8 +2,9 @@
 
 CPU-only torch has no pinned allocator: ``pin_memory=True`` raises there, so a test of code that stages data through
 pinned buffers could not run on CPU CI. Under the virtual backend ``PinnedMemory`` makes ``pin_memory=True`` (the
-factories), ``Tensor.pin_memory()``, ``Tensor.is_pinned()`` and DataLoader's ``pin_memory=True`` (its pin thread, or
-the loading loop) work, each pinned tensor a host storage (``host_party``): what tells host memory apart from the CPU
+factories), ``Tensor.pin_memory()``, ``Tensor.is_pinned()``, DataLoader's ``pin_memory=True`` (its pin thread, or
+the loading loop) and memory registered in place (``torch.cuda._pin_memory_utils``) work, each pinned tensor a host
+storage (``host_party``): what tells host memory apart from the CPU
 memory standing for the device's. ``.to(device)`` of a pinned tensor is a copy to the device, as on a GPU (on the CPU
 it would hand back the pinned tensor itself, and the device would compute in the host's buffer).
 
@@ -87,7 +88,18 @@ class PinnedMemory:
                     WrapPatch(torch.Tensor, "is_pinned", self._is_pinned),
                     WrapPatch(torch.Tensor, "to", self._to)]
         patches.append(self._loader_patch())
+        import torch.cuda._pin_memory_utils as registered  # torch's cudaHostRegister helpers (DCP's stager pins so)
+
+        patches += [AttrPatch(registered, "pin_memory", self._register),
+                    AttrPatch(registered, "unpin_memory", self._unregister)]
         return patches
+
+    def _register(self, data_ptr: int, size: int) -> None:
+        """Memory registered as pinned where it is: a host storage, from the address of its start."""
+        self.tracker.mark_host_address(int(data_ptr))
+
+    def _unregister(self, data_ptr: int) -> None:
+        self.tracker.forget_host_address(int(data_ptr))
 
     def _loader_patch(self) -> AttrPatch:
         """DataLoader(pin_memory=True) pins as on a GPU host: its iterator asks for an accelerator, which the virtual
