@@ -13,7 +13,7 @@ On a GPU host ``--backend cuda`` checks real streams, e.g. torch's own pinned-me
 (``test/test_cuda.py``, ``test/test_dataloader.py`` from the PyTorch tag of the installed torch)::
 
     python scripts/stock/torch_multi_threaded_pg.py --backend cuda test_cuda.py test_dataloader.py \
-        -- -k "pin or non_blocking or host_alloc or record_stream"
+        -- -k "pin_memory or pinned or non_blocking or host_alloc or record_stream"
 
 It runs pytest in subprocesses (plain, then ``--streamrace --streamrace-backend=virtual`` (or the ``--backend``
 given), and with ``--latent-fail``
