@@ -106,3 +106,56 @@ def test_torchscript_compiles_the_factories_the_virtual_backend_wraps(pytester):
     """)
     result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "-p", "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+BLOCKING_COPY_TO_THE_DEVICE = """
+import pytest
+import torch
+
+
+def _copied_then_read_on_a_side_stream(device, non_blocking):
+    pinned = torch.randn(4096, pin_memory=True)
+    on_device = torch.empty(4096, device=device)
+    on_device.copy_(pinned, non_blocking=non_blocking)  # copy
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        on_device.mul_(2)  # side
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def test_blocking(streamrace_device):
+    _copied_then_read_on_a_side_stream(streamrace_device, non_blocking=False)
+
+
+def test_blocking_to(streamrace_device):
+    on_device = torch.randn(4096, pin_memory=True).to(streamrace_device)  # copy
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        on_device.mul_(2)  # side
+    torch.cuda.current_stream().wait_stream(side)
+
+
+def test_non_blocking(streamrace_device):
+    _copied_then_read_on_a_side_stream(streamrace_device, non_blocking=True)
+"""
+
+
+@pytest.mark.parametrize("latent", ["report", "fail"])
+def test_a_blocking_copy_from_pinned_memory_to_the_device_waits_for_its_stream(pytester, latent):
+    """torch synchronizes a blocking copy's stream after a copy between host and device, either way: work issued
+    after a blocking copy from pinned memory is ordered after it, as a read-back orders it (latent: an ordering the
+    program did not ask for), as on a GPU, where the GPU trace reports that sync; a non_blocking copy orders nothing."""
+    pytester.makepyfile(test_copies=BLOCKING_COPY_TO_THE_DEVICE)
+    result = pytester.runpytest_subprocess("--streamrace", "--streamrace-backend=virtual", "-p", "no:cacheprovider",
+                                           f"--streamrace-latent={latent}", "--streamrace-json", "races.json")
+    if latent == "report":
+        result.assert_outcomes(passed=2, failed=1)
+    else:
+        result.assert_outcomes(failed=3)
+    races = json.loads((pytester.path / "races.json").read_text())["races"]
+    by_test = {r["test"].split("::")[-1]: r for r in races}
+    assert sorted(by_test) == ["test_blocking", "test_blocking_to", "test_non_blocking"], races
+    for name in ("test_blocking", "test_blocking_to"):
+        assert by_test[name]["latent"]["op"] == "copy_ to or from host memory", by_test[name]
+    assert not by_test["test_non_blocking"].get("latent")
+    assert {by_test[t]["earlier"]["op"] for t in by_test} == {"aten::copy_"}

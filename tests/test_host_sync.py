@@ -77,7 +77,8 @@ META = "meta"  # stands in for the GPU: a device type other than the host's, wit
     ("aten::_to_copy", (torch.empty(2, device=META),), {"dtype": torch.half}, False),  # stays on the device
     ("aten::copy_", (torch.empty(2), torch.empty(2, device=META)), {}, True),
     ("aten::copy_", (torch.empty(2), torch.empty(2, device=META), True), {}, True),  # non-blocking into pageable
-    ("aten::copy_", (torch.empty(2, device=META), torch.empty(2)), {}, False),
+    ("aten::copy_", (torch.empty(2, device=META), torch.empty(2)), {}, True),  # blocking, host to device
+    ("aten::copy_", (torch.empty(2, device=META), torch.empty(2), True), {}, False),
     ("aten::index", (torch.empty(4, device=META), [torch.ones(4, dtype=torch.bool, device=META)]), {}, True),
     ("aten::index", (torch.empty(4, device=META), [torch.arange(2, device=META)]), {}, False),
     ("aten::index", (torch.empty(4, device=META), [torch.ones(4, dtype=torch.bool)]), {}, False),  # a host mask

@@ -5,6 +5,8 @@ blocks the host until the stream that ran it gets there, so work the host issues
 after that stream's work so far. Code relies on it (DeepSpeed ZeRO-3's trace check reads a flag with ``.item()``),
 and the virtual backend must model the same waits or it reports races a GPU cannot have.
 
+A blocking copy from host memory to the device waits too (torch synchronizes the copy's stream after it).
+
 Not host-synchronous, so not here: ``non_blocking=True`` copies into pinned memory (``.to("cpu", non_blocking=True)``
 allocates its output pinned), ``nonzero_static``, ``repeat_interleave`` given ``output_size``.
 
@@ -52,13 +54,27 @@ def _to_host(args, kwargs, device) -> bool:
             and not kwargs.get("non_blocking", False))
 
 
-def _copy_to_host(args, kwargs, device) -> bool:
+def _pinned(tensor) -> bool:
+    try:
+        return bool(tensor.is_pinned())
+    except Exception:  # a tensor that cannot say (meta, some subclasses): not host memory we know of
+        return False
+
+
+def _copy_with_host(args, kwargs, device) -> bool:
     """``host.copy_(device_tensor)``: blocking, or non-blocking into pageable memory (cudaMemcpyAsync returns only
-    once such a copy is done)."""
+    once such a copy is done). ``device_tensor.copy_(host)``: blocking (torch copies and then synchronizes the copy's
+    stream, ``memcpy_and_sync``, for a copy between host and device either way). Under virtual streams (`device` "cpu")
+    host memory is what is pinned, and a copy to the host is seen elsewhere (``METHODS``, host storages)."""
     dst, src = _arg(args, kwargs, 0, "self"), _arg(args, kwargs, 1, "src")
+    non_blocking = _arg(args, kwargs, 2, "non_blocking", False)
+    if device == "cpu":
+        return not non_blocking and _pinned(src) and not _pinned(dst)
+    if _device_type(dst) == device and _device_type(src) == "cpu":
+        return not non_blocking
     if _device_type(src) != device or _device_type(dst) == device:
         return False
-    return not _arg(args, kwargs, 2, "non_blocking", False) or not dst.is_pinned()
+    return not non_blocking or not dst.is_pinned()
 
 
 def _device_masks(indices, device: str) -> bool:
@@ -120,7 +136,7 @@ OPS: dict[str, HostSync] = {
     "aten::index_put": HostSync("boolean-mask assignment t[mask] = v", _mask_assign),
     "aten::_index_put_impl_": HostSync("boolean-mask assignment t[mask] = v", _mask_assign),
     "aten::_to_copy": HostSync(_TO_HOST, _to_host),
-    "aten::copy_": HostSync("copy_ to host memory", _copy_to_host),
+    "aten::copy_": HostSync("copy_ to or from host memory", _copy_with_host),
 }
 
 # Tensor methods that copy a device tensor to the host, for the virtual backend, where "device" tensors are host

@@ -14,6 +14,7 @@ import contextlib
 def virtual_stream_accelerator():
     """A fresh accelerator object; ``torch.cuda`` must be the virtual one while DeepSpeed uses it."""
     import torch
+    from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
     class VirtualStreamAccelerator(CPU_Accelerator):
@@ -50,6 +51,13 @@ def virtual_stream_accelerator():
 
         def synchronize(self, device_index=None):
             return torch.cuda.synchronize()
+
+        # CPU_Accelerator's pinning is a no-op; the virtual backend pins (emulated), so ZeRO-Offload's pinned
+        # buffers are host memory as on a GPU host, and the host's accesses to them are checked.
+        _torch_pins_host_memory = True
+        pin_memory = DeepSpeedAccelerator.pin_memory
+        _torch_pin_memory = DeepSpeedAccelerator._torch_pin_memory
+        _torch_empty_pinned = DeepSpeedAccelerator._torch_empty_pinned
 
         def get_op_builder(self, class_name):
             if class_name == "ShareMemCommBuilder":

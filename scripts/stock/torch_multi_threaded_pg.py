@@ -6,9 +6,17 @@ positive to triage (or a real race upstream). The test files are not in the torc
 ``test/distributed/test_multi_threaded_pg.py`` from a PyTorch checkout at the tag of the installed torch. Any test
 file works (a DTensor file whose classes run threaded, say). Run from the repository root::
 
-    python scripts/stock/torch_multi_threaded_pg.py [--latent-fail] /tmp/held/test_x.py [-- extra pytest args]
+    python scripts/stock/torch_multi_threaded_pg.py [--latent-fail] [--backend cuda] /tmp/held/test_x.py \
+        [-- extra pytest args]
 
-It runs pytest in subprocesses (plain, then ``--streamrace --streamrace-backend=virtual``, and with ``--latent-fail``
+On a GPU host ``--backend cuda`` checks real streams, e.g. torch's own pinned-memory and ``non_blocking`` tests
+(``test/test_cuda.py``, ``test/test_dataloader.py`` from the PyTorch tag of the installed torch)::
+
+    python scripts/stock/torch_multi_threaded_pg.py --backend cuda test_cuda.py test_dataloader.py \
+        -- -k "pin_memory or pinned or non_blocking or host_alloc or record_stream"
+
+It runs pytest in subprocesses (plain, then ``--streamrace --streamrace-backend=virtual`` (or the ``--backend``
+given), and with ``--latent-fail``
 a third time adding ``--streamrace-latent=fail``, under which a race ordered only by an incidental sync fails its
 test), reads each run's JUnit XML, prints every test whose outcome differs from the plain run's, the totals of each
 run and the races (latent ones marked) the detector recorded, and exits 1 when an outcome differs or a race was
@@ -36,17 +44,21 @@ def outcomes(junit: Path) -> dict[str, str]:
     return found
 
 
-RUNS = {"plain": [], "--streamrace": ["--streamrace", "--streamrace-backend=virtual"],
-        "latent=fail": ["--streamrace", "--streamrace-backend=virtual", "--streamrace-latent=fail"]}
+def runs(backend: str) -> dict[str, list[str]]:
+    """Each run's name -> its options."""
+    on = ["--streamrace", f"--streamrace-backend={backend}"]
+    return {"plain": [], "--streamrace": on, "latent=fail": [*on, "--streamrace-latent=fail"]}
 
 
-def run(paths: list[str], extra: list[str], name: str, folder: Path) -> tuple[dict[str, str], float, list]:
+def run(paths: list[str], extra: list[str], name: str, folder: Path,
+        backend: str = "virtual") -> tuple[dict[str, str], float, list]:
     """One pytest run in a subprocess: its outcomes, its wall time and the races its JSON holds."""
     stem = name.strip("-").replace("=", "-")
     junit, races = folder / f"{stem}.xml", folder / f"{stem}-races.json"
-    streamrace = bool(RUNS[name])
+    options = runs(backend)[name]
+    streamrace = bool(options)
     args = [sys.executable, "-m", "pytest", *paths, "-q", "-p", "no:cacheprovider", "-p", "no:randomly",
-            f"--junitxml={junit}", *extra, *RUNS[name]]
+            f"--junitxml={junit}", *extra, *options]
     if streamrace:
         args.append(f"--streamrace-json={races}")
     start = time.monotonic()
@@ -62,9 +74,15 @@ def _where(access: dict | None) -> str:
 
 
 def main(argv: list[str]) -> int:
-    names = ["plain", "--streamrace"]
-    if argv[:1] == ["--latent-fail"]:
-        argv, names = argv[1:], [*names, "latent=fail"]
+    names, backend = ["plain", "--streamrace"], "virtual"
+    while argv[:1] in (["--latent-fail"], ["--backend"]):
+        if argv[0] == "--latent-fail":
+            argv, names = argv[1:], [*names, "latent=fail"]
+        elif len(argv) > 1 and argv[1] in ("virtual", "cuda"):
+            argv, backend = argv[2:], argv[1]
+        else:
+            print("--backend takes virtual or cuda", file=sys.stderr)
+            return 2
     if "--" in argv:
         cut = argv.index("--")
         paths, extra = argv[:cut], argv[cut + 1:]
@@ -74,7 +92,7 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 2
     with tempfile.TemporaryDirectory(prefix="streamrace-held-") as tmp:
-        results = {name: run(paths, extra, name, Path(tmp)) for name in names}
+        results = {name: run(paths, extra, name, Path(tmp), backend) for name in names}
     plain = results["plain"][0]
     differ, races = False, []
     for name, (found, took, recorded) in results.items():

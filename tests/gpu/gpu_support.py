@@ -153,9 +153,12 @@ def verdicts(data: dict, variant: str) -> dict[str, int]:
     return out
 
 
-def stack_twins(stack: str, gpu_result, tmp_path, env: dict, log: str, extra=()) -> None:
+def stack_twins(stack: str, gpu_result, tmp_path, env: dict, log: str, extra=(), known_latent=None) -> dict:
     """A tests/stacks module run plain and under `--streamrace` (cuda backend, `extra` options): the same outcomes both
-    ways, no race on a clean test, every racy twin caught at its tagged lines; the counts go to `gpu_result`."""
+    ways, no race on a clean test, every racy twin caught at its tagged lines; the counts go to `gpu_result`.
+    `known_latent`: {test name: why} of clean tests on which a known upstream race is expected as latent (ordered
+    today by a sync the program did not ask for); those latent races are counted apart, any other race there still
+    fails. Returns the plain run's outcomes by test id."""
     import test_stacks  # the CPU suite's reading of a stack: its racy twins and their tagged lines
 
     path = ROOT / "tests" / "stacks" / f"stack_{stack}.py"
@@ -174,7 +177,8 @@ def stack_twins(stack: str, gpu_result, tmp_path, env: dict, log: str, extra=())
     def test_of(race: dict) -> str:
         return race["test"].split("::")[-1].split("[")[0]
 
-    clean_with_races = sorted({test_of(r) for r in found} - racy)
+    known = [r for r in found if r.get("latent") and test_of(r) in (known_latent or {})]
+    clean_with_races = sorted({test_of(r) for r in found if r not in known} - racy)
     missed = sorted(t for t in racy if not any(
         f["line"] in tags.get(t, ()) for r in found if test_of(r) == t
         for access in (r["earlier"], r["later"]) for f in access["frames"] if f["file"].endswith(path.name)))
@@ -183,7 +187,10 @@ def stack_twins(stack: str, gpu_result, tmp_path, env: dict, log: str, extra=())
     gpu_result.record("racy twins caught", f"{len(racy) - len(missed)}/{len(racy)}")
     gpu_result.record("clean tests with races", len(clean_with_races))
     gpu_result.record("outcomes that differ", len(differ))
+    if known_latent is not None:
+        gpu_result.record("known latent races", len(known))
     assert not clean_with_races, f"races on clean tests: {clean_with_races}: " + "\n".join(
         json.dumps(r)[:600] for r in found if test_of(r) in clean_with_races)
     assert not missed, f"racy twins not caught at their tagged lines: {missed}"
     assert not differ, f"outcomes differ plain vs --streamrace: {differ}"
+    return outcomes["plain"]
