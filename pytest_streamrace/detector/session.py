@@ -34,6 +34,32 @@ def _core(trace: bool):
     return HappensBefore(trace=trace)
 
 
+# What a session installs that does not depend on the session, built by the first session of its kind in this process
+# and reused by every later one: building it was most of a session's start (a test's fixed cost under --streamrace).
+# (what, kind) -> a patch list; (model class, kind) -> (the model, its patches), the model bound to each session in turn
+# (its ``rebind``, which leaves nothing of the session before). Only one session is active at a time.
+_built: dict = {}
+
+
+def _once(key, build) -> list:
+    """Patches that read the session they serve through module state its models set at install."""
+    patches = _built.get(key)
+    if patches is None:
+        patches = _built[key] = build()
+    return patches
+
+
+def _kept(cls, kind, *session) -> list:
+    """The patches of a model of class `cls` bound to this session (`session`: its constructor's arguments)."""
+    entry = _built.get((cls, kind))
+    if entry is None:
+        model = cls(*session)
+        entry = _built[(cls, kind)] = (model, model.patches())
+    else:
+        entry[0].rebind(*session)
+    return entry[1]
+
+
 def active() -> "Detector | None":
     """The detector active in this process, if any."""
     return _handle.session()
@@ -94,16 +120,18 @@ class Detector:
             from .models.virtual_streams import VirtualStreams
 
             self.tracker = AccessTracker(self.hb, self._current, "cpu", track_frees=True)
+            from .models import virtual_streams
+
             self.streams = VirtualStreams(self.hb, self.tracker)
-            patches = self.streams.patches()
+            patches = list(_once(("virtual streams", virtual_streams._opaque), self.streams.patches))
             self.tracker.current_stream = self.streams.current  # per op: no detour through the session
             autograd = VirtualAutograd(self.streams, self.hb, self.tracker, extension)
             patches += autograd.patches()
             from .models.host_memory import PinnedMemory
             from .models.virtual_host_reads import HostReads
 
-            patches += HostReads(self.tracker).patches()
-            patches += PinnedMemory(self.tracker).patches()
+            patches += _kept(HostReads, None, self.tracker)
+            patches += _kept(PinnedMemory, None, self.tracker)
             on_outputs = autograd.adopt_outputs
             function_mode = lambda: autograd.mode  # noqa: E731 (exists once autograd's patches are installed)
         else:
@@ -116,12 +144,12 @@ class Detector:
             patches = self.streams.patches()
             from .models.host_memory import AsyncCopies
 
-            patches += AsyncCopies(self.tracker).patches()
+            patches += _kept(AsyncCopies, None, self.tracker)
             on_outputs = None  # the engine binds compiled code's autograd nodes itself
             function_mode = None
         from .models.host_memory import HostBufferReads
 
-        patches += HostBufferReads(self.tracker).patches()
+        patches += _kept(HostBufferReads, None, self.tracker)
         from .models.compiled import CompiledCode
 
         _handle.register(self.streams)
@@ -131,7 +159,7 @@ class Detector:
         from .models import collectives
 
         if collectives.available():
-            patches += collectives.Collectives(self.hb, self.tracker, self._current).patches()
+            patches += _kept(collectives.Collectives, None, self.hb, self.tracker, self._current)
             from .models.functional_collectives import FunctionalCollectives
 
             patches += FunctionalCollectives(self.hb, self.tracker, self._current).patches()
@@ -140,13 +168,13 @@ class Detector:
             patches += ThreadedGroup(self.hb, self.tracker, self._current).patches()
         from .models.futures import Futures
 
-        patches += Futures(self.hb, self.tracker, self._current,
-                           inline_callbacks=self.backend == "virtual").patches()
+        patches += _kept(Futures, self.backend, self.hb, self.tracker, self._current, self.backend == "virtual")
         from .models.host_handoffs import HostHandoffs
         from .threads import Threads
 
-        patches += Threads(self.tracker, function_mode).patches()
-        patches += HostHandoffs(self.hb, self.tracker).patches()  # wraps Threads' thread entry, as installed
+        threads, handoffs = Threads(self.tracker, function_mode), HostHandoffs(self.hb, self.tracker)
+        patches += _once("threads", threads.patches)[:-1] + [threads]  # the model itself last: it is per session
+        patches += _once("handoffs", handoffs.patches)[:-1] + [handoffs]  # wraps Threads' thread entry, as installed
         self.tracker.latent, self.tracker.incidental = self.latent, self.incidental
         for patch in patches:
             self.install(patch)
