@@ -66,3 +66,41 @@ def test_one_session_is_active_at_a_time_and_none_after():
     assert session.active() is None
     with pytest.raises(RuntimeError, match="not active"):
         d.subscribe(on_race=print)
+
+
+def _patched_attributes() -> dict:
+    """What the sessions patch, as torch and threading hold them now (the objects themselves)."""
+    import threading
+    from concurrent.futures import thread as pool
+
+    owners = {"torch": torch, "torch.cuda": torch.cuda, "torch.Tensor": torch.Tensor, "threading": threading,
+              "Thread": threading.Thread, "Condition": threading.Condition, "Future": torch._C.Future,
+              "WorkItem": pool._WorkItem}
+    names = {"torch": ["ones", "zeros", "empty", "Stream", "Event"], "torch.cuda": ["Stream", "current_stream",
+             "synchronize"], "torch.Tensor": ["to", "pin_memory", "is_pinned", "numpy", "tolist", "item", "cpu"],
+             "threading": ["Lock", "RLock"], "Thread": ["start", "join", "_bootstrap_inner"],
+             "Condition": ["wait", "notify"], "Future": ["wait", "then"], "WorkItem": ["run"]}
+    return {(owner, name): vars(owners[owner]).get(name) for owner, found in names.items() for name in found}
+
+
+def test_each_session_starts_afresh_and_leaves_torch_as_it_found_it():
+    """Sessions reuse the patches an earlier one built (building them was most of a session's start), so a session
+    after another must see nothing of it: not its races, streams, pinned memory or thread state; and each one, on
+    exit, leaves every patched attribute the very object it was before."""
+    before = _patched_attributes()
+    with Detector() as first:
+        _side_write_then_default_read(wait=False)
+        pinned = torch.ones(4, pin_memory=True)
+        assert pinned.is_pinned()
+        kinds = [r.kind for r in first.races]
+        assert "read-after-write" in kinds
+    assert _patched_attributes() == before
+    for _ in range(2):
+        with Detector() as later:
+            assert not pinned.is_pinned()  # pinned by the first session's tracker, unknown to this one
+            fresh = torch.zeros(2, pin_memory=True)
+            assert fresh.is_pinned()
+            _side_write_then_default_read(wait=True)
+            assert later.races == [] and later.notes == []
+        assert _patched_attributes() == before
+    assert [r.kind for r in first.races] == kinds  # the later sessions added nothing to it
