@@ -104,3 +104,45 @@ def test_each_session_starts_afresh_and_leaves_torch_as_it_found_it():
             assert later.races == [] and later.notes == []
         assert _patched_attributes() == before
     assert [r.kind for r in first.races] == kinds  # the later sessions added nothing to it
+
+
+def test_a_resident_keeps_the_shared_patches_between_sessions_and_close_takes_them_out():
+    """pytest's sessions (one a test) share a Resident: the patches built once per process stay installed from one
+    session to the next, each session still starts afresh (nothing of the one before), and `close()` leaves every
+    patched attribute the very object it was before the first."""
+    before = _patched_attributes()
+    resident = session.Resident()
+    try:
+        with Detector(resident=resident) as first:
+            _side_write_then_default_read(wait=False)
+            pinned = torch.ones(4, pin_memory=True)
+        assert "read-after-write" in [r.kind for r in first.races]
+        between = _patched_attributes()
+        assert between != before and session.active() is None
+        with pytest.raises(RuntimeError, match="only while a streamrace Detector"):
+            torch.cuda.Stream()  # the virtual API, with no session: as outside any session
+        for _ in range(2):
+            with Detector(resident=resident) as later:
+                assert _patched_attributes() == between
+                assert not pinned.is_pinned()
+                _side_write_then_default_read(wait=True)
+                assert later.races == []
+    finally:
+        resident.close()
+    assert _patched_attributes() == before
+
+
+def test_no_patch_kept_installed_touches_an_attribute_a_session_patches_itself():
+    """A Resident installs the shared patches before a session's own ones, and leaves them in when the session's go:
+    that keeps the order of every attribute's wrappers only if the two touch different attributes."""
+    def attributes(patches):
+        return {(id(p.obj), p.name) for p in patches if hasattr(p, "obj") and hasattr(p, "name")}
+
+    resident = session.Resident()
+    try:
+        with Detector(resident=resident) as d:
+            own = attributes(d._patches)
+            shared = attributes(resident._held)
+        assert shared and not own & shared
+    finally:
+        resident.close()

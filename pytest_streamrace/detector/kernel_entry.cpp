@@ -152,11 +152,14 @@ std::mutex hooks_mutex;
 // Never destroyed: releasing them would change the dispatcher's tables while the process exits.
 auto* hooks = new std::vector<c10::RegistrationHandleRAII>();
 auto* decided = new std::unordered_set<std::string>();  // "name.overload": hooked, or never to be (a view, ...)
-// Ops that had a schema but no kernel a call reaches when last looked at (composite ones, or a kernel yet to come):
-// only these can change without an op being defined or removed (the listener's flag), so a session's start looks at
-// them again, not at every op. Handles: looked at from `enable`, under the GIL, which Python's removal of an op holds
-// too, and dropped on the flag a removal sets.
+// Ops defined after the first look that had a schema but no kernel a call reaches when last looked at (a kernel yet
+// to come: `define`, then `impl`): only these can change without an op being defined or removed (the listener's flag),
+// so a session's start looks at them again, not at every op. The ops there were at the first look with no such kernel
+// (a thousand composite ones of torch's own, whose kernels all came with the library) are looked at again with every
+// op, when one is defined. Handles: looked at from `enable`, under the GIL, which Python's removal of an op holds too,
+// and dropped on the flag a removal sets.
 auto* awaiting = new std::vector<c10::OperatorHandle>();
+auto* at_first_look = new std::unordered_set<std::string>();  // "name.overload" of every op there was then
 bool scanned = false;  // every op looked at once
 bool expand_seen = false;  // a scan for a virtual session looked at aten::expand
 
@@ -198,8 +201,9 @@ Verdict consider(c10::Dispatcher& dispatcher, const c10::OperatorHandle& op, boo
 
 // Adds the kernel entry for every op that reaches a kernel and is not hooked yet: at a session's start, and at the next
 // captured op's start once an op was defined (`ops_added`). The first time it looks at every op (~6 ms); after that
-// only at the ops defined since (the listener's flag: then every op again) and at those that had no kernel a call
-// reaches (`awaiting`: a kernel registered for an op defined earlier), so a session starts in microseconds. Not for
+// only at the ops defined since (the listener's flag: then every op again) and at those defined later that had no
+// kernel a call reaches (`awaiting`: a kernel registered for an op defined earlier), so a session starts in
+// microseconds. Not for
 // views (but aten::expand with `expand`), for ops RecordFunction leaves unobserved (aten::size and the like), for an op
 // whose BackendSelect kernel is not one torchgen made for an aten factory (is_pinned, _pin_memory, another library's
 // own), or for varargs ops (none in aten).
@@ -217,14 +221,19 @@ void hook_ops(bool expand, bool session_start) {
   if (!everything && !session_start) return;  // another thread's look took the flag: `awaiting` is for `enable`
   std::vector<c10::OperatorHandle> ops;
   if (everything) {
-    for (const auto& name : dispatcher.getAllOpNames())
+    for (const auto& name : dispatcher.getAllOpNames()) {
+      if (!scanned) at_first_look->insert(name.name + "." + name.overload_name);
       if (auto op = dispatcher.findOp(name)) ops.push_back(*op);
+    }
   } else {
     ops.swap(*awaiting);
   }
   awaiting->clear();
-  for (const auto& op : ops)
-    if (consider(dispatcher, op, expand) == Verdict::kAwaiting) awaiting->push_back(op);
+  for (const auto& op : ops) {
+    if (consider(dispatcher, op, expand) != Verdict::kAwaiting) continue;
+    const auto& name = op.operator_name();
+    if (!at_first_look->count(name.name + "." + name.overload_name)) awaiting->push_back(op);
+  }
   scanned = true;
   expand_seen = expand_seen || expand;
 }

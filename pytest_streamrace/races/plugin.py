@@ -115,6 +115,7 @@ class RaceChecks:
         self.unwritten: list[str] = []  # warning lines: session files that could not be written
         # --streamrace-confirm: this session re-runs tests with races (confirmer), or is such a re-run (rerun)
         self.confirmer = self.rerun = None
+        self.resident = None  # the patches kept installed from one test's detector to the next (session start)
         instruction = os.environ.get(env.CONFIRM)
         if instruction:
             from .confirm_run import ConfirmRun
@@ -145,10 +146,23 @@ class RaceChecks:
         # build (or load) the C++ extensions once, before any test's clock starts: the op capture and the
         # happens-before core (both backends), the GPU trace's interpreter (cuda)
         from ..detector import capture
+        from ..detector.session import Resident
 
         capture.load()
         if self.backend == "cuda":
             capture.load_trace()
+        self.resident = Resident()
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtestloop(self, session: pytest.Session):
+        try:
+            return (yield)
+        finally:
+            self._close_resident()  # torch as it was, for what runs after the last test
+
+    def _close_resident(self) -> None:
+        if self.resident is not None:
+            self.resident.close()
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem) -> bool | None:
@@ -165,7 +179,7 @@ class RaceChecks:
         from ..detector.session import Detector
 
         detector = Detector(backend=self.backend, trace=bool(self.trace_path), latent=self.policy.latent != "off",
-                            incidental=self.policy.incidental)
+                            incidental=self.policy.incidental, resident=self.resident)
         detector.__enter__()
         item.stash[_detector_key] = detector
         item.stash[_judged_key] = 0
@@ -356,6 +370,7 @@ class RaceChecks:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self._close_resident()  # a session that ended before its test loop (or without one)
         self.children.collect(None)  # what children wrote after the last test: all "after their test"
         self.after += self.children.after
         self.children.close()
