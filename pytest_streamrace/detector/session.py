@@ -53,14 +53,16 @@ def _once(key, build) -> list:
 
 
 def _kept(cls, kind, *session) -> tuple:
-    """A model of class `cls` bound to this session (`session`: its constructor's arguments), and its patches."""
+    """A model of class `cls` bound to this session (`session`: its constructor's arguments): its patches that are
+    not the model itself, and those that are (installed with each session)."""
     entry = _built.get((cls, kind))
     if entry is None:
         model = cls(*session)
-        entry = _built[(cls, kind)] = (model, model.patches())
+        patches = model.patches()
+        entry = _built[(cls, kind)] = (model, [p for p in patches if p is not model], [p for p in patches if p is model])
     else:
         entry[0].rebind(*session)
-    return entry
+    return entry[1:]
 
 
 class Resident:
@@ -160,9 +162,9 @@ class Detector:
         own: list = []
 
         def kept(cls, kind, *session):
-            model, patches = _kept(cls, kind, *session)
-            shared.extend(p for p in patches if p is not model)
-            own.extend(p for p in patches if p is model)
+            patches, model = _kept(cls, kind, *session)
+            shared.extend(patches)
+            own.extend(model)
 
         if self.backend == "virtual":
             from .models import virtual_streams

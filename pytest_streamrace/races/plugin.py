@@ -32,6 +32,7 @@ _statuses_key = pytest.StashKey[list]()  # policy status of each race judged so 
 _latent_key = pytest.StashKey[list]()  # [latent races judged so far, their statuses in detector order]
 _pending_key = pytest.StashKey[tuple]()  # (user_properties, section text) of the phase judged in its own hook
 _outcome_key = pytest.StashKey[str]()  # the test body's own outcome, for --streamrace-confirm
+_notes_key = pytest.StashKey[list]()  # the detector's notes, kept once the detector is let go (teardown's report)
 
 
 def resolve_backend(config: pytest.Config) -> str:
@@ -85,7 +86,8 @@ def detector_notes(item: pytest.Item) -> list[tuple[int | None, str]]:
     """(rank, note) for what the test's detector, and those of the processes it started, could not model and
     skipped (once each)."""
     detector = item.stash.get(_detector_key, None)
-    own = [(process_rank(), note) for note in detector.notes] if detector is not None else []
+    notes = detector.notes if detector is not None else item.stash.get(_notes_key, [])
+    own = [(process_rank(), note) for note in notes]
     return own + list(item.stash.get(_child_notes_key, ()))
 
 
@@ -255,6 +257,10 @@ class RaceChecks:
         if report.when == "teardown" and _outcome_key in item.stash and self.role.kind == roles.RANK_CHILD:
             report.user_properties.append((OUTCOME, item.stash[_outcome_key]))  # for the parent's confirmations
         if report.when == "teardown":
+            # Let the session go (its core, tracker and models; held by the item, a suite's sessions would all stay
+            # alive to its end, and every collection of the oldest objects would walk them): its notes stay.
+            item.stash[_notes_key] = detector.notes
+            del item.stash[_detector_key]
             self.children.end()
             after, self.children.after[:] = list(self.children.after), []
             if after:  # shipped on a report, so an xdist controller or launching parent sees them too
