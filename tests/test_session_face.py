@@ -97,7 +97,7 @@ def test_each_session_starts_afresh_and_leaves_torch_as_it_found_it():
     assert _patched_attributes() == before
     for _ in range(2):
         with Detector() as later:
-            assert not pinned.is_pinned()  # pinned by the first session's tracker, unknown to this one
+            assert not pinned.is_pinned()  # pinned by the earlier session's tracker, unknown to this one
             fresh = torch.zeros(2, pin_memory=True)
             assert fresh.is_pinned()
             _side_write_then_default_read(wait=True)
@@ -146,3 +146,27 @@ def test_no_patch_kept_installed_touches_an_attribute_a_session_patches_itself()
         assert shared and not own & shared
     finally:
         resident.close()
+
+
+def test_a_detector_without_the_resident_takes_the_held_patches_out_first():
+    """The patches a resident holds are the very objects every session installs: a standalone detector (or another
+    resident) started meanwhile takes them out first, so no patch is installed over itself and torch comes back whole."""
+    before = _patched_attributes()
+    resident = session.Resident()
+    try:
+        with Detector(resident=resident):
+            pass
+        with Detector() as alone:
+            _side_write_then_default_read(wait=False)
+        assert "read-after-write" in [r.kind for r in alone.races]
+        assert _patched_attributes() == before
+        other = session.Resident()
+        with Detector(resident=resident):
+            pass
+        with Detector(resident=other):
+            pass
+        other.close()
+        assert _patched_attributes() == before
+    finally:
+        resident.close()
+    assert _patched_attributes() == before

@@ -37,11 +37,13 @@ def _core(trace: bool):
     return HappensBefore(trace=trace)
 
 
-# What a session installs that does not depend on the session, built by the first session of its kind in this process
+# What a session installs that does not depend on the session, built by the earliest session of its kind in this process
 # and reused by every later one: building it was most of a session's start (a test's fixed cost under --streamrace).
-# (what, kind) -> a patch list; (model class, kind) -> (the model, its patches), the model bound to each session in turn
-# (its ``rebind``, which leaves nothing of the session before). Only one session is active at a time.
+# (what, kind) -> a patch list; (model class, kind) -> (the model, its patches but itself, [itself] where it is one),
+# the model bound to each session in turn (its ``rebind``, which leaves nothing of the session before). Only one
+# session is active at a time.
 _built: dict = {}
+_holding: "Resident | None" = None  # the resident whose held patches are installed now, if any
 
 
 def _once(key, build) -> list:
@@ -77,15 +79,22 @@ class Resident:
         self._held: list = []
 
     def hold(self, patches: list) -> None:
+        global _holding
         if self._held == patches:  # the same objects, in the same order
             return
         self.close()
+        if _holding is not None:  # another resident's (a pytest session run inside a test): the patches are shared
+            _holding.close()
+        _holding = self
         for patch in patches:
             patch.install()
             self._held.append(patch)
 
     def close(self) -> None:
-        """Every held patch uninstalled, in reverse order: torch exactly as before the first session."""
+        """Every held patch uninstalled, in reverse order: torch exactly as before the resident held anything."""
+        global _holding
+        if _holding is self:
+            _holding = None
         errors = []
         while self._held:
             try:
@@ -229,6 +238,8 @@ class Detector:
         if self.resident is not None:
             self.resident.hold(shared)
         else:
+            if _holding is not None:  # the same patch objects: installed twice, the second would keep the first's value
+                _holding.close()
             for patch in shared:
                 self.install(patch)
         for patch in own:
