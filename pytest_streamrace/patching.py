@@ -43,14 +43,18 @@ class AttrPatch:
 
 class WrapPatch(AttrPatch):
     """``obj.name`` replaced by ``wrap(obj.name)`` as it is at install: it composes with a patch installed before it
-    on the same attribute (another model's wrapper of ``Thread._bootstrap_inner``), whoever built theirs first."""
+    on the same attribute (another model's wrapper of ``Thread._bootstrap_inner``), whoever built theirs first. A
+    patch installed again over the same attribute reuses its wrapper (sessions reuse their patches: ``session``)."""
 
     def __init__(self, obj, name: str, wrap):
         super().__init__(obj, name, None)
         self.wrap = wrap
+        self._wrapped = self._MISSING  # what `value` wraps
 
     def install(self) -> None:
-        self.value = self.wrap(getattr(self.obj, self.name))
+        current = getattr(self.obj, self.name)
+        if current is not self._wrapped:
+            self.value, self._wrapped = self.wrap(current), current
         super().install()
 
 

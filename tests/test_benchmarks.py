@@ -66,3 +66,16 @@ def test_run_memory_prints_its_table_with_the_verdicts_right():
     assert [line.split()[0] for line in lines[2:4]] == ["10", "20"]
     status = next(line for line in lines if line.startswith("exit status:"))
     assert status.split()[2:] == ["0", "0", "3"]
+
+
+def test_suite_cost_prints_the_fixed_cost_per_test():
+    """``benchmarks/suite_cost.py``, a tiny suite: every test passes plain and under --streamrace (a race on a
+    trivial test would be a false positive; a failed run exits with its output), and the table has its row."""
+    out = subprocess.run([sys.executable, "benchmarks/suite_cost.py", "--files", "2", "--tests", "3", "--repeat", "1"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("6 trivial tests (2 files), median of 1 runs each"), lines[0]
+    assert lines[1].split() == ["plain", "s", "streamrace", "s", "ratio", "fixed", "cost", "per", "test", "ms"]
+    assert re.fullmatch(r"\s*\d+\.\d\d\s+\d+\.\d\d\s+\d+\.\d\dx\s+-?\d+\.\d{3}", lines[2]), lines[2]
+    assert lines[-1].startswith("fixed cost per test: "), lines[-1]

@@ -554,6 +554,31 @@ def test_an_op_defined_after_a_session_is_recorded_in_the_next(extension):
     assert "aten::add_" not in {op.site.op for op in hb.timeline}
 
 
+def test_an_op_whose_kernel_comes_after_its_definition_is_recorded_from_the_next_session(extension):
+    """A session's start looks again only at ops defined since the last look and at those that had no kernel a call
+    reaches: an op defined in one session and given its CPU kernel after it (with no op defined in between) is
+    recorded in the next session."""
+    import uuid
+
+    name = f"streamrace_test::late_{uuid.uuid4().hex[:8]}"
+    namespace, op_name = name.split("::")
+    library = torch.library.Library(namespace, "FRAGMENT")
+    library.define(f"{op_name}(Tensor(a!) x) -> ()")
+    with capturing(extension):  # the op is there, with no kernel yet
+        torch.ones(1).add_(1)
+
+    def late(x):
+        x.add_(1)
+
+    library.impl(op_name, late, "CPU")  # a kernel, no definition: the dispatcher's listener is not told
+    with capturing(extension) as (hb, tracker):
+        t = torch.zeros(2)
+        getattr(getattr(torch.ops, namespace), op_name)(t)
+        tracker.drain()
+    assert t.tolist() == [1.0, 1.0]
+    assert [op.site.op for op in hb.timeline].count(name) == 1
+
+
 def test_an_op_defined_inside_a_session_is_recorded_in_it(extension):
     """A custom op a test defines while a session runs is captured from its first call in that session: the kernel
     entry hooks it at the next captured op's start (the dispatcher tells the capture an op was defined)."""

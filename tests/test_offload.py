@@ -6,6 +6,8 @@ the same module on real streams, FSDP2's CPU offload with it."""
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,18 @@ from test_stacks import racy_twins
 
 STACK = Path(__file__).parent / "stacks" / "stack_offload.py"
 needs_deepspeed = pytest.mark.skipif(importlib.util.find_spec("deepspeed") is None, reason="deepspeed is not installed")
+
+
+@pytest.fixture(scope="module")
+def cpu_adam_built():
+    """DeepSpeedCPUAdam's extension, built once before the ranks start (about a minute alone, several on a loaded
+    2-core machine): each rank of the stack's cases would otherwise build or wait for it inside its distributed
+    test's timeout."""
+    code = ("import torch; from deepspeed.ops.adam import DeepSpeedCPUAdam; "
+            "DeepSpeedCPUAdam([torch.nn.Parameter(torch.zeros(1))])")
+    done = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          timeout=1200)
+    assert done.returncode == 0, f"DeepSpeedCPUAdam did not build:\n{done.stdout[-3000:]}"
 
 
 def _outcomes(path: Path) -> dict[str, str]:
@@ -26,7 +40,7 @@ def _outcomes(path: Path) -> dict[str, str]:
 
 
 @needs_deepspeed
-def test_zero_offload_same_outcomes_plain_and_under_streamrace_without_a_race_on_stock_code(pytester):
+def test_zero_offload_same_outcomes_plain_and_under_streamrace_without_a_race_on_stock_code(pytester, cpu_adam_built):
     source = STACK.read_text()
     module = pytester.makepyfile(**{STACK.stem: source})
     common = ["-p", "no:cacheprovider", "-p", "no:randomly", "-rA", str(module)]

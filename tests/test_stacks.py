@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-STACKS = sorted((Path(__file__).parent / "stacks").glob("stack_*.py"))
+# stack_offload.py runs in tests/test_offload.py, which builds DeepSpeedCPUAdam before its ranks start and compares
+# the plain run too
+STACKS = sorted(p for p in (Path(__file__).parent / "stacks").glob("stack_*.py") if p.stem != "stack_offload")
 
 
 def tagged(source: str) -> dict[str, set[int]]:

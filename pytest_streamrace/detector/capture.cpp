@@ -577,7 +577,7 @@ bool is_host_storage(const at::Tensor& t) {
 
 }  // namespace
 void queue_free(int64_t ptr);  // below: a free queued in order with the ops
-void hook_ops(bool expand);  // kernel_entry.cpp
+void hook_ops(bool expand, bool session_start);  // kernel_entry.cpp
 namespace {
 
 // Host memory: the default CPU allocator's deleter (taken in `enable`), and ours, which a storage from that allocator
@@ -785,7 +785,7 @@ bool host_op(Record& r) {
 std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
   Here& h = here;
   if (h.depth > 0 || h.paused || !live() || (cuda && in_collective_worker())) return nullptr;
-  if (ops_added.load(std::memory_order_relaxed)) hook_ops(!cuda);
+  if (ops_added.load(std::memory_order_relaxed)) hook_ops(!cuda, false);
   auto plan = plan_for(call);
   if (plan == nullptr || !plan->below_autograd) return nullptr;
   if (on_subclass(call) || (plan->copy && copies_onto_itself(call))) return nullptr;
@@ -954,7 +954,7 @@ void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, b
   generation.fetch_add(1);  // every thread back on the default stream
   clear_all();
   every_thread = all_threads;
-  hook_ops(!cuda);  // aten::expand: the virtual model binds AccumulateGrad nodes at p.expand_as(p)
+  hook_ops(!cuda, true);  // aten::expand: the virtual model binds AccumulateGrad nodes at p.expand_as(p)
   on.store(true);
   if (!every_thread) observe();
 }

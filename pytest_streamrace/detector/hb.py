@@ -26,6 +26,7 @@ second view costs an identity test per op.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import re
 import threading
@@ -363,7 +364,9 @@ class HappensBefore:
 
     def __init__(self, trace: bool = False):
         self._trace = trace
-        self._lock = threading.Lock()  # autograd may call in from its device threads
+        # autograd may call in from its device threads; a C lock: `threading.Lock` may be a modelled one by now
+        # (host_handoffs, while a session's patches are in), whose handoffs would come back here
+        self._lock = _thread.allocate_lock()
         self._streams: dict[Any, _Stream] = {}
         self._events = Events()
         self._stamps = 1  # the last stamp handed to a host (0: no stream has merged any)

@@ -10,6 +10,7 @@ deduplicated and counted here exactly as hb.py does. Ops are the core's ``Op`` o
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import threading
 from typing import Hashable
@@ -33,7 +34,8 @@ class _Races(Found):
 
     def __init__(self):
         super().__init__()
-        self.lock = threading.Lock()  # taken inside the core's lock, never the other way round
+        # taken inside the core's lock, never the other way round; C locks, as hb.py's
+        self.lock = _thread.allocate_lock()
 
     def judge(self, batch: list[tuple]) -> list[Race]:
         """The candidates of one access or allocation (hb.py's `found`) -> the races not reported before."""
@@ -73,7 +75,7 @@ class NativeHappensBefore:
         # the C++ core itself: the capture's Feed and node binding call it without Python (hb.py has no `core`)
         core = self.core = extension.hb.Core(trace, self._found.judge)
         self._events = Events()  # event -> the core's snapshot, as hb.py keeps them
-        self._event_lock = threading.Lock()
+        self._event_lock = _thread.allocate_lock()
         # the per-op calls: bound C++ methods, no Python frame between the caller and the core
         self.record = core.record
         self.launch = core.launch

@@ -24,7 +24,7 @@
 // but a leaf's AccumulateGrad at the op that first used the leaf. Where that op is a view, its
 // node is in the graph a backward walks and gives the right stream there, except for `p.expand_as(p)`, the way DDP,
 // DeepSpeed and Megatron reach a parameter's AccumulateGrad outside any graph: so its sessions hook `aten::expand`
-// (`hook_ops(true)`), with a lighter entry (`view_entry`). Hooking every view cost 0.24 M instructions on the
+// (`hook_ops(true, ...)`), with a lighter entry (`view_entry`). Hooking every view cost 0.24 M instructions on the
 // launch-bound step (7% of the step; benchmarks/instructions.py).
 
 namespace {
@@ -144,51 +144,96 @@ struct Silent : c10::WarningHandler {  // torch warns once when a kernel replace
 
 struct Defined : c10::OpRegistrationListener {  // told of every op defined (under the dispatcher's lock): a flag only
   void onOperatorRegistered(const c10::OperatorHandle&) override { ops_added.store(true, std::memory_order_relaxed); }
-  void onOperatorDeregistered(const c10::OperatorHandle&) override {}
+  // an op gone: a handle in `awaiting` may be too, so every op is looked at again
+  void onOperatorDeregistered(const c10::OperatorHandle&) override { ops_added.store(true, std::memory_order_relaxed); }
 };
 
 std::mutex hooks_mutex;
 // Never destroyed: releasing them would change the dispatcher's tables while the process exits.
 auto* hooks = new std::vector<c10::RegistrationHandleRAII>();
-auto* hooked = new std::unordered_set<std::string>();  // "name.overload"
+auto* decided = new std::unordered_set<std::string>();  // "name.overload": hooked, or never to be (a view, ...)
+// Ops defined after the first look that had a schema but no kernel a call reaches when last looked at (a kernel yet
+// to come: `define`, then `impl`): only these can change without an op being defined or removed (the listener's flag),
+// so a session's start looks at them again, not at every op. The ops there were at the first look with no such kernel
+// (a thousand composite ones of torch's own, whose kernels all came with the library) are looked at again with every
+// op, when one is defined. Handles: looked at from `enable`, under the GIL, which Python's removal of an op holds too,
+// and dropped on the flag a removal sets.
+auto* awaiting = new std::vector<c10::OperatorHandle>();
+auto* at_first_look = new std::unordered_set<std::string>();  // "name.overload" of every op there was then
+bool scanned = false;  // every op looked at once
+bool expand_seen = false;  // a scan for a virtual session looked at aten::expand
+
+enum class Verdict { kDecided, kAwaiting };
+
+Verdict consider(c10::Dispatcher& dispatcher, const c10::OperatorHandle& op, bool expand) {
+  if (!op.hasSchema() || !reaches_kernel(op)) return Verdict::kAwaiting;
+  const auto& name = op.operator_name();
+  std::string key = name.name + "." + name.overload_name;
+  if (decided->count(key)) return Verdict::kDecided;
+  if (!c10::ObservedOperators::isObserved(name)) {
+    decided->insert(std::move(key));
+    return Verdict::kDecided;
+  }
+  const auto& schema = op.schema();
+  bool view = is_view(schema);
+  bool expand_op = view && name.name == "aten::expand";
+  if (expand_op && !expand) return Verdict::kDecided;  // hooked by a virtual session's scan (`expand_seen`)
+  bool factory = op.hasKernelForDispatchKey(c10::DispatchKey::BackendSelect);
+  if ((view && !expand_op) || schema.is_vararg() || schema.is_varret() ||
+      (factory && (name.name.rfind("aten::", 0) != 0 || !is_factory(schema)))) {  // torchgen's factories, none other
+    decided->insert(std::move(key));
+    return Verdict::kDecided;
+  }
+  try {  // an op the dispatcher refuses a kernel for goes uncaptured, rather than the session failing to start
+    hooks->push_back(dispatcher.registerImpl(
+        name, c10::DispatchKey::BackendSelect,
+        factory ? c10::KernelFunction::makeFromBoxedFunction<&factory_entry>()
+        : view  ? c10::KernelFunction::makeFromBoxedFunction<&view_entry>()
+                : c10::KernelFunction::makeFromBoxedFunction<&entry>(),
+        std::nullopt, nullptr, "streamrace: the capture's kernel entry"));
+  } catch (const std::exception&) {
+  }
+  decided->insert(std::move(key));
+  return Verdict::kDecided;
+}
 
 }  // namespace
 
-// Adds the kernel entry for every op that reaches a kernel and is not hooked yet: at a session's start (the first time
-// ~6 ms, then ~0.3 ms), and at the next captured op's start once an op was defined (`ops_added`). Not
-// for views (but aten::expand with `expand`), for ops RecordFunction leaves unobserved (aten::size and the like), for
-// an op whose BackendSelect kernel is not one torchgen made for an aten factory (is_pinned, _pin_memory, another
-// library's own), or for varargs ops (none in aten).
-void hook_ops(bool expand) {
+// Adds the kernel entry for every op that reaches a kernel and is not hooked yet: at a session's start, and at the next
+// captured op's start once an op was defined (`ops_added`). The first time it looks at every op (~6 ms); after that
+// only at the ops defined since (the listener's flag: then every op again) and at those defined later that had no
+// kernel a call reaches (`awaiting`: a kernel registered for an op defined earlier), so a session starts in
+// microseconds. Not for
+// views (but aten::expand with `expand`), for ops RecordFunction leaves unobserved (aten::size and the like), for an op
+// whose BackendSelect kernel is not one torchgen made for an aten factory (is_pinned, _pin_memory, another library's
+// own), or for varargs ops (none in aten).
+void hook_ops(bool expand, bool session_start) {
   auto& dispatcher = c10::Dispatcher::singleton();
   std::lock_guard<std::mutex> guard(hooks_mutex);
   // Told of every op there is as it is added (the scan below sees those), then of each one defined after
   static auto* listening = new c10::RegistrationHandleRAII(
       dispatcher.addRegistrationListener(std::make_unique<Defined>()));
   (void)listening;
-  ops_added.store(false, std::memory_order_relaxed);
-  auto names = dispatcher.getAllOpNames();
   Silent silent;
   c10::WarningUtils::WarningHandlerGuard quiet(&silent);
-  for (const auto& name : names) {
-    auto op = dispatcher.findOp(name);
-    if (!op || !op->hasSchema() || !reaches_kernel(*op)) continue;
-    std::string key = name.name + "." + name.overload_name;
-    if (hooked->count(key) || !c10::ObservedOperators::isObserved(name)) continue;
-    const auto& schema = op->schema();
-    bool view = is_view(schema);
-    if ((view && !(expand && name.name == "aten::expand")) || schema.is_vararg() || schema.is_varret()) continue;
-    bool factory = op->hasKernelForDispatchKey(c10::DispatchKey::BackendSelect);
-    if (factory && (name.name.rfind("aten::", 0) != 0 || !is_factory(schema))) continue;  // torchgen's, none other
-    try {  // an op the dispatcher refuses a kernel for goes uncaptured, rather than the session failing to start
-      hooks->push_back(dispatcher.registerImpl(
-          name, c10::DispatchKey::BackendSelect,
-          factory ? c10::KernelFunction::makeFromBoxedFunction<&factory_entry>()
-          : view  ? c10::KernelFunction::makeFromBoxedFunction<&view_entry>()
-                  : c10::KernelFunction::makeFromBoxedFunction<&entry>(),
-          std::nullopt, nullptr, "streamrace: the capture's kernel entry"));
-    } catch (const std::exception&) {
+  bool added = ops_added.exchange(false, std::memory_order_relaxed);  // before listing: a later one stays flagged
+  bool everything = !scanned || added || (expand && !expand_seen);
+  if (!everything && !session_start) return;  // another thread's look took the flag: `awaiting` is for `enable`
+  std::vector<c10::OperatorHandle> ops;
+  if (everything) {
+    for (const auto& name : dispatcher.getAllOpNames()) {
+      if (!scanned) at_first_look->insert(name.name + "." + name.overload_name);
+      if (auto op = dispatcher.findOp(name)) ops.push_back(*op);
     }
-    hooked->insert(std::move(key));
+  } else {
+    ops.swap(*awaiting);
   }
+  awaiting->clear();
+  for (const auto& op : ops) {
+    if (consider(dispatcher, op, expand) != Verdict::kAwaiting) continue;
+    const auto& name = op.operator_name();
+    if (!at_first_look->count(name.name + "." + name.overload_name)) awaiting->push_back(op);
+  }
+  scanned = true;
+  expand_seen = expand_seen || expand;
 }

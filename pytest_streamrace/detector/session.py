@@ -6,8 +6,11 @@ streams: "virtual" emulates them on CPU, "cuda" observes real ones. Ops reach th
 build (no compiler, ``STREAMRACE_NATIVE=0``), through a TorchDispatchMode, with the same verdicts.
 
 ``with Detector(backend="virtual") as d: ...`` installs everything, and removes every patch and mode on exit so
-torch is exactly as before. Everything installed is a *patch* (``patching.Patch``: install/uninstall), kept in one
-list and undone in reverse order: collectives and framework adapters add their own with `install`.
+torch is exactly as before (with a `Resident`, the patches it keeps come out when it is closed). Everything installed is a *patch* (``patching.Patch``: install/uninstall), kept in one
+list and undone in reverse order: collectives and framework adapters add their own with `install`. What does not
+depend on the session is built once per process and reused (``_once``, ``_kept``); a `Resident` (pytest's sessions,
+one a test) keeps it installed from one session to the next, so a test's start and end cost microseconds, not
+milliseconds.
 """
 
 from __future__ import annotations
@@ -34,6 +37,74 @@ def _core(trace: bool):
     return HappensBefore(trace=trace)
 
 
+# What a session installs that does not depend on the session, built by the earliest session of its kind in this process
+# and reused by every later one: building it was most of a session's start (a test's fixed cost under --streamrace).
+# (what, kind) -> a patch list; (model class, kind) -> (the model, its patches but itself, [itself] where it is one),
+# the model bound to each session in turn (its ``rebind``, which leaves nothing of the session before). Only one
+# session is active at a time.
+_built: dict = {}
+_holding: "Resident | None" = None  # the resident whose held patches are installed now, if any
+
+
+def _once(key, build) -> list:
+    """Patches that read the session they serve through module state its models set at install."""
+    patches = _built.get(key)
+    if patches is None:
+        patches = _built[key] = build()
+    return patches
+
+
+def _kept(cls, kind, *session) -> tuple:
+    """A model of class `cls` bound to this session (`session`: its constructor's arguments): its patches that are
+    not the model itself, and those that are (installed with each session)."""
+    entry = _built.get((cls, kind))
+    if entry is None:
+        model = cls(*session)
+        patches = model.patches()
+        entry = _built[(cls, kind)] = (model, [p for p in patches if p is not model], [p for p in patches if p is model])
+    else:
+        entry[0].rebind(*session)
+    return entry[1:]
+
+
+class Resident:
+    """The patches built once per process, left installed from one session to the next and taken out by `close()`:
+    pytest's sessions (one a test) share one, so a test's start installs only what is its own. Between two sessions the
+    patches stay in with no session active: the virtual stream calls raise, thread handoffs are no-ops, and a wrapper
+    of a kept model (``_kept``) reports to the session that ran last. A session whose patches differ from those held
+    (another backend; dynamo imported meanwhile) takes the held ones out first. The detector's own locks are C locks
+    (``_thread``): one made from ``threading`` now would be a modelled handoff (``host_handoffs``)."""
+
+    def __init__(self):
+        self._held: list = []
+
+    def hold(self, patches: list) -> None:
+        global _holding
+        if self._held == patches:  # the same objects, in the same order
+            return
+        self.close()
+        if _holding is not None:  # another resident's (a pytest session run inside a test): the patches are shared
+            _holding.close()
+        _holding = self
+        for patch in patches:
+            patch.install()
+            self._held.append(patch)
+
+    def close(self) -> None:
+        """Every held patch uninstalled, in reverse order: torch exactly as before the resident held anything."""
+        global _holding
+        if _holding is self:
+            _holding = None
+        errors = []
+        while self._held:
+            try:
+                self._held.pop().uninstall()
+            except Exception as exc:  # keep restoring the rest; report the first failure
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
 def active() -> "Detector | None":
     """The detector active in this process, if any."""
     return _handle.session()
@@ -46,9 +117,12 @@ class Detector:
     "cuda": real streams and events are observed. trace=True keeps the op timeline (`timeline`) for Chrome traces.
     latent=False: host syncs all count as ordering, and no latent race is kept (`latent_races`). incidental: globs of
     files whose explicit syncs count as implicit ones (a framework's timers; the ``incidental-sync:`` rule).
+    resident: a `Resident` that keeps the patches built once per process installed after this session ends (for the
+    next session; its owner closes it); without one, every patch is uninstalled at exit.
     """
 
-    def __init__(self, backend: str = "virtual", trace: bool = False, latent: bool = True, incidental=()):
+    def __init__(self, backend: str = "virtual", trace: bool = False, latent: bool = True, incidental=(),
+                 resident: Resident | None = None):
         if backend not in STREAM_MODELS:
             raise ValueError(f"streamrace: unknown backend {backend!r}; expected one of {', '.join(STREAM_MODELS)}")
         self.backend = backend
@@ -58,6 +132,7 @@ class Detector:
         self.capture_failure: str | None = None  # why ops come from the dispatch mode, not the C++ capture
         self.op_source: str | None = None  # where ops came from: "capture" (C++) or "dispatch mode"
         self.latent, self.incidental = latent, tuple(incidental)
+        self.resident = resident
         self._patches: list = []
 
     # lifecycle
@@ -84,26 +159,37 @@ class Detector:
             _handle.leave(self)
 
     def _install_stream_models(self) -> None:
+        """The models' patches: those built once per process (`shared`: `_once`, `_kept`), kept installed by the
+        resident from the session before where there is one, then this session's own (the models themselves), in
+        the order they were listed; the op source last."""
         from . import capture
         from .tracker import AccessTracker
 
         extension = capture.load()  # the op source (None: the dispatch mode), which virtual autograd's binding follows
         self.capture_failure = capture.failure()
+        shared: list = []  # no patch here touches an attribute one of `own` does (tests/test_session_face.py)
+        own: list = []
+
+        def kept(cls, kind, *session):
+            patches, model = _kept(cls, kind, *session)
+            shared.extend(patches)
+            own.extend(model)
+
         if self.backend == "virtual":
+            from .models import virtual_streams
             from .models.virtual_autograd import VirtualAutograd
-            from .models.virtual_streams import VirtualStreams
 
             self.tracker = AccessTracker(self.hb, self._current, "cpu", track_frees=True)
-            self.streams = VirtualStreams(self.hb, self.tracker)
-            patches = self.streams.patches()
+            self.streams = virtual_streams.VirtualStreams(self.hb, self.tracker)
+            shared += _once(("virtual streams", virtual_streams._opaque), self.streams.patches)
             self.tracker.current_stream = self.streams.current  # per op: no detour through the session
             autograd = VirtualAutograd(self.streams, self.hb, self.tracker, extension)
-            patches += autograd.patches()
+            own += autograd.patches()
             from .models.host_memory import PinnedMemory
             from .models.virtual_host_reads import HostReads
 
-            patches += HostReads(self.tracker).patches()
-            patches += PinnedMemory(self.tracker).patches()
+            kept(HostReads, None, self.tracker)
+            kept(PinnedMemory, None, self.tracker)
             on_outputs = autograd.adopt_outputs
             function_mode = lambda: autograd.mode  # noqa: E731 (exists once autograd's patches are installed)
         else:
@@ -113,42 +199,50 @@ class Detector:
             self.tracker.engine_records_streams = True
             self.streams = CudaStreams(self.hb, self.tracker)
             self.tracker.current_stream = self.streams.current
-            patches = self.streams.patches()
+            own += self.streams.patches()
             from .models.host_memory import AsyncCopies
 
-            patches += AsyncCopies(self.tracker).patches()
+            kept(AsyncCopies, None, self.tracker)
             on_outputs = None  # the engine binds compiled code's autograd nodes itself
             function_mode = None
         from .models.host_memory import HostBufferReads
 
-        patches += HostBufferReads(self.tracker).patches()
+        kept(HostBufferReads, None, self.tracker)
         from .models.compiled import CompiledCode
 
         _handle.register(self.streams)
         compiled = CompiledCode(self.tracker, self._current, on_outputs)
         _handle.register(compiled)
-        patches += compiled.patches(self.backend)
+        own += compiled.patches(self.backend)
         from .models import collectives
 
         if collectives.available():
-            patches += collectives.Collectives(self.hb, self.tracker, self._current).patches()
+            kept(collectives.Collectives, None, self.hb, self.tracker, self._current)
             from .models.functional_collectives import FunctionalCollectives
 
-            patches += FunctionalCollectives(self.hb, self.tracker, self._current).patches()
+            own += FunctionalCollectives(self.hb, self.tracker, self._current).patches()
             from .models.threaded_pg import ThreadedGroup
 
-            patches += ThreadedGroup(self.hb, self.tracker, self._current).patches()
+            own += ThreadedGroup(self.hb, self.tracker, self._current).patches()
         from .models.futures import Futures
 
-        patches += Futures(self.hb, self.tracker, self._current,
-                           inline_callbacks=self.backend == "virtual").patches()
+        kept(Futures, self.backend, self.hb, self.tracker, self._current, self.backend == "virtual")
         from .models.host_handoffs import HostHandoffs
         from .threads import Threads
 
-        patches += Threads(self.tracker, function_mode).patches()
-        patches += HostHandoffs(self.hb, self.tracker).patches()  # wraps Threads' thread entry, as installed
+        threads, handoffs = Threads(self.tracker, function_mode), HostHandoffs(self.hb, self.tracker)
+        shared += _once("threads", threads.patches)[:-1]  # the models themselves (last) are per session
+        shared += _once("handoffs", handoffs.patches)[:-1]  # wraps Threads' thread entry, as installed
+        own += [threads, handoffs]
         self.tracker.latent, self.tracker.incidental = self.latent, self.incidental
-        for patch in patches:
+        if self.resident is not None:
+            self.resident.hold(shared)
+        else:
+            if _holding is not None:  # the same patch objects: installed twice, the second would keep the first's value
+                _holding.close()
+            for patch in shared:
+                self.install(patch)
+        for patch in own:
             self.install(patch)
         # last in, first out: our own setup is not traced
         self.install(self._op_source(extension))

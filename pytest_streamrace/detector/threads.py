@@ -26,7 +26,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..patching import AttrPatch
+from ..patching import WrapPatch
 
 _dispatch = None  # the active session's __torch_dispatch__, when a dispatch mode observes ops
 
@@ -119,9 +119,9 @@ class Threads:
     def patches(self) -> list:
         from concurrent.futures import thread as pool
 
-        out = [AttrPatch(threading.Thread, "_bootstrap_inner", _observing(threading.Thread._bootstrap_inner))]
+        out = [WrapPatch(threading.Thread, "_bootstrap_inner", _observing)]
         if hasattr(pool, "_WorkItem"):
-            out.append(AttrPatch(pool._WorkItem, "run", _observing(pool._WorkItem.run)))
+            out.append(WrapPatch(pool._WorkItem, "run", _observing))
         return out + [self]
 
     def install(self) -> None:

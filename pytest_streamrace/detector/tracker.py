@@ -11,6 +11,7 @@ slices of one buffer do not.
 
 from __future__ import annotations
 
+import _thread
 import collections
 import contextlib
 import functools
@@ -101,6 +102,9 @@ def _traced_tensors(types) -> bool:
 _NO_KWARGS: dict = {}  # shared, never written: ops without keyword arguments (most) allocate none
 _HANDLED = "handled"  # plan of ops a namespace handler models (collectives)
 _SKIPPED = "skipped"  # plan of ops that touch no bytes on any stream
+
+
+_PLANS: dict = {}  # OpOverload._op -> _plan(func): a function of the op's schema alone, worked out once per process
 
 
 def _plan(func):
@@ -216,7 +220,7 @@ class AccessTracker(TorchDispatchMode):
         self._ref_keys: dict[weakref.ref, Hashable] = {}
         self._on_dead = self._dead  # one bound method for every weak reference, not one each
         self._frees: collections.deque = collections.deque()
-        self._lock = threading.RLock()
+        self._lock = _thread.RLock()  # not threading's: it may be a modelled one by now (hb.py)
         self._paused = threading.local()  # per thread: one thread modelling work by hand pauses only itself
         self._capture = None  # the C++ capture, when it replaces this dispatch mode
         self._feed = None  # the capture's records applied straight to the C++ core (capture.cpp's Feed), when it is one
@@ -224,7 +228,7 @@ class AccessTracker(TorchDispatchMode):
         self._issuer: int | None = None  # and the thread that issued it (its ordinal counts that thread's ops)
         # the virtual model's streams by the small int the capture records for each (``VirtualStreams.keys``)
         self.capture_streams: list | None = None
-        self._plans: dict = {}  # OpOverload._op -> _plan(...)
+        self._plans = _PLANS  # OpOverload._op -> _plan(...)
         self.notes: list[str] = []  # what could not be modelled and was skipped, once each
         self.on_note: Callable[[str], None] | None = None  # told each new note (a child process passes it on)
         # Real autograd (cuda model): the engine record_stream()s a gradient produced on one stream for the stream

@@ -32,6 +32,7 @@ _statuses_key = pytest.StashKey[list]()  # policy status of each race judged so 
 _latent_key = pytest.StashKey[list]()  # [latent races judged so far, their statuses in detector order]
 _pending_key = pytest.StashKey[tuple]()  # (user_properties, section text) of the phase judged in its own hook
 _outcome_key = pytest.StashKey[str]()  # the test body's own outcome, for --streamrace-confirm
+_notes_key = pytest.StashKey[list]()  # the detector's notes, kept once the detector is let go (teardown's report)
 
 
 def resolve_backend(config: pytest.Config) -> str:
@@ -85,7 +86,8 @@ def detector_notes(item: pytest.Item) -> list[tuple[int | None, str]]:
     """(rank, note) for what the test's detector, and those of the processes it started, could not model and
     skipped (once each)."""
     detector = item.stash.get(_detector_key, None)
-    own = [(process_rank(), note) for note in detector.notes] if detector is not None else []
+    notes = detector.notes if detector is not None else item.stash.get(_notes_key, [])
+    own = [(process_rank(), note) for note in notes]
     return own + list(item.stash.get(_child_notes_key, ()))
 
 
@@ -115,6 +117,7 @@ class RaceChecks:
         self.unwritten: list[str] = []  # warning lines: session files that could not be written
         # --streamrace-confirm: this session re-runs tests with races (confirmer), or is such a re-run (rerun)
         self.confirmer = self.rerun = None
+        self.resident = None  # the patches kept installed from one test's detector to the next (session start)
         instruction = os.environ.get(env.CONFIRM)
         if instruction:
             from .confirm_run import ConfirmRun
@@ -145,10 +148,23 @@ class RaceChecks:
         # build (or load) the C++ extensions once, before any test's clock starts: the op capture and the
         # happens-before core (both backends), the GPU trace's interpreter (cuda)
         from ..detector import capture
+        from ..detector.session import Resident
 
         capture.load()
         if self.backend == "cuda":
             capture.load_trace()
+        self.resident = Resident()
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtestloop(self, session: pytest.Session):
+        try:
+            return (yield)
+        finally:
+            self._close_resident()  # torch as it was, for what runs after the last test
+
+    def _close_resident(self) -> None:
+        if self.resident is not None:
+            self.resident.close()
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_runtest_protocol(self, item: pytest.Item, nextitem) -> bool | None:
@@ -165,7 +181,7 @@ class RaceChecks:
         from ..detector.session import Detector
 
         detector = Detector(backend=self.backend, trace=bool(self.trace_path), latent=self.policy.latent != "off",
-                            incidental=self.policy.incidental)
+                            incidental=self.policy.incidental, resident=self.resident)
         detector.__enter__()
         item.stash[_detector_key] = detector
         item.stash[_judged_key] = 0
@@ -241,6 +257,10 @@ class RaceChecks:
         if report.when == "teardown" and _outcome_key in item.stash and self.role.kind == roles.RANK_CHILD:
             report.user_properties.append((OUTCOME, item.stash[_outcome_key]))  # for the parent's confirmations
         if report.when == "teardown":
+            # Let the session go (its core, tracker and models; held by the item, a suite's sessions would all stay
+            # alive to its end, and every collection of the oldest objects would walk them): its notes stay.
+            item.stash[_notes_key] = detector.notes
+            del item.stash[_detector_key]
             self.children.end()
             after, self.children.after[:] = list(self.children.after), []
             if after:  # shipped on a report, so an xdist controller or launching parent sees them too
@@ -356,6 +376,7 @@ class RaceChecks:
 
     @pytest.hookimpl(trylast=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        self._close_resident()  # a session that ended before its test loop (or without one)
         self.children.collect(None)  # what children wrote after the last test: all "after their test"
         self.after += self.children.after
         self.children.close()

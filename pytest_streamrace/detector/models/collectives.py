@@ -29,7 +29,7 @@ from typing import Callable, Hashable
 
 import torch
 
-from ...patching import AttrPatch
+from ...patching import WrapPatch
 
 READ, WRITE = "r", "w"
 
@@ -137,6 +137,11 @@ class Collectives:
         self._held = threading.local()
         self._python = threading.local()  # depth: > 0 while Python is issuing a collective on this thread
         self.returned = None  # a forced run's (``forced_order``): called with what each collective Python issued returned
+
+    def rebind(self, hb, tracker, current_stream: Callable[[], Hashable]) -> None:
+        """A fresh model for the next session, in this object: its patches are built once per process (``session``)
+        and read the model's state per call."""
+        self.__init__(hb, tracker, current_stream)
 
     # what happens at dispatch
 
@@ -254,9 +259,10 @@ class Collectives:
     def _issuing(self, original):
         """A ProcessGroup method Python issues collectives through: marks them as Python's while it runs (for the
         dispatch mode here, for the capture in C++)."""
-        python, issuing = self._python, self.tracker.issuing
+        collectives = self
 
         def issue(*args, **kwargs):
+            python, issuing = collectives._python, collectives.tracker.issuing
             python.depth = getattr(python, "depth", 0) + 1
             issuing(True)
             try:
@@ -280,10 +286,9 @@ class Collectives:
         from torch._C._distributed_c10d import Backend, ProcessGroup, Work
 
         methods = [name for name in ("wait", "synchronize", "block_current_stream") if hasattr(Work, name)]
-        out = [self] + [AttrPatch(Work, name, self._wrap(getattr(Work, name))) for name in methods]
+        out = [self] + [WrapPatch(Work, name, self._wrap) for name in methods]
         for cls in (ProcessGroup, Backend):
-            out += [AttrPatch(cls, name, self._issuing(getattr(cls, name))) for name in _PY_ENTRIES
-                    if hasattr(cls, name)]
+            out += [WrapPatch(cls, name, self._issuing) for name in _PY_ENTRIES if hasattr(cls, name)]
         return out
 
     def install(self) -> None:

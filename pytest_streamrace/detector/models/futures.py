@@ -40,6 +40,13 @@ class Futures:
         self._events: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # future -> its completion's event
         self._originals: dict = {}
 
+    def rebind(self, hb, tracker, current_stream: Callable[[], Hashable], inline_callbacks: bool) -> None:
+        """A fresh model for the next session, in this object: its patches are built once per process (``session``)
+        and read the model's state per call; the originals they wrap stay."""
+        originals = self._originals
+        self.__init__(hb, tracker, current_stream, inline_callbacks)
+        self._originals = originals
+
     def event(self, future):
         try:
             return self._events.get(future)

@@ -35,22 +35,27 @@ class PinnedMemory:
     def __init__(self, tracker):
         self.tracker = tracker
 
+    def rebind(self, tracker) -> None:
+        """The next session's tracker: the patches are built once per process (``session``), and read it per call."""
+        self.tracker = tracker
+
     def _factory(self, original):
-        tracker = self.tracker
+        model = self
 
         @functools.wraps(original)
         def factory(*args, pin_memory=False, **kwargs):
             out = original(*args, **kwargs)
             if pin_memory and isinstance(out, torch.Tensor):
-                tracker.mark_host(out)
+                model.tracker.mark_host(out)
             return out
         return factory
 
     def _pin_memory(self, original):
-        tracker = self.tracker
+        model = self
 
         @functools.wraps(original)
         def pin_memory(tensor, device=None):
+            tracker = model.tracker
             if tracker.is_host(tensor):
                 return tensor  # pinned already: torch hands the tensor back
             with torch.no_grad():
@@ -61,19 +66,20 @@ class PinnedMemory:
         return pin_memory
 
     def _is_pinned(self, original):
-        tracker = self.tracker
+        model = self
 
         @functools.wraps(original)
         def is_pinned(tensor, device=None):
-            return tracker.is_host(tensor)
+            return model.tracker.is_host(tensor)
         return is_pinned
 
     def _to(self, original):
-        tracker = self.tracker
+        model = self
 
         @functools.wraps(original)
         def to(tensor, *args, **kwargs):
             out = original(tensor, *args, **kwargs)
+            tracker = model.tracker
             if out is tensor and tracker.hosts and tensor.__class__ in _PLAIN and not torch.compiler.is_compiling() \
                     and tracker.is_host(tensor) and _names_device(args, kwargs):
                 copy = torch.empty_like(tensor)  # the device's own memory, as a GPU's .to(device) makes
@@ -155,11 +161,14 @@ class HostBufferReads:
     def __init__(self, tracker):
         self.tracker = tracker
 
+    rebind = PinnedMemory.rebind
+
     def _wrap(self, name: str, original):
-        tracker = self.tracker
+        model = self
 
         @functools.wraps(original)
         def method(tensor, *args, **kwargs):
+            tracker = model.tracker
             if tracker.hosts and tensor.__class__ in _PLAIN and tracker.enabled and not torch.compiler.is_compiling():
                 tracker.host_access(f".{name}()", reads=[tensor])
             return original(tensor, *args, **kwargs)
@@ -177,6 +186,8 @@ class AsyncCopies:
 
     def __init__(self, tracker):
         self.tracker = tracker
+
+    rebind = PinnedMemory.rebind
 
     def _host(self, t) -> bool:
         return t.__class__ in _PLAIN and t.is_cpu and t.is_pinned()

@@ -37,6 +37,19 @@ MISMATCH = ("The AccumulateGrad node's stream does not match the stream of the n
             "gradient.")  # torch's own wording (input_buffer.cpp), so filters written for torch's warning apply
 
 
+_engine_classes: dict = {}  # torch's engine class -> our subclass of it: made once (a class costs a session's start)
+
+
+def _engine_class(base: type) -> type:
+    engine = _engine_classes.get(base)
+    if engine is None:
+        class Engine(base):
+            """torch's engine, its `run_backward` set on the object (``VirtualAutograd.patches``)."""
+
+        engine = _engine_classes[base] = Engine
+    return engine
+
+
 class VirtualAutograd:
     """A patch (install/uninstall): binds new graph nodes to streams and joins streams at the end of backward."""
 
@@ -148,11 +161,9 @@ class VirtualAutograd:
         the detector, and a filter on the user's module still matches it. The fallback wraps it in Python."""
         from torch.autograd.variable import Variable
 
-        class Engine(type(Variable._execution_engine)):
-            """torch's engine, its `run_backward` set on the object (below)."""
-
-        engine = self._engine = Engine()
-        engine.run_backward = self._around(self._before_backward, super(Engine, engine).run_backward,
+        cls = _engine_class(type(Variable._execution_engine))
+        engine = self._engine = cls()
+        engine.run_backward = self._around(self._before_backward, super(cls, engine).run_backward,
                                            self._after_backward)
         return [AttrPatch(Variable, "_execution_engine", engine), self]
 

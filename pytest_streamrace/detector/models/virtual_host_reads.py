@@ -13,7 +13,7 @@ import threading
 
 import torch
 
-from ...patching import AttrPatch
+from ...patching import WrapPatch
 from ..host_sync import METHODS, HostSync
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -25,6 +25,10 @@ class HostReads:
     def __init__(self, tracker):
         self.tracker = tracker
         self._inside = threading.local()
+
+    def rebind(self, tracker) -> None:
+        """The next session's tracker: the patches are built once per process (``session``), and read it per call."""
+        self.tracker = tracker
 
     def read_back(self, sync: HostSync, tensor: torch.Tensor) -> None:
         tracker = self.tracker
@@ -53,5 +57,4 @@ class HostReads:
         return method
 
     def patches(self) -> list:
-        return [AttrPatch(torch.Tensor, name, self._wrap(sync, getattr(torch.Tensor, name)))
-                for name, sync in METHODS.items()]
+        return [WrapPatch(torch.Tensor, name, functools.partial(self._wrap, sync)) for name, sync in METHODS.items()]

@@ -4,8 +4,9 @@ No kernel runs asynchronously on CPU, so a missing wait never corrupts anything 
 ordering the program *would* make on a GPU — stream waits, events, synchronizes, record_stream — reaches hb, and
 that every op is attributed to the stream that would run it. While a Detector with the virtual model is active,
 ``torch.cuda.Stream``, ``Event``, ``stream()``, ``current_stream`` & co. are these classes and functions; the
-originals come back when it exits. ``torch.cuda.is_available()`` stays False: code that branches on it for
-devices keeps allocating on CPU.
+originals come back when it exits (under pytest, after the last test: ``session.Resident``; between tests, with no
+session, the stream calls raise). ``torch.cuda.is_available()`` stays False: code that branches on it for devices keeps
+allocating on CPU.
 
 torch's device-generic API is the same model, as on a one-GPU machine: ``torch.Stream`` and ``torch.Event`` are these
 classes (so a ``torch.Stream()`` works with ``torch.cuda.stream``, ``wait_stream``, events, ``with stream:``), and
@@ -17,6 +18,7 @@ same reason as ``torch.cuda.is_available()``.
 
 from __future__ import annotations
 
+import _thread
 import threading
 import time
 
@@ -342,7 +344,7 @@ class VirtualStreams:
         hb.add_stream(self.default, self.default.name)
         self.keys: list[Stream] = [self.default]
         self._indices: dict[Stream, int] = {self.default: 0}
-        self._lock = threading.Lock()
+        self._lock = _thread.allocate_lock()  # not threading's: it may be a modelled one by now (hb.py)
         tracker.capture_streams = self.keys
 
     def current(self) -> Stream:
