@@ -138,7 +138,7 @@ def run(pytester, backend: str, *extra: str):
     return run_cases(pytester, backend, *extra, files={"test_identity": CASES})
 
 
-def check(pytester, result, by_test, runs, backend: str = "virtual") -> None:
+def check(pytester, result, by_test, runs) -> None:
     result.assert_outcomes(passed=6)  # the racy twins are marked as such
     assert sorted(by_test) == ["test_output_made_on_a_side_stream_read_without_wait",
                                "test_pool_task_on_another_worker_each_run", "test_read_freed_while_in_use"], by_test
@@ -165,20 +165,13 @@ def check(pytester, result, by_test, runs, backend: str = "virtual") -> None:
     freed = by_test["test_read_freed_while_in_use"]
     assert [r["kind"] for r in freed] == ["free-while-in-use"], freed
     confirmation = freed[0]["confirmation"]
+    assert (confirmation["status"], confirmation["freed"], confirmation["differing"]) == ("confirmed", True, 4096), \
+        json.dumps(confirmation)
     assert confirmation["held"] == f"test_identity.py:{line(pytester, 'FREED-READ')}"
-    if backend == "cuda" and confirmation["status"] == "not-confirmed":
-        # the caching allocator merges a freed block with its free neighbours, and hands out first whichever free block
-        # fits best: the next owners may land elsewhere, and the held read then sees the block as it was (benign)
-        assert confirmation["reason"] == "nothing wrote the freed block while the read was held back", confirmation
-        summary = "streamrace confirmations: 2 confirmed, 1 not confirmed, 0 not tried*"
-    else:
-        assert (confirmation["status"], confirmation["freed"], confirmation["differing"]) == \
-            ("confirmed", True, 4096), json.dumps(confirmation)
-        result.stdout.fnmatch_lines([
-            f"*confirmed: free-while-in-use test_identity.py:{line(pytester, 'FREED-READ')} -> *: with the read at * "
-            "held back, the values read at * differed * (the read saw the block after its free)*"])
-        summary = "streamrace confirmations: 3 confirmed, 0 not confirmed, 0 not tried*"
-    result.stdout.fnmatch_lines([summary])
+    result.stdout.fnmatch_lines([
+        f"*confirmed: free-while-in-use test_identity.py:{line(pytester, 'FREED-READ')} -> *: with the read at * held "
+        "back, the values read at * differed * (the read saw the block after its free)*",
+        "streamrace confirmations: 3 confirmed, 0 not confirmed, 0 not tried*"])
 
 
 def test_each_race_is_found_in_its_re_run_by_what_its_accesses_are(pytester):

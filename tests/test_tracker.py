@@ -67,6 +67,17 @@ def test_views_and_metadata_factories_touch_nothing():
         ("read-after-write", line("fill-write"), line("fill-read"))]
 
 
+def test_ops_on_metadata_only_touch_nothing():
+    """In-place ops on a tensor's metadata (`set_` and the like) and questions about it (`is_pinned`, asked by DeepSpeed
+    ZeRO-3 of a buffer its copy may still fill) move no bytes; a question about the values (`is_nonzero`) reads them."""
+    buf = torch.zeros(16)
+    no_access = lambda: (torch.empty(()).set_(buf.untyped_storage(), 0, (16,), (1,)),  # noqa: E731
+                         buf.view(16).unsqueeze_(0).squeeze_(0).t_(), torch.ops.aten.is_pinned.default(buf),
+                         buf.is_same_size(buf), buf.is_set_to(buf), buf.is_complex(), buf.is_floating_point())
+    assert race_after_side_write(lambda: buf, no_access) == []
+    assert race_after_side_write(lambda: buf, lambda: buf[:1].is_nonzero()) != []
+
+
 def test_out_arguments_and_in_place_ops_are_writes_inputs_are_reads():
     a, b, c = torch.ones(4), torch.ones(4), torch.zeros(4)
     with Detector() as d:

@@ -40,10 +40,14 @@ READ, WRITE = 1, 2  # a launched kernel's argument roles, as bits (Tracker.launc
 _METADATA_INPUTS = re.compile(r"^aten::(new_.*|.*_like|empty.*)$")
 _NO_KERNEL = re.compile(r"^aten::(empty.*|new_empty.*)$")
 _SKIPPED_OPS = {"aten::record_stream"}  # not a kernel: the stream model turns it into hb.record_stream
-# In-place ops on a tensor's metadata only: their schemas mark `self` written (Tensor(a!)), yet no bytes move; `set_`
-# points a tensor at other storage (DCP's stager points a new CPU tensor at the pinned copy it just queued)
-_METADATA_MUTATIONS = {f"aten::{name}" for name in ("set_", "as_strided_", "squeeze_", "unsqueeze_", "t_",
-                                                    "transpose_", "swapdims_", "swapaxes_", "detach_")}
+# Ops on a tensor's metadata only, no bytes read or written: in-place ones, whose schemas mark `self` written
+# (Tensor(a!); `set_` points a tensor at other storage, as DCP's stager points a new CPU tensor at the pinned copy it
+# just queued), and questions about a tensor (`is_pinned`, which DeepSpeed ZeRO-3 asks of a pinned buffer its copy
+# may still be filling; `is_nonzero` reads the value, and is not one)
+_METADATA_ONLY = {f"aten::{name}" for name in (
+    "set_", "as_strided_", "squeeze_", "unsqueeze_", "t_", "transpose_", "swapdims_", "swapaxes_", "detach_",
+    "is_pinned", "is_same_size", "is_set_to", "is_coalesced", "_nnz", "_is_zerotensor", "_has_same_storage_numel",
+    "is_complex", "is_floating_point", "is_signed", "is_conj", "is_neg", "is_inference", "is_leaf")}
 # modelled by a namespace handler (models.collectives, models.functional_collectives), never as plain ops
 _HANDLED_NAMESPACES = {"c10d", "_c10d_functional", "_c10d_functional_autograd"}
 _ASYNC_COPIES = host_party.ASYNC_COPIES
@@ -116,7 +120,7 @@ def _plan(func):
         return _HANDLED
     schema = func._schema
     name = schema.name
-    if name in _SKIPPED_OPS or name in _METADATA_MUTATIONS:
+    if name in _SKIPPED_OPS or name in _METADATA_ONLY:
         return _SKIPPED
     metadata_inputs = _METADATA_INPUTS.match(name) is not None
     inputs = []

@@ -14,8 +14,7 @@ CLAIMS = {
         "stream; racy twins (read-after-write, write-after-read, write-after-write) confirmed with the values that "
         "changed, a write of the same values not confirmed, a latent race not tried; the corpus: every racy case "
         "confirmed or not confirmed/not tried with its reason; found in the re-run by what the accesses are: a pool "
-        "task run by another worker and an output made on a side stream confirmed, a read freed while in use confirmed or "
-        "shown benign (the block's next owners landed elsewhere)",
+        "task run by another worker, an output made on a side stream, a read freed while in use, each confirmed",
     46: "`--streamrace-confirm` on 2 ranks over NCCL: an async all-reduce's buffer read before `wait()` confirmed "
         "(the last rank holds its collective back; its peer reads the bytes from before it), and the same with the "
         "collective issued on another thread; a bucket filled on a side stream and all-reduced in place with no wait "
@@ -44,7 +43,7 @@ def test_each_race_is_found_by_what_its_accesses_are_on_real_streams(pytester, g
     0xFF during the hold: an earlier pass may have left the very values there), a read freed while in use (held past
     its free, it sees the block's next owner's zeros): each confirmed on real streams."""
     result, by_test, runs = identity.run(pytester, "cuda")
-    identity.check(pytester, result, by_test, runs, "cuda")
+    identity.check(pytester, result, by_test, runs)
     gpu_result.record("confirm seconds (3 tests with races)", twins.confirm_seconds(by_test))
 
 
