@@ -6,7 +6,7 @@ they came from), plain and under `--streamrace --streamrace-backend=cuda`, compa
 import re
 
 import pytest
-from gpu_support import PYTHON, ROOT, out_log, run
+from gpu_support import PYTHON, ROOT, framework_env, out_log, run
 
 CLAIMS = {
     60: "Held out, torch's own pinned-memory tests on real streams: `test_dataloader.py`'s `pin_memory` tests (pin "
@@ -24,14 +24,16 @@ SELECT = ("pin_memory or pinned or _pin or non_blocking or host_alloc or record_
 
 @pytest.mark.gpu(count=1)
 @pytest.mark.validates(60)
-def test_torch_pinned_memory_tests_same_outcomes_plain_and_under_streamrace(gpu_result):
+def test_torch_pinned_memory_tests_same_outcomes_plain_and_under_streamrace(request, gpu_result):
     files = [FOLDER / name for name in FILES if (FOLDER / name).is_file()]
     if not files or not (FOLDER / "COMMIT").is_file():
         pytest.skip(f"torch's tests are not carried: put {' and '.join(FILES)} and a one-line COMMIT file in {FOLDER}")
     gpu_result.record("source", (FOLDER / "COMMIT").read_text().strip())
     gpu_result.record("files", [f.name for f in files])
+    # torch's test utilities import expecttest, which setup.sh installs under the sites' common/
     done = run([PYTHON, str(ROOT / "scripts" / "stock" / "torch_multi_threaded_pg.py"), "--backend", "cuda",
-                *map(str, files), "--", "-k", SELECT, "--continue-on-collection-errors"], timeout=1800, cwd=FOLDER, log=out_log("torch-pinned-tests"))
+                *map(str, files), "--", "-k", SELECT, "--continue-on-collection-errors"], timeout=1800, cwd=FOLDER,
+               log=out_log("torch-pinned-tests"), env=framework_env(request.config))
     totals = dict(re.findall(r"^\s*(plain|--streamrace): (.*) \(\d+ s\)$", done.stdout, re.M))
     gpu_result.record("plain", totals.get("plain"))
     gpu_result.record("--streamrace", totals.get("--streamrace"))
