@@ -95,14 +95,20 @@ class Resident:
         global _holding
         if _holding is self:
             _holding = None
-        errors = []
-        while self._held:
-            try:
-                self._held.pop().uninstall()
-            except Exception as exc:  # keep restoring the rest; report the first failure
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        uninstall_all(self._held)
+
+
+def uninstall_all(patches: list) -> None:
+    """Uninstall every patch of `patches`, last first, emptying it; the first failure is raised once all the rest are
+    restored."""
+    errors = []
+    while patches:
+        try:
+            patches.pop().uninstall()
+        except Exception as exc:  # keep restoring the rest; report the first failure
+            errors.append(exc)
+    if errors:
+        raise errors[0]
 
 
 def active() -> "Detector | None":
@@ -265,14 +271,7 @@ class Detector:
         self._patches.append(patch)
 
     def _uninstall_all(self) -> None:
-        errors = []
-        while self._patches:
-            try:
-                self._patches.pop().uninstall()
-            except Exception as exc:  # keep restoring the rest; report the first failure
-                errors.append(exc)
-        if errors:
-            raise errors[0]
+        uninstall_all(self._patches)
 
     # what tests and reports read
 
