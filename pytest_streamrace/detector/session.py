@@ -6,8 +6,9 @@ streams: "virtual" emulates them on CPU, "cuda" observes real ones. Ops reach th
 build (no compiler, ``STREAMRACE_NATIVE=0``), through a TorchDispatchMode, with the same verdicts.
 
 ``with Detector(backend="virtual") as d: ...`` installs everything, and removes every patch and mode on exit so
-torch is exactly as before (with a `Resident`, the patches it keeps come out when it is closed). Everything installed is a *patch* (``patching.Patch``: install/uninstall), kept in one
-list and undone in reverse order: collectives and framework adapters add their own with `install`. What does not
+torch is exactly as before (with a `Resident`, the patches it keeps come out when it is closed). Everything installed
+is a *patch* (``patching.Patch``: install/uninstall), kept in one list and undone in reverse order: collectives and
+framework adapters add their own with `install`. What does not
 depend on the session is built once per process and reused (``_once``, ``_kept``); a `Resident` (pytest's sessions,
 one a test) keeps it installed from one session to the next, so a test's start and end cost microseconds, not
 milliseconds.

@@ -605,10 +605,11 @@ class AccessTracker(TorchDispatchMode):
             self.drain()  # a free of an earlier storage at this address lands first
             self._mark_host(key, storage)
 
-    def _mark_host(self, key: Hashable, storage) -> None:
+    def _mark_host(self, key: Hashable, storage=None) -> None:
+        """`key` a host storage; with `storage`, its free is watched (without: the caller says when it ends)."""
         if key in self.hosts:
             return
-        if self.watched.get(key) is None:
+        if storage is not None and self.watched.get(key) is None:
             ref = weakref.ref(storage, self._on_dead)
             self._ref_keys[ref] = key
             self.watched[key] = ref
@@ -621,10 +622,7 @@ class AccessTracker(TorchDispatchMode):
         `forget_host_address` (its unregistering, as it dies)."""
         with self._lock:
             self.drain()
-            if key not in self.hosts:
-                self.hosts.add(key)
-                if self._capture is not None:
-                    self._capture.mark_host(key)
+            self._mark_host(key)
 
     def forget_host_address(self, key: int) -> None:
         with self._lock:
