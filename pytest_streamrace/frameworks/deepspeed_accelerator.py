@@ -14,7 +14,6 @@ import contextlib
 def virtual_stream_accelerator():
     """A fresh accelerator object; ``torch.cuda`` must be the virtual one while DeepSpeed uses it."""
     import torch
-    from deepspeed.accelerator.abstract_accelerator import DeepSpeedAccelerator
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
     class VirtualStreamAccelerator(CPU_Accelerator):
@@ -53,11 +52,15 @@ def virtual_stream_accelerator():
             return torch.cuda.synchronize()
 
         # CPU_Accelerator's pinning is a no-op; the virtual backend pins (emulated), so ZeRO-Offload's pinned
-        # buffers are host memory as on a GPU host, and the host's accesses to them are checked.
-        _torch_pins_host_memory = True
-        pin_memory = DeepSpeedAccelerator.pin_memory
-        _torch_pin_memory = DeepSpeedAccelerator._torch_pin_memory
-        _torch_empty_pinned = DeepSpeedAccelerator._torch_empty_pinned
+        # buffers are host memory as on a GPU host, and the host's accesses to them are checked. Written here, not
+        # borrowed from DeepSpeedAccelerator: its pinning helpers differ between DeepSpeed releases.
+        def pin_memory(self, tensor, *args, make_copy=True, match_shape=True, **kwargs):
+            if make_copy:
+                return tensor.pin_memory()
+            return tensor.new_empty(tensor.shape if match_shape else (tensor.numel(),), pin_memory=True)
+
+        def is_pinned(self, tensor):
+            return tensor.is_pinned()
 
         def get_op_builder(self, class_name):
             if class_name == "ShareMemCommBuilder":
