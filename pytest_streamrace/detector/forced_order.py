@@ -23,6 +23,7 @@ The result is a plain dict (JSON-able), read by the harness that re-ran the test
 from __future__ import annotations
 
 import _thread
+import contextlib
 import threading
 import time
 
@@ -149,6 +150,10 @@ class ForcedOrder:
         # it first, and the stream that poisons it, all taken before the hold (`_poison`)
         self.fresh_spare: list = []
         self.poison_stream = None
+        # a read freed while in use (cuda): its block's pointer, bytes that do not keep it alive, its allocation
+        # stream, and the deallocation callback that writes it as its next owner would (`_next_owner`)
+        self.freed_block: tuple | None = None
+        self._on_free = None
 
     # installing
 
@@ -208,7 +213,7 @@ class ForcedOrder:
         holds = self.cuda and self._holds_here()
         covering = self._covering(inputs)
         for t in covering:  # before the hold: the bytes a held-back read sees if it comes first (WAR, cuda)
-            view = _bytes_of(t)
+            view = self._unowned(t) if self.kind == FREE and holds else _bytes_of(t)
             first = self._region(view).clone()
             # a held stream's snapshots get their memory now: a device allocation issued between the hold and the
             # later access keeps the two from running at once (CUDA's implicit synchronization)
@@ -238,6 +243,49 @@ class ForcedOrder:
             # right before the earlier access (on a GPU, once the hold is over): what a held-back write has not
             # written yet when the read runs (RAW), what a held-back read sees once the write went first (WAR)
             entry["held"] = entry["first"] if not holds else self._snapshot(entry)
+
+    def _unowned(self, t: torch.Tensor) -> torch.Tensor:
+        """A read freed while in use, on a GPU: its block as bytes that do not keep it alive (a view of the storage
+        would, and the program's free would never happen in the re-run), watched for its free (`_next_owner`)."""
+        construct = getattr(torch._C, "_construct_storage_from_data_pointer", None)
+        if construct is None or self.freed_block is not None:
+            return _bytes_of(t)
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(construct(ptr, t.device, storage.nbytes()))
+        self.freed_block = (ptr, view, _allocation_stream(ptr))
+        import torch.cuda._gpu_trace as trace
+
+        self._on_free = self._next_owner
+        trace.register_callback_for_memory_deallocation(self._on_free)
+        return view
+
+    def _next_owner(self, ptr: int) -> None:
+        """The allocator frees the block the held read reads: write it as its next owner would, 0xFF (NaN in every
+        float type) on the stream it was allocated on, where the allocator hands it out again at once. Issued at the
+        free, before any next owner's work on that stream; it changes nothing the program still owns."""
+        if self.freed_block is None or ptr != self.freed_block[0] or self.seen.get("freed"):
+            return
+        self.seen["freed"] = "free"
+        _, view, handle = self.freed_block
+        try:
+            from .session import active
+
+            detector = active()
+            stream = torch.cuda.ExternalStream(handle) if handle else torch.cuda.default_stream(view.device)
+            with detector.paused() if detector is not None else _nothing(), torch.cuda.stream(stream):
+                self._region(view).fill_(0xFF)
+        except Exception as exc:  # never into the test (nor the allocator's free)
+            self.problem = self.problem or f"forcing failed at the free: {type(exc).__name__}: {exc}"
+
+    def _stop_watching_frees(self) -> None:
+        if self._on_free is not None:
+            import torch.cuda._gpu_trace as trace
+
+            listeners = trace.MemoryDeallocationCallbacks.callback_list
+            if self._on_free in listeners:
+                listeners.remove(self._on_free)
+            self._on_free = None
 
     def _snapshot(self, entry: dict) -> torch.Tensor:
         """The candidate's bytes now, on the current stream: into memory taken before the hold where there is some."""
@@ -474,6 +522,8 @@ class ForcedOrder:
         if self.cuda:
             torch.cuda.synchronize()
             forced = entry.get("held")
+            if self.freed_block is not None and "freed" not in self.seen:
+                return dict(out, status="not-tried", reason="the block was not freed while the read was held back")
         else:
             forced = torch.full_like(entry["first"], 0xFF)
         out.update(compare(entry["first"], forced, dtype), freed=True, status="forced")
@@ -495,6 +545,7 @@ class ForcedOrder:
         """What the forced run saw: status "forced" with the values, or "not-tried" with the reason."""
         if self.midway is not None:
             self.midway.cancel()
+        self._stop_watching_frees()
         self.fresh_spare, self.poison_stream = [], None
         out: dict = {"kind": self.kind, "held": "earlier", "backend": "cuda" if self.cuda else "virtual"}
         if self.cuda:
@@ -553,6 +604,20 @@ class ForcedOrder:
             out["read_modify_write"] = True
         out["status"] = "forced"
         return out
+
+
+def _allocation_stream(ptr: int) -> int | None:
+    """The stream the caching allocator gave the block at `ptr` to (its segment's: the allocator reuses a freed block
+    for that stream's next allocations); None where it is not the caching allocator's."""
+    for segment in torch.cuda.memory_snapshot():
+        if segment["address"] <= ptr < segment["address"] + segment["total_size"]:
+            return int(segment["stream"])
+    return None
+
+
+@contextlib.contextmanager
+def _nothing():
+    yield
 
 
 def _world_size() -> int | None:

@@ -191,6 +191,7 @@ def stack_twins(stack: str, gpu_result, tmp_path, env: dict, log: str, extra=(),
         gpu_result.record("known latent races", len(known))
     assert not clean_with_races, f"races on clean tests: {clean_with_races}: " + "\n".join(
         json.dumps(r)[:600] for r in found if test_of(r) in clean_with_races)
-    assert not missed, f"racy twins not caught at their tagged lines: {missed}"
+    assert not missed, (f"racy twins not caught at their tagged lines: {missed} (their outcomes plain: "
+                        f"{ {t: o for n, o in outcomes['plain'].items() for t in missed if n.startswith(t)} })")
     assert not differ, f"outcomes differ plain vs --streamrace: {differ}"
     return outcomes["plain"]

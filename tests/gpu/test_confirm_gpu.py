@@ -41,7 +41,8 @@ def test_every_racy_case_of_the_corpus_is_confirmed_or_shown_benign_on_real_stre
 def test_each_race_is_found_by_what_its_accesses_are_on_real_streams(pytester, gpu_result):
     """A pool task run by another worker in each run, a fresh output made on a side stream (its memory filled with
     0xFF during the hold: an earlier pass may have left the very values there), a read freed while in use (held past
-    its free, it sees the block's next owner's zeros): each confirmed on real streams."""
+    its free, it sees what the block's next owner wrote: 0xFF, written at the free on the block's stream as its next
+    owner would, or the zeros of the test's own next owners): each confirmed on real streams."""
     result, by_test, runs = identity.run(pytester, "cuda")
     identity.check(pytester, result, by_test, runs)
     gpu_result.record("confirm seconds (3 tests with races)", twins.confirm_seconds(by_test))
