@@ -154,6 +154,10 @@ class ForcedOrder:
         # stream, and the deallocation callback that writes it as its next owner would (`_next_owner`)
         self.freed_block: tuple | None = None
         self._on_free = None
+        # a later access the host makes (an op on pinned memory a held copy writes or reads), cuda: whether the hold
+        # was still on when it was done, and so the host's access came first
+        self.host_later = False
+        self.host_inverted: bool | None = None
 
     # installing
 
@@ -217,7 +221,7 @@ class ForcedOrder:
             first = self._region(view).clone()
             # a held stream's snapshots get their memory now: a device allocation issued between the hold and the
             # later access keeps the two from running at once (CUDA's implicit synchronization)
-            spare = [torch.empty_like(first), torch.empty_like(first)] if holds else []
+            spare = [_device_like(first), _device_like(first)] if holds else []
             self.candidates[t.untyped_storage().data_ptr()] = {"view": view, "first": first, "spare": spare}
         if holds:
             stream = torch.cuda.current_stream()
@@ -291,7 +295,8 @@ class ForcedOrder:
         """The candidate's bytes now, on the current stream: into memory taken before the hold where there is some."""
         region = self._region(entry["view"])
         spare = entry.get("spare")
-        return spare.pop().copy_(region) if spare else region.clone()
+        # pinned host bytes are copied on the stream too (non_blocking: a blocking copy would wait the hold out)
+        return spare.pop().copy_(region, non_blocking=True) if spare else region.clone()
 
     def _holds_here(self) -> bool:
         """Whether this process holds the earlier access back. A collective runs on the communicator's own stream,
@@ -353,6 +358,12 @@ class ForcedOrder:
         if found is None:
             return
         self.entry = found
+        if self.cuda and _on_host(inputs + outputs):
+            # the host's own access (pinned memory a held copy fills or reads): it runs now, during the hold
+            self.host_later = True
+            found["host_saw"] = self._region(found["view"]).clone()
+            self.unwritten = "poisoned" in found  # a fresh output of the held copy: the host read its 0xFF
+            return
         if self.cuda:
             if "held" not in found and "poisoned" in found:  # a fresh output: what this read sees of it first
                 torch.cuda.current_stream().wait_event(found["poisoned"])
@@ -385,9 +396,15 @@ class ForcedOrder:
             collective = self._op.startswith("c10d::")
             if collective:  # it runs on its communicator's stream: observed once Python has its work back
                 self.awaiting = (threading.get_ident(), entry)
+            elif self.host_later and self.events is not None:
+                # done on the host: the order inverted if the held stream's hold was not over by then (the event
+                # base's own query, not the model's, which would take it as the host observing the stream)
+                self.host_inverted = not torch._C._CudaEventBase.query(self.events[0])
             elif self.events is not None:
                 self.events[1].record(torch.cuda.current_stream())  # the later access has run by here on its stream
-            if self.kind == RAW:
+            if self.kind == RAW and self.host_later:  # what the host read, against the copy's bytes
+                self.forced, self.ordered = entry.get("host_saw"), entry.get("after")
+            elif self.kind == RAW:
                 # the read saw what the held stream had before the write; a collective's own bytes (it writes on its
                 # communicator's stream) are read at the end, and a peer's read saw them before the collective ran
                 self.forced = entry.get("after") if self.peer else entry.get("held")
@@ -508,6 +525,15 @@ class ForcedOrder:
         # issued after halfway through the hold: where the host was then
         return dict(out, status="not-tried", reason=why + ")" + self._where_waited(out))
 
+    def _host_not_first(self, out: dict) -> dict:
+        """Not tried: the host's access was done only after the hold was over."""
+        why = (f"the host's access ran after the {self.delay_ms:g} ms hold was over (issued "
+               f"{out.get('host_gap_ms', 0):.1f} ms after the held one)")
+        if host_waited(self.delay_ms, out.get("host_gap_ms", 0.0)):
+            out["host_waited"] = True
+            why += ": something between the two synchronizes with the held stream" + self._where_waited(out)
+        return dict(out, status="not-tried", reason=why)
+
     def _one_rank_collective(self) -> bool:
         return (self.one_rank or _world_size() == 1) and any(_collective(s.op) for s in (self.earlier, self.later))
 
@@ -583,7 +609,11 @@ class ForcedOrder:
         if self.cuda:
             if self.peer and host_waited(self.delay_ms, out.get("host_gap_ms", 0.0)):  # its read waited for the hold
                 return self._waited_out(out, "the last rank's ", "the collective", "the collective")
-            if self.events is not None:
+            if self.events is not None and self.host_later:
+                out["inverted"] = bool(self.host_inverted)
+                if not self.host_inverted:
+                    return self._host_not_first(out)
+            elif self.events is not None:
                 lead = self.events[1].elapsed_time(self.events[0])  # > 0: the held access started after the later one
                 out["inverted"] = lead > 0
                 out["lead_ms"] = round(lead, 3)
@@ -604,6 +634,17 @@ class ForcedOrder:
             out["read_modify_write"] = True
         out["status"] = "forced"
         return out
+
+
+def _on_host(tensors) -> bool:
+    """An op the host runs itself: every tensor it touches is in host memory."""
+    return bool(tensors) and all(t.device.type == "cpu" for t in tensors)
+
+
+def _device_like(first: torch.Tensor) -> torch.Tensor:
+    """Memory for a snapshot a held stream takes: on the device, where a pinned host block's bytes are copied too."""
+    device = first.device if first.device.type == "cuda" else torch.device("cuda", torch.cuda.current_device())
+    return torch.empty(first.shape, dtype=first.dtype, device=device)
 
 
 def _allocation_stream(ptr: int) -> int | None:

@@ -5,6 +5,7 @@ import importlib.util
 import os
 
 import pytest
+import test_host_party
 from gpu_support import stack_twins
 
 CLAIMS = {
@@ -15,7 +16,8 @@ CLAIMS = {
         "clean (torch's pinned allocator waits for the copy), one given back to a program's own pool during its copy "
         "caught; torch DCP's `DefaultStager` (pinned, async, non-blocking staging) in one process: staging right after the "
         "step and the next step before staging completes reported, the fix and the correct sequence clean under "
-        "`--streamrace-latent=fail`, no report on the stager's `set_`",
+        "`--streamrace-latent=fail`, no report on the stager's `set_`; under `--streamrace-confirm` the racy twins "
+        "confirmed with the values the host read or the copy carried (a `.numpy()` read, which runs no op, not tried)",
 }
 
 
@@ -40,3 +42,14 @@ def test_dcp_staging_orders_on_one_gpu(pytester, gpu_result):
     gpu_result.record("DCP races by test", "; ".join(sorted(
         f"{test} {sum(r['test'].endswith('::' + test) for r in races)}"
         for test in {r["test"].rsplit("::", 1)[-1] for r in races})))
+
+
+@pytest.mark.gpu(count=1)
+@pytest.mark.validates(55)
+def test_host_races_are_confirmed_on_real_streams(pytester, gpu_result):
+    """The copy's stream held by a sleep kernel: the host's read runs before the copy lands, or its rewrite before the
+    copy reads (tests/test_host_party.py's cases)."""
+    found = test_host_party.confirm_host_races(pytester, "cuda")
+    gpu_result.record("confirmed", len(found))
+    gpu_result.record("differing elements", "; ".join(
+        f"{test} {c['differing']} of {c['elements']}" for test, c in sorted(found.items())))
