@@ -361,8 +361,15 @@ class ForcedOrder:
         if self.cuda and _on_host(inputs + outputs):
             # the host's own access (pinned memory a held copy fills or reads): it runs now, during the hold
             self.host_later = True
-            found["host_saw"] = self._region(found["view"]).clone()
-            self.unwritten = "poisoned" in found  # a fresh output of the held copy: the host read its 0xFF
+            region = self._region(found["view"])
+            if self.kind == RAW and self.earlier.op in OVERWRITES and self.events is not None and \
+                    not torch._C._CudaEventBase.query(self.events[0]):
+                # the held copy has not written these bytes yet, and overwrites them when it runs: what was there
+                # may be the very values from an earlier pass (pinned blocks are cached), so the host reads 0xFF
+                region.fill_(0xFF)
+                found["poisoned"] = True
+            found["host_saw"] = region.clone()
+            self.unwritten = "poisoned" in found  # the host read bytes the held copy had not written
             return
         if self.cuda:
             if "held" not in found and "poisoned" in found:  # a fresh output: what this read sees of it first

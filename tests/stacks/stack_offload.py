@@ -13,7 +13,6 @@ tensors on one GPU). On CPU under ``--streamrace`` DeepSpeed runs on virtual str
 pinning). DeepSpeedCPUAdam is built on first use (a C++ toolchain and ninja; about a minute, cached by torch).
 """
 
-import argparse
 import contextlib
 import os
 
@@ -46,6 +45,14 @@ def _accelerator():
     return contextlib.nullcontext()
 
 
+@pytest.fixture(autouse=True)
+def local_rank_is_the_device(streamrace_device, monkeypatch):
+    """DeepSpeed takes its device from LOCAL_RANK (its engine, and ZeRO-3's partitioning): ranks that share one GPU
+    (gloo over CUDA tensors) are given the one they run on."""
+    if streamrace_device.type == "cuda":
+        monkeypatch.setenv("LOCAL_RANK", str(streamrace_device.index))
+
+
 @pytest.fixture
 def needs_streams():
     """Skips where torch.cuda has no streams: CPU without --streamrace."""
@@ -74,16 +81,9 @@ def _config(stage, offload_param=False, cpu_adam=True, overlap_comm=True):
     return config
 
 
-def _device_args(model):
-    """DeepSpeed sets its device from LOCAL_RANK unless `args.device_rank` names one: ranks that share one GPU (gloo
-    over CUDA tensors) are told the device their model is on."""
-    device = next(model.parameters()).device
-    return argparse.Namespace(device_rank=device.index) if device.type == "cuda" else None
-
-
 def _engine(model, stage, offload_param=False, cpu_adam=True, overlap_comm=True):
     optimizer = None if cpu_adam else torch.optim.AdamW(model.parameters(), lr=1e-3)
-    engine, _, _, _ = deepspeed.initialize(args=_device_args(model), model=model, optimizer=optimizer,
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer,
                                            config=_config(stage, offload_param, cpu_adam, overlap_comm))
     return engine
 
