@@ -34,7 +34,7 @@ def _value(value) -> str:
         return ", ".join(f"{k} {_value(v)}" for k, v in value.items())
     if isinstance(value, list):
         return "/".join(_value(v) for v in value)
-    return str(value)
+    return "; ".join(str(value).splitlines())  # a table cell is one line
 
 
 _VERSIONS = ("deepspeed", "megatron-core")

@@ -28,7 +28,7 @@ def test_torch_pinned_memory_tests_same_outcomes_plain_and_under_streamrace(requ
     files = [FOLDER / name for name in FILES if (FOLDER / name).is_file()]
     if not files or not (FOLDER / "COMMIT").is_file():
         pytest.skip(f"torch's tests are not carried: put {' and '.join(FILES)} and a one-line COMMIT file in {FOLDER}")
-    gpu_result.record("source", (FOLDER / "COMMIT").read_text().strip())
+    gpu_result.record("source", "; ".join((FOLDER / "COMMIT").read_text().split("\n")).strip("; "))
     gpu_result.record("files", [f.name for f in files])
     # torch's test utilities import expecttest, which setup.sh installs under the sites' common/
     done = run([PYTHON, str(ROOT / "scripts" / "stock" / "torch_multi_threaded_pg.py"), "--backend", "cuda",
