@@ -92,7 +92,7 @@ def confirm_host_races(pytester, backend: str) -> dict:
     out = result.stdout.str()
     for test in CONFIRMED:
         assert f"{test}: confirmed:" in out, out
-    assert "test_device_to_host_numpy_before_sync: not tried:" in out
+    assert "test_device_to_host_numpy_before_sync: not tried: " in out and "(.numpy()) runs no op" in out, out
     assert f"streamrace confirmations: {len(CONFIRMED)} confirmed, 0 not confirmed, 1 not tried" in out
     races = json.loads((pytester.path / "races.json").read_text())["races"]
     found = {r["test"].rsplit("::", 1)[-1]: r["confirmation"] for r in races
