@@ -392,11 +392,6 @@ def check_corpus(pytester, backend: str) -> dict:
     assert set(verdicts) == set(RACY)  # no clean twin was re-run: it had no race to confirm
     benign = set(CORPUS_BENIGN)
     for test, found in verdicts.items():
-        if backend == "cuda" and test == FREED and found == {"not-confirmed"}:
-            # the caching allocator handed the freed block to nothing while the read was held: benign in this run
-            assert "nothing wrote the freed block" in confirmations[test]["reason"], confirmations[test]
-            benign.add(test)
-            continue
         want = "not-confirmed" if test in CORPUS_BENIGN else "confirmed"
         assert found == {want}, (test, found, confirmations[test])
         if want == "not-confirmed":

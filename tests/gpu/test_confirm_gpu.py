@@ -33,8 +33,9 @@ def test_each_race_is_forced_on_real_streams(pytester, gpu_result):
 
 @pytest.mark.validates(45)
 def test_every_racy_case_of_the_corpus_is_confirmed_or_shown_benign_on_real_streams(pytester, gpu_result):
-    twins.check_corpus(pytester, "cuda")
+    confirmations = twins.check_corpus(pytester, "cuda")
     gpu_result.record("corpus verdicts", "13 racy cases as expected")
+    gpu_result.record("free-while-in-use", confirmations[twins.FREED]["status"])
 
 
 @pytest.mark.validates(45)
