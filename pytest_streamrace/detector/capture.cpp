@@ -1787,6 +1787,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_forcing", &set_forcing, py::arg("fn"), py::arg("ordinals"));
   m.def("add_forcing_ordinal", &add_forcing_ordinal);
   m.def("thread_ordinal", &thread_ordinal);
+  m.def("next_ordinal", &next_ordinal);  // a host access no op makes (`tracker.host_access`) takes a place too
   m.def("set_stream", &set_stream);
   m.def("sync_inside_op", &sync_inside_op);
   m.def("in_op", &in_op);

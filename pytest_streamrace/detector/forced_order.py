@@ -163,7 +163,7 @@ class ForcedOrder:
 
     def install(self, capture) -> None:
         self._capture = capture
-        capture.set_forcing(self._called, self.ordinals())
+        capture.set_forcing(self.reached, self.ordinals())
         host_handoffs.task_watch = self.task_started
 
     def ordinals(self) -> list[int]:
@@ -179,7 +179,7 @@ class ForcedOrder:
 
     # the capture's calls
 
-    def _called(self, when: str, ordinal: int, thread: int, op: str, stream: int, inputs, outputs) -> None:
+    def reached(self, when: str, ordinal: int, thread: int, op: str, stream: int, inputs, outputs) -> None:
         key = thread_key(thread)
         with self._lock:
             for name, side in (("earlier", self.earlier), ("later", self.later)):

@@ -289,6 +289,7 @@ class Detector:
             host_handoffs.task_watch = None
         else:
             order.install(capture)
+        self.tracker.forcing = None if order is None else order.reached  # host accesses no op makes
         collectives = self.tracker.fixed_rules.get("c10d")
         if collectives is not None:  # a collective's work, which the capture does not hand over, as Python gets it
             collectives.returned = None if order is None else order.collective_returned

@@ -228,6 +228,7 @@ class AccessTracker(TorchDispatchMode):
         self._paused = threading.local()  # per thread: one thread modelling work by hand pauses only itself
         self._capture = None  # the C++ capture, when it replaces this dispatch mode
         self._feed = None  # the capture's records applied straight to the C++ core (capture.cpp's Feed), when it is one
+        self.forcing = None  # a forced run's call at each op's place (`session.force`), for host accesses no op makes
         self._ordinal = 0  # the captured op whose queued model runs now (`_queued`): its ordinal names what it launches
         self._issuer: int | None = None  # and the thread that issued it (its ordinal counts that thread's ops)
         # the virtual model's streams by the small int the capture records for each (``VirtualStreams.keys``)
@@ -657,15 +658,24 @@ class AccessTracker(TorchDispatchMode):
         it (explicitly: the host's own program order, in both views)."""
         self.hb.synchronize_stream(timeline)
 
-    def host_access(self, name: str, reads=(), writes=(), frames=None) -> None:
-        """A host access no op reports (``.numpy()``, ``.tolist()``, the buffer protocol) to host storages."""
+    def host_access(self, name: str, reads=(), writes=(), frames=None):
+        """A host access no op reports (``.numpy()``, ``.tolist()``, the buffer protocol) to host storages. Where the
+        capture runs it takes the next place on its thread, as an op would, so a forced run finds it (`forcing`): then
+        it returns what to call once the access is over, else None."""
         with self._lock:
             self.drain()
             touched = [(t, False) for t in reads if self.is_host(t)] + [(t, True) for t in writes if self.is_host(t)]
             if not touched:
-                return
+                return None
             ident = threading.get_ident()
-            self._host_op(Site(name, frames if frames is not None else stack(), thread_origin(ident)), touched)
+            ordinal = self._capture.next_ordinal() if self._capture is not None else 0
+            self._host_op(Site(name, frames if frames is not None else stack(), thread_origin(ident), ordinal), touched)
+        forcing = self.forcing
+        if forcing is None or not ordinal:
+            return None
+        tensors = [t for t, _ in touched]
+        forcing("before", ordinal, ident, name, 0, tensors, [])
+        return lambda: forcing("after", ordinal, ident, name, 0, tensors, [])
 
     def copied_to_host(self, t: torch.Tensor, name: str) -> None:
         """A non_blocking copy from the device wrote host storage `t` on the current stream, in an op recorded before

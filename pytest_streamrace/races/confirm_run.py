@@ -159,7 +159,7 @@ class ForRank:
     def install(self, capture) -> None:
         for order in self.orders.values():
             order.install(capture)  # each learns the capture, and where a task of its race starts
-        capture.set_forcing(self._called, sorted({n for order in self.orders.values() for n in order.ordinals()}))
+        capture.set_forcing(self.reached, sorted({n for order in self.orders.values() for n in order.ordinals()}))
         from ..detector.models import host_handoffs
 
         host_handoffs.task_watch = self._task_started
@@ -168,11 +168,11 @@ class ForRank:
         for order in ([self.orders[self.key]] if self.key is not None else self.orders.values()):
             order.task_started(task, base)
 
-    def _called(self, *args) -> None:
+    def reached(self, *args) -> None:
         if self.key is None and rank_key(self.rank_of()) in self.orders:
             self.key = rank_key(self.rank_of())
         if self.key is not None:
-            self.orders[self.key]._called(*args)
+            self.orders[self.key].reached(*args)
 
     def collective_returned(self, result) -> None:
         if self.key is not None:

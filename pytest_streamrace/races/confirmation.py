@@ -59,10 +59,6 @@ def why_not(data: dict) -> str | None:
     if data["kind"] == FREE and data.get("earlier", {}).get("rw") != "read":
         return "a write freed while in use is not forced (what it corrupts is the block's next owner's)"
     if not placed(data):
-        later = str((data.get("later") or {}).get("op", ""))
-        if later.startswith("."):  # `tracker.host_access`: .numpy(), .tolist(), the buffer protocol
-            return (f"the host's access ({later}) runs no op: a forced run has no place at which to hold the other "
-                    "access back")
         return "its ops were not captured (the C++ capture is off, or a model made them)"
     return None
 

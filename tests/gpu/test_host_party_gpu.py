@@ -17,7 +17,7 @@ CLAIMS = {
         "caught; torch DCP's `DefaultStager` (pinned, async, non-blocking staging) in one process: staging right after the "
         "step and the next step before staging completes reported, the fix and the correct sequence clean under "
         "`--streamrace-latent=fail`, no report on the stager's `set_`; under `--streamrace-confirm` the racy twins "
-        "confirmed with the values the host read or the copy carried (a `.numpy()` read, which runs no op, not tried)",
+        "confirmed with the values the host read or the copy carried, a `.numpy()` read (which runs no op) too",
 }
 
 

@@ -170,7 +170,12 @@ class HostBufferReads:
         def method(tensor, *args, **kwargs):
             tracker = model.tracker
             if tracker.hosts and tensor.__class__ in _PLAIN and tracker.enabled and not torch.compiler.is_compiling():
-                tracker.host_access(f".{name}()", reads=[tensor])
+                done = tracker.host_access(f".{name}()", reads=[tensor])
+                if done is not None:  # a forced run's place: told when the read is over
+                    try:
+                        return original(tensor, *args, **kwargs)
+                    finally:
+                        done()
             return original(tensor, *args, **kwargs)
         return method
 
