@@ -232,8 +232,8 @@ class RaceChecks:
             return
         if text is not None:
             raise StreamRaceError(text)
-        if when == "call" and expected(item) == "race" and not (item.stash[_judged_key] or
-                                                                item.stash.get(_children_key, 0)):
+        if when == "call" and not (item.stash[_judged_key] or item.stash.get(_children_key, 0)) and \
+                expected(item) == "race":
             raise StreamRaceError("streamrace: expected a stream race (marker streamrace(expect='race')), "
                                   "but none was detected")
 
@@ -290,7 +290,6 @@ class RaceChecks:
         judged = item.stash[_judged_key]
         fresh = races[judged:]
         item.stash[_judged_key] = len(races)
-        rank = process_rank()
         children, child_traces = self.children.collect(item.nodeid)
         item.stash[_children_key] = item.stash.get(_children_key, 0) + len([c for c in children
                                                                              if not c.get("latent")])
@@ -302,8 +301,11 @@ class RaceChecks:
         props: list = []
         failing = []
         failing_children = []
-        race_expected = expected(item) == "race"
-        if fresh or children or fresh_latent:
+        found = bool(fresh or children or fresh_latent)
+        # what only races need, asked only where there are some (or a trace to write)
+        rank = process_rank() if found or self.trace_path else None
+        race_expected = found and expected(item) == "race"
+        if found:
             from .record import from_race
 
             records = [from_race(r, detector.stream_name, rank) for r in fresh]
