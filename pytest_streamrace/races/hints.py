@@ -134,8 +134,10 @@ class StreamHints:
         if found and report.when == "call":
             report.sections.append((SECTION, "\n".join([*(line for _, line in merged([("", h) for h in found])),
                                                          *advice(found)])))
-        if found and report.when == "teardown":
-            report.user_properties.append((HINTS, list(found)))
+        if report.when == "teardown":
+            if found:
+                report.user_properties.append((HINTS, list(found)))
+            del item.stash[_hints_key]  # the report has them
         return report
 
     @pytest.hookimpl
