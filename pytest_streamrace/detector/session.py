@@ -51,7 +51,7 @@ _holding: "Resident | None" = None  # the resident whose held patches are instal
 
 @functools.cache
 def _modules(backend: str) -> types.SimpleNamespace:
-    """What a session's start builds from, imported by the backend's first session (the models import torch) and
+    """What a session's start builds from, imported by the backend's earliest session (the models import torch) and
     looked up by every later one: a start made fourteen imports, about 20 us of a test's fixed cost. ``collectives`` is
     None where this torch has no torch.distributed."""
     from . import capture
