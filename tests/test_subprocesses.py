@@ -533,3 +533,21 @@ def test_the_session_never_adds_or_removes_a_variable_while_tests_run(pytester):
     assert (pytester.path / "arrays.txt").read_text().splitlines() == [
         "session start: present", "in test_first: present", "after test_first: present", "in test_second: present",
         "after test_second: present"]
+
+
+def test_the_data_folder_is_listed_again_once_a_child_adds_a_file():
+    """A stat stands in for the folder's listing at each judging point once the folder settled (it changed before
+    the live file's last write): a child's file created after that listing is still read at the next point."""
+    from pytest_streamrace.children.following import Following
+
+    following = Following("virtual", False)
+    try:
+        assert following.read() == []
+        time.sleep(0.02)  # past the clock's step: the live file's next write is later than the folder's change
+        following.follow("t::a")
+        assert following.read() == [] and following._listed[1]  # settled: the next look is a stat
+        assert following.read() == []
+        Path(following.dir, "child-1.jsonl").write_text(json.dumps({"kind": "note", "text": "x"}) + "\n")
+        assert following.read() == [{"kind": "note", "text": "x"}]
+    finally:
+        following.close()

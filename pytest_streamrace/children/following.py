@@ -33,12 +33,19 @@ class Following:
         self._offsets: dict[str, int] = {}
         self._pending: dict[str, bytes] = {}
         self._current_fd: int | None = None
+        self._current_size = 0
+        self._listed: tuple = (None, False, [])  # the folder's mtime when listed, whether it had settled, the files
+        self._head: tuple = (None, "")  # the variable's fields, and its text up to the owner (set twice a test)
         self._write_current("")
 
     def variable(self, owner: str) -> str:
         """The value of ``STREAMRACE_SUBPROCESS`` for processes that work for `owner` ("": none, not followed)."""
-        return json.dumps({"dir": self.dir, "backend": self.backend, "trace": self.trace, "latent": self.latent,
-                           "incidental": list(self.incidental), "test": owner})
+        fields = (self.dir, self.backend, self.trace, self.latent, tuple(self.incidental))
+        if self._head[0] != fields:
+            whole = json.dumps({"dir": self.dir, "backend": self.backend, "trace": self.trace, "latent": self.latent,
+                                "incidental": list(self.incidental)})
+            self._head = (fields, whole[:-1] + ', "test": ')
+        return self._head[1] + json.dumps(owner) + "}"
 
     def follow(self, owner: str) -> None:
         """Processes started from now on (by exec, or forked from a followed one) work for `owner`."""
@@ -62,14 +69,29 @@ class Following:
             self._current_fd = os.open(os.path.join(self.dir, child.CURRENT), os.O_WRONLY | os.O_CREAT, 0o644)
         data = child.live_record(owner)
         os.pwrite(self._current_fd, data, 0)
-        os.ftruncate(self._current_fd, len(data))
+        if len(data) < self._current_size:
+            os.ftruncate(self._current_fd, len(data))
+        self._current_size = len(data)
+
+    def _files(self) -> list[str]:
+        """The followed processes' data files, sorted: listed again only when the folder changed since (a file
+        created moves its mtime), a stat in place of a listing at each of a test's judging points."""
+        mtime = os.stat(self.dir).st_mtime_ns
+        if mtime == self._listed[0] and self._listed[1]:
+            return self._listed[2]
+        # Settled: the folder changed before the live file's last write, so a file created from now on gets a later
+        # mtime from the same clock, however coarse its steps (the same step could leave the folder's mtime as seen).
+        settled = self._current_fd is not None and mtime < os.fstat(self._current_fd).st_mtime_ns
+        names = sorted(n for n in os.listdir(self.dir) if n.startswith("child-") and n.endswith(".jsonl"))
+        self._listed = (mtime, settled, names)
+        return names
 
     def read(self) -> list[dict]:
         """The records written since the last call, in file order per process (a line still being written waits for
         the next call)."""
         records = []
         try:
-            names = sorted(n for n in os.listdir(self.dir) if n.startswith("child-") and n.endswith(".jsonl"))
+            names = self._files()
         except OSError:
             return records
         for name in names:

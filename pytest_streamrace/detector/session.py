@@ -16,6 +16,8 @@ milliseconds.
 
 from __future__ import annotations
 
+import functools
+import types
 from typing import Hashable
 
 from ..patching import CallPatch
@@ -45,6 +47,41 @@ def _core(trace: bool):
 # session is active at a time.
 _built: dict = {}
 _holding: "Resident | None" = None  # the resident whose held patches are installed now, if any
+
+
+@functools.cache
+def _modules(backend: str) -> types.SimpleNamespace:
+    """What a session's start builds from, imported by the backend's earliest session (the models import torch) and
+    looked up by every later one: a start made fourteen imports, about 20 us of a test's fixed cost. ``collectives`` is
+    None where this torch has no torch.distributed."""
+    from . import capture
+    from .models import collectives, host_memory
+    from .models.compiled import CompiledCode
+    from .models.futures import Futures
+    from .models.host_handoffs import HostHandoffs
+    from .threads import Threads
+    from .tracker import AccessTracker
+
+    found = types.SimpleNamespace(capture=capture, collectives=None, host_memory=host_memory, CompiledCode=CompiledCode,
+                                  Futures=Futures, HostHandoffs=HostHandoffs, Threads=Threads,
+                                  AccessTracker=AccessTracker)
+    if backend == "virtual":
+        from .models import virtual_streams
+        from .models.virtual_autograd import VirtualAutograd
+        from .models.virtual_host_reads import HostReads
+
+        found.virtual_streams, found.VirtualAutograd, found.HostReads = virtual_streams, VirtualAutograd, HostReads
+    else:
+        from .models.cuda import CudaStreams
+
+        found.CudaStreams = CudaStreams
+    if collectives.available():
+        from .models.functional_collectives import FunctionalCollectives
+        from .models.threaded_pg import ThreadedGroup
+
+        found.collectives, found.FunctionalCollectives, found.ThreadedGroup = (collectives, FunctionalCollectives,
+                                                                               ThreadedGroup)
+    return found
 
 
 def _once(key, build) -> list:
@@ -169,11 +206,9 @@ class Detector:
         """The models' patches: those built once per process (`shared`: `_once`, `_kept`), kept installed by the
         resident from the session before where there is one, then this session's own (the models themselves), in
         the order they were listed; the op source last."""
-        from . import capture
-        from .tracker import AccessTracker
-
-        extension = capture.load()  # the op source (None: the dispatch mode), which virtual autograd's binding follows
-        self.capture_failure = capture.failure()
+        m = _modules(self.backend)
+        extension = m.capture.load()  # the op source (None: the dispatch mode), which virtual autograd's binding follows
+        self.capture_failure = m.capture.failure()
         shared: list = []  # no patch here touches an attribute one of `own` does (tests/test_session_face.py)
         own: list = []
 
@@ -183,61 +218,37 @@ class Detector:
             own.extend(model)
 
         if self.backend == "virtual":
-            from .models import virtual_streams
-            from .models.virtual_autograd import VirtualAutograd
-
-            self.tracker = AccessTracker(self.hb, self._current, "cpu", track_frees=True)
+            virtual_streams = m.virtual_streams
+            self.tracker = m.AccessTracker(self.hb, self._current, "cpu", track_frees=True)
             self.streams = virtual_streams.VirtualStreams(self.hb, self.tracker)
             shared += _once(("virtual streams", virtual_streams._opaque), self.streams.patches)
             self.tracker.current_stream = self.streams.current  # per op: no detour through the session
-            autograd = VirtualAutograd(self.streams, self.hb, self.tracker, extension)
+            autograd = m.VirtualAutograd(self.streams, self.hb, self.tracker, extension)
             own += autograd.patches()
-            from .models.host_memory import PinnedMemory
-            from .models.virtual_host_reads import HostReads
-
-            kept(HostReads, None, self.tracker)
-            kept(PinnedMemory, None, self.tracker)
+            kept(m.HostReads, None, self.tracker)
+            kept(m.host_memory.PinnedMemory, None, self.tracker)
             on_outputs = autograd.adopt_outputs
             function_mode = lambda: autograd.mode  # noqa: E731 (exists once autograd's patches are installed)
         else:
-            from .models.cuda import CudaStreams
-
-            self.tracker = AccessTracker(self.hb, self._current, "cuda", track_frees=False)
+            self.tracker = m.AccessTracker(self.hb, self._current, "cuda", track_frees=False)
             self.tracker.engine_records_streams = True
-            self.streams = CudaStreams(self.hb, self.tracker)
+            self.streams = m.CudaStreams(self.hb, self.tracker)
             self.tracker.current_stream = self.streams.current
             own += self.streams.patches()
-            from .models.host_memory import AsyncCopies
-
-            kept(AsyncCopies, None, self.tracker)
+            kept(m.host_memory.AsyncCopies, None, self.tracker)
             on_outputs = None  # the engine binds compiled code's autograd nodes itself
             function_mode = None
-        from .models.host_memory import HostBufferReads
-
-        kept(HostBufferReads, None, self.tracker)
-        from .models.compiled import CompiledCode
-
+        kept(m.host_memory.HostBufferReads, None, self.tracker)
         _handle.register(self.streams)
-        compiled = CompiledCode(self.tracker, self._current, on_outputs)
+        compiled = m.CompiledCode(self.tracker, self._current, on_outputs)
         _handle.register(compiled)
         own += compiled.patches(self.backend)
-        from .models import collectives
-
-        if collectives.available():
-            kept(collectives.Collectives, None, self.hb, self.tracker, self._current)
-            from .models.functional_collectives import FunctionalCollectives
-
-            own += FunctionalCollectives(self.hb, self.tracker, self._current).patches()
-            from .models.threaded_pg import ThreadedGroup
-
-            own += ThreadedGroup(self.hb, self.tracker, self._current).patches()
-        from .models.futures import Futures
-
-        kept(Futures, self.backend, self.hb, self.tracker, self._current, self.backend == "virtual")
-        from .models.host_handoffs import HostHandoffs
-        from .threads import Threads
-
-        threads, handoffs = Threads(self.tracker, function_mode), HostHandoffs(self.hb, self.tracker)
+        if m.collectives is not None:
+            kept(m.collectives.Collectives, None, self.hb, self.tracker, self._current)
+            own += m.FunctionalCollectives(self.hb, self.tracker, self._current).patches()
+            own += m.ThreadedGroup(self.hb, self.tracker, self._current).patches()
+        kept(m.Futures, self.backend, self.hb, self.tracker, self._current, self.backend == "virtual")
+        threads, handoffs = m.Threads(self.tracker, function_mode), m.HostHandoffs(self.hb, self.tracker)
         shared += _once("threads", threads.patches)[:-1]  # the models themselves (last) are per session
         shared += _once("handoffs", handoffs.patches)[:-1]  # wraps Threads' thread entry, as installed
         own += [threads, handoffs]

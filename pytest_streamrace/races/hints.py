@@ -7,10 +7,12 @@ side stream, Megatron-LM #3670; ZeRO's hooks under torch.compile, DeepSpeed #806
 virtual backend's autograd model raises the same warning on CPU (``detector.models.virtual_autograd``). A hint is not a
 failure: it says where to look; the detector's races say what is wrong.
 
-Each test phase runs inside ``warnings.catch_warnings``; every warning caught is re-issued after the phase, so
-pytest's own warning summary and the user's filters are unchanged (an ignored warning is still a hint). torch issues
-its warning once per process, so inside each phase ``torch.set_warn_always(True)`` is on: every test that triggers it
-gets its hint — and torch's other once-per-process warnings show in every test that triggers them, too.
+Each test runs inside one ``warnings.catch_warnings`` (inside pytest's own, which spans the test's whole run
+protocol too); a phase's report takes the hints among the warnings caught so far, and every warning caught is re-issued
+after the test, so pytest's own warning summary and the user's filters are unchanged (an ignored warning is still a
+hint). torch issues its warning once per process, so while a test runs ``torch.set_warn_always(True)`` is on: every
+test that triggers it gets its hint — and torch's other once-per-process warnings show in every test that triggers
+them, too.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ NOT_MODELLED = "not-modelled"  # something the detector skipped (an op it could 
 ADVICE = ("An AccumulateGrad node on another stream than the backward that feeds it runs its gradient hooks there: "
           "whatever they write (gradient buckets, main_grad) needs a wait before another stream reads it.")
 _hints_key = pytest.StashKey[list]()
+_caught_key = pytest.StashKey[list]()  # [the test's warnings caught so far, how many of them were looked at]
 
 
 def hint_from(warning: warnings.WarningMessage, rank: int | None) -> dict | None:
@@ -86,43 +89,44 @@ class StreamHints:
         self.config = config
         self.seen: list[tuple[str, dict]] = []  # (nodeid, hint), where the summary is written
 
-    def _capture(self, item: pytest.Item):
-        found = item.stash.setdefault(_hints_key, [])
+    @pytest.hookimpl(wrapper=True)  # inside pytest's own capture (tryfirst), which sees what is re-issued
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem):
         torch = sys.modules.get("torch")  # not imported yet: no torch warning can fire
         warn_always = torch.is_warn_always_enabled() if torch is not None else None
         try:
             if torch is not None:
-                torch.set_warn_always(True)  # torch's once-per-process warnings, once per test phase
+                torch.set_warn_always(True)  # torch's once-per-process warnings, once per test
             with warnings.catch_warnings(record=True) as caught:
                 warnings.filterwarnings("always", message=_PATTERN)
+                item.stash[_caught_key] = [caught, 0]
                 return (yield)
         finally:
             if torch is not None:
                 torch.set_warn_always(warn_always)
-            for w in caught:
-                hint = hint_from(w, process_rank())
-                if hint is not None and hint not in found:
-                    found.append(hint)
+            if _caught_key in item.stash:
+                del item.stash[_caught_key]
             # outside the capture: pytest and the user's filters see every warning as if we were not here
             for w in caught:
                 warnings.warn_explicit(w.message, w.category, w.filename, w.lineno, source=w.source)
 
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_setup(self, item: pytest.Item):
-        return (yield from self._capture(item))
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_call(self, item: pytest.Item):
-        return (yield from self._capture(item))
-
-    @pytest.hookimpl(wrapper=True)
-    def pytest_runtest_teardown(self, item: pytest.Item, nextitem):
-        return (yield from self._capture(item))
+    @staticmethod
+    def _hints_caught(item: pytest.Item, found: list) -> None:
+        """The hints among the warnings caught since the last look, added to `found`."""
+        state = item.stash.get(_caught_key, None)
+        if state is None:
+            return
+        caught, seen = state
+        for w in caught[seen:]:
+            hint = hint_from(w, process_rank())
+            if hint is not None and hint not in found:
+                found.append(hint)
+        state[1] = len(caught)
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: after the race checks read the children's notes
     def pytest_runtest_makereport(self, item: pytest.Item, call):
         report = yield
         found = item.stash.setdefault(_hints_key, [])
+        self._hints_caught(item, found)
         for rank, note in detector_notes(item):
             hint = note_hint(note, rank)
             if hint not in found:
@@ -130,8 +134,10 @@ class StreamHints:
         if found and report.when == "call":
             report.sections.append((SECTION, "\n".join([*(line for _, line in merged([("", h) for h in found])),
                                                          *advice(found)])))
-        if found and report.when == "teardown":
-            report.user_properties.append((HINTS, list(found)))
+        if report.when == "teardown":
+            if found:
+                report.user_properties.append((HINTS, list(found)))
+            del item.stash[_hints_key]  # the report has them
         return report
 
     @pytest.hookimpl

@@ -33,6 +33,7 @@ _latent_key = pytest.StashKey[list]()  # [latent races judged so far, their stat
 _pending_key = pytest.StashKey[tuple]()  # (user_properties, section text) of the phase judged in its own hook
 _outcome_key = pytest.StashKey[str]()  # the test body's own outcome, for --streamrace-confirm
 _notes_key = pytest.StashKey[list]()  # the detector's notes, kept once the detector is let go (teardown's report)
+_PER_TEST = (_judged_key, _children_key, _statuses_key, _latent_key, _pending_key, _outcome_key)
 
 
 def resolve_backend(config: pytest.Config) -> str:
@@ -232,8 +233,8 @@ class RaceChecks:
             return
         if text is not None:
             raise StreamRaceError(text)
-        if when == "call" and expected(item) == "race" and not (item.stash[_judged_key] or
-                                                                item.stash.get(_children_key, 0)):
+        if when == "call" and not (item.stash[_judged_key] or item.stash.get(_children_key, 0)) and \
+                expected(item) == "race":
             raise StreamRaceError("streamrace: expected a stream race (marker streamrace(expect='race')), "
                                   "but none was detected")
 
@@ -259,8 +260,13 @@ class RaceChecks:
         if report.when == "teardown":
             # Let the session go (its core, tracker and models; held by the item, a suite's sessions would all stay
             # alive to its end, and every collection of the oldest objects would walk them): its notes stay.
-            item.stash[_notes_key] = detector.notes
+            notes = detector.notes
+            if notes:  # (read by the hints' report hook, which runs after this one)
+                item.stash[_notes_key] = notes
             del item.stash[_detector_key]
+            for key in _PER_TEST:  # what only the test's own judging read: not kept by every item to the suite's end
+                if key in item.stash:
+                    del item.stash[key]
             self.children.end()
             after, self.children.after[:] = list(self.children.after), []
             if after:  # shipped on a report, so an xdist controller or launching parent sees them too
@@ -290,11 +296,11 @@ class RaceChecks:
         judged = item.stash[_judged_key]
         fresh = races[judged:]
         item.stash[_judged_key] = len(races)
-        rank = process_rank()
         children, child_traces = self.children.collect(item.nodeid)
         item.stash[_children_key] = item.stash.get(_children_key, 0) + len([c for c in children
                                                                              if not c.get("latent")])
-        item.stash[_child_notes_key] = list(self.children.notes)
+        if self.children.notes:
+            item.stash[_child_notes_key] = list(self.children.notes)
         statuses = item.stash[_statuses_key]
         latent_state = item.stash[_latent_key]
         latent = detector.latent_races
@@ -302,8 +308,11 @@ class RaceChecks:
         props: list = []
         failing = []
         failing_children = []
-        race_expected = expected(item) == "race"
-        if fresh or children or fresh_latent:
+        found = bool(fresh or children or fresh_latent)
+        # what only races need, asked only where there are some (or a trace to write)
+        rank = process_rank() if found or self.trace_path else None
+        race_expected = found and expected(item) == "race"
+        if found:
             from .record import from_race
 
             records = [from_race(r, detector.stream_name, rank) for r in fresh]
