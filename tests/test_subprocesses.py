@@ -551,3 +551,35 @@ def test_the_data_folder_is_listed_again_once_a_child_adds_a_file():
         assert following.read() == [{"kind": "note", "text": "x"}]
     finally:
         following.close()
+
+
+TEARDOWN_CHILD = '''
+import os, subprocess, sys
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture
+def racy_child_at_teardown():
+    yield
+    code = f"import sys; sys.path.insert(0, {HERE!r}); from body import racy_body; racy_body(True)"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_child_races_in_teardown(racy_child_at_teardown):
+    pass
+'''
+
+
+def test_a_child_s_race_in_teardown_is_judged_with_a_trace(pytester, tmpdir_marker):
+    """A race in a process started by a fixture's teardown lands in the teardown phase's judging, with the test's
+    own races and latent races, in the trace too."""
+    pytester.makepyfile(body=BODY, test_teardown=TEARDOWN_CHILD)
+    result = pytester.runpytest_subprocess("--streamrace", "-rA", "-p", "no:cacheprovider", "--streamrace-trace",
+                                           "trace.json", "--streamrace-json", "races.json")
+    result.assert_outcomes(passed=1, errors=1)  # the teardown's child race fails the teardown
+    races = json.loads((pytester.path / "races.json").read_text())["races"]
+    assert [r["test"].split("::")[-1] for r in races] == ["test_child_races_in_teardown"], races
+    events = json.loads((pytester.path / "trace.json").read_text())["traceEvents"]
+    assert any(e.get("cat") == "race" for e in events)

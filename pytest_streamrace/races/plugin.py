@@ -328,8 +328,9 @@ class RaceChecks:
                 if self.policy.fails(status):
                     failing.append(race)
             for data in children:  # races in processes the test started
-                latent = bool(data.get("latent"))
-                if self.policy.fails(self.policy.classify(item.nodeid, data, race_expected and not latent), latent):
+                child_latent = bool(data.get("latent"))
+                if self.policy.fails(self.policy.classify(item.nodeid, data, race_expected and not child_latent),
+                                     child_latent):
                     failing_children.append(data)
             props.append((RACES, records + latent_records + children))
         if self.trace_path:
