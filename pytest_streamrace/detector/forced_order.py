@@ -277,7 +277,7 @@ class ForcedOrder:
 
             detector = active()
             stream = torch.cuda.ExternalStream(handle) if handle else torch.cuda.default_stream(view.device)
-            with detector.paused() if detector is not None else _nothing(), torch.cuda.stream(stream):
+            with detector.paused() if detector is not None else contextlib.nullcontext(), torch.cuda.stream(stream):
                 self._region(view).fill_(0xFF)
         except Exception as exc:  # never into the test (nor the allocator's free)
             self.problem = self.problem or f"forcing failed at the free: {type(exc).__name__}: {exc}"
@@ -290,6 +290,11 @@ class ForcedOrder:
             if self._on_free in listeners:
                 listeners.remove(self._on_free)
             self._on_free = None
+
+    def _hold_on(self) -> bool:
+        """Whether the held stream is still in its hold (cuda): the event after the sleep not reached yet. Asked of the
+        event base itself: the model's query would take a True as the host observing the stream."""
+        return self.events is not None and not torch._C._CudaEventBase.query(self.events[0])
 
     def _snapshot(self, entry: dict) -> torch.Tensor:
         """The candidate's bytes now, on the current stream: into memory taken before the hold where there is some."""
@@ -362,8 +367,7 @@ class ForcedOrder:
             # the host's own access (pinned memory a held copy fills or reads): it runs now, during the hold
             self.host_later = True
             region = self._region(found["view"])
-            if self.kind == RAW and self.earlier.op in OVERWRITES and self.events is not None and \
-                    not torch._C._CudaEventBase.query(self.events[0]):
+            if self.kind == RAW and self.earlier.op in OVERWRITES and self._hold_on():
                 # the held copy has not written these bytes yet, and overwrites them when it runs: what was there
                 # may be the very values from an earlier pass (pinned blocks are cached), so the host reads 0xFF
                 region.fill_(0xFF)
@@ -404,9 +408,7 @@ class ForcedOrder:
             if collective:  # it runs on its communicator's stream: observed once Python has its work back
                 self.awaiting = (threading.get_ident(), entry)
             elif self.host_later and self.events is not None:
-                # done on the host: the order inverted if the held stream's hold was not over by then (the event
-                # base's own query, not the model's, which would take it as the host observing the stream)
-                self.host_inverted = not torch._C._CudaEventBase.query(self.events[0])
+                self.host_inverted = self._hold_on()  # done on the host while the held access had not started
             elif self.events is not None:
                 self.events[1].record(torch.cuda.current_stream())  # the later access has run by here on its stream
             if self.kind == RAW and self.host_later:  # what the host read, against the copy's bytes
@@ -661,11 +663,6 @@ def _allocation_stream(ptr: int) -> int | None:
         if segment["address"] <= ptr < segment["address"] + segment["total_size"]:
             return int(segment["stream"])
     return None
-
-
-@contextlib.contextmanager
-def _nothing():
-    yield
 
 
 def _world_size() -> int | None:
