@@ -954,7 +954,7 @@ def test_plans_outlive_a_session_only_while_their_inputs_and_the_ops_stay(extens
                 return list(asked)
 
             session()
-            session()  # the key's first session after the listener's start: plans made here are kept
+            session()  # the plans made from here on are kept (the dispatcher's listener counted every op as it began)
             assert session() == []
             library = torch.library.Library("streamrace_plans_test", "DEF")
             library.define("noop(Tensor x) -> Tensor")
