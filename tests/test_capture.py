@@ -927,3 +927,39 @@ struct C10_API PyInterpreterVTable {
         'override { unreachable("python_dispatcher"); }']
     with pytest.raises(RuntimeError, match="no PyInterpreterVTable methods"):
         capture.interpreter_stubs("struct C10_API PyInterpreterVTable {\n};")
+
+
+def test_plans_outlive_a_session_only_while_their_inputs_and_the_ops_stay(extension):
+    """The capture asks Python for an op's plan once across sessions of the same plan inputs; another device, or an op
+    defined between two sessions (a removed op's name may be reused), makes it ask again."""
+    from pytest_streamrace.detector.session import Detector, Resident
+
+    asked: list[str] = []
+    original = AccessTracker._capture_plan
+
+    def counting(self, name, overload):
+        asked.append(name)
+        return original(self, name, overload)
+
+    resident = Resident()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(AccessTracker, "_capture_plan", counting)
+
+            def session():
+                asked.clear()
+                with Detector(backend="virtual", resident=resident):
+                    a = torch.ones(8, 8)
+                    (a @ a).sum()
+                return list(asked)
+
+            session()
+            session()  # the plans made from here on are kept (the dispatcher's listener counted every op as it began)
+            assert session() == []
+            library = torch.library.Library("streamrace_plans_test", "DEF")
+            library.define("noop(Tensor x) -> Tensor")
+            assert "aten::mm" in session()  # an op defined: every plan asked again
+            assert session() == []
+            del library
+    finally:
+        resident.close()

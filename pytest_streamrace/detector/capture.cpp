@@ -175,6 +175,12 @@ void give_back(std::vector<Record>& drained) {
 }
 // keyed by the op's name, which lives in its schema; shared with the ops running one, as `enable` clears the map
 std::unordered_map<const char*, std::shared_ptr<const Plan>> plans;
+// The plans outlive a session where the next one asks with the same key (the tracker's `_plans_key`: the backend and
+// every other input of its plan) and no op was defined or removed since the map was last emptied (`ops_changes`: a
+// removed op's schema name, the map's key, may be reused by an op defined later): asking Python again for every
+// distinct op (a few microseconds each) was part of every test's fixed cost. An empty key keeps nothing.
+std::string plans_key;  // the key the map's plans were made under; empty: none kept
+uint64_t plans_epoch = 0;  // `ops_changes` when the map was emptied
 // Every thread, or (host memory: the virtual model, whose fallback is a dispatch mode) the threads that mode would see:
 // the enabling thread and those the tracker marks (`observe`: Python threads started in a session). A mark is the
 // capture's own thread-local: threads that inherit torch's thread-local state from a marked one (at::launch's, a
@@ -191,6 +197,7 @@ bool cuda = false;
 // An op was defined since the kernel entry last looked (the dispatcher's listener says so): the next captured op's
 // start hooks it, so an op a test defines inside a session is captured in that session.
 std::atomic<bool> ops_added{false};
+std::atomic<uint64_t> ops_changes{0};  // ops defined or removed in this process (the same listener)
 // Python callables, kept by pointer: a static py::object would be released after the interpreter is gone.
 py::object* plan_fn = nullptr;
 py::object* drain_fn = nullptr;  // applies the records, called every `kDrainEvery` records
@@ -914,12 +921,16 @@ py::tuple shape_of(const Span& t) {
 }  // namespace
 
 // Records and addresses dropped outside the locks: a storage a record held may die, and its weak reference call back.
-void clear_all() {
+void clear_all(bool keep_plans = false) {
   std::vector<Record> dropped;
   {
     std::lock_guard<std::mutex> guard(mutex);
-    plans.clear();
-    plans_made.fetch_add(1, std::memory_order_release);
+    if (!keep_plans) {
+      plans.clear();
+      plans_made.fetch_add(1, std::memory_order_release);
+      plans_key.clear();
+      plans_epoch = ops_changes.load(std::memory_order_relaxed);
+    }
     dropped.swap(records);
   }
   {
@@ -941,7 +952,13 @@ bool observe() {
 
 void unobserve() { here.observed = false; }
 
-void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, bool host_frees) {
+// Whether the plans kept may serve a session planning under `key` (under the GIL, as `enable` and `disable` run).
+bool plans_hold(const std::string& key) {
+  return !key.empty() && key == plans_key && plans_epoch == ops_changes.load(std::memory_order_relaxed);
+}
+
+void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, bool host_frees,
+            const std::string& key) {
   if (on_cuda) torch_compat::ready_for_gpu_streams();
   cuda = on_cuda;
   if (!cuda && host_frees && cpu_deleter == nullptr)
@@ -952,18 +969,20 @@ void enable(bool on_cuda, py::object plan, py::object drain, bool all_threads, b
   plan_fn = new py::object(plan);
   drain_fn = drain.is_none() ? nullptr : new py::object(drain);
   generation.fetch_add(1);  // every thread back on the default stream
-  clear_all();
+  clear_all(plans_hold(key));
+  plans_key = key;
   every_thread = all_threads;
   hook_ops(!cuda, true);  // aten::expand: the virtual model binds AccumulateGrad nodes at p.expand_as(p)
   on.store(true);
   if (!every_thread) observe();
 }
 
-void disable() {
+// keep_plans: the session's plan inputs are as they were at `enable` (else its plans are dropped).
+void disable(bool keep_plans) {
   on.store(false);
   // other threads keep their marks: they record into the next session, as a forwarding mode would
   if (!every_thread) unobserve();
-  clear_all();
+  clear_all(keep_plans && plans_hold(plans_key));
   delete plan_fn;  // called from Python: the GIL is held; outside the lock, as releasing them may run Python
   delete drain_fn;
   plan_fn = drain_fn = nullptr;
@@ -1778,10 +1797,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Stack, std::shared_ptr<Stack>>(m, "Stack").def("frames", &Stack::frames);
   m.def("stack", &stack_here);
   m.def("enable", &enable, py::arg("cuda"), py::arg("plan"), py::arg("drain") = py::none(),
-        py::arg("every_thread") = true, py::arg("host_frees") = false);
+        py::arg("every_thread") = true, py::arg("host_frees") = false, py::arg("plans_key") = "");
   m.def("observe", &observe);
   m.def("unobserve", &unobserve);
-  m.def("disable", &disable);
+  m.def("disable", &disable, py::arg("keep_plans") = false);
   m.def("set_recording", &set_recording);
   m.def("set_issuing", &set_issuing);
   m.def("set_forcing", &set_forcing, py::arg("fn"), py::arg("ordinals"));

@@ -143,9 +143,13 @@ struct Silent : c10::WarningHandler {  // torch warns once when a kernel replace
 };
 
 struct Defined : c10::OpRegistrationListener {  // told of every op defined (under the dispatcher's lock): a flag only
-  void onOperatorRegistered(const c10::OperatorHandle&) override { ops_added.store(true, std::memory_order_relaxed); }
+  void onOperatorRegistered(const c10::OperatorHandle&) override { changed(); }
   // an op gone: a handle in `awaiting` may be too, so every op is looked at again
-  void onOperatorDeregistered(const c10::OperatorHandle&) override { ops_added.store(true, std::memory_order_relaxed); }
+  void onOperatorDeregistered(const c10::OperatorHandle&) override { changed(); }
+  static void changed() {  // and the capture's kept plans are dropped (`plans_hold`)
+    ops_changes.fetch_add(1, std::memory_order_relaxed);
+    ops_added.store(true, std::memory_order_relaxed);
+  }
 };
 
 std::mutex hooks_mutex;

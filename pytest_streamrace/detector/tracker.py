@@ -227,6 +227,7 @@ class AccessTracker(TorchDispatchMode):
         self._lock = _thread.RLock()  # not threading's: it may be a modelled one by now (hb.py)
         self._paused = threading.local()  # per thread: one thread modelling work by hand pauses only itself
         self._capture = None  # the C++ capture, when it replaces this dispatch mode
+        self._plans_at_enable = ""  # `_plans_key` as the capture was enabled
         self._feed = None  # the capture's records applied straight to the C++ core (capture.cpp's Feed), when it is one
         self.forcing = None  # a forced run's call at each op's place (`session.force`), for host accesses no op makes
         self._ordinal = 0  # the captured op whose queued model runs now (`_queued`): its ordinal names what it launches
@@ -294,8 +295,10 @@ class AccessTracker(TorchDispatchMode):
         if self._feed is not None:  # its tables in C++, with a dict's face for the paths here that read them
             self._swap_tables(self._feed.tables)
         cuda = self.device_type == "cuda"
+        self._plans_at_enable = self._plans_key()
         extension.enable(cuda, self._capture_plan, self._drain_forced,
-                         cuda if every_thread is None else every_thread, host_frees=self.track_frees and not cuda)
+                         cuda if every_thread is None else every_thread, host_frees=self.track_frees and not cuda,
+                         plans_key=self._plans_at_enable)
 
     def busy_here(self) -> bool:
         """Whether this thread is inside the tracker's own work (an op being recorded, a drain): what runs there is the
@@ -331,7 +334,8 @@ class AccessTracker(TorchDispatchMode):
     def stop_capture(self) -> None:
         if self._capture is not None:
             self.drain()
-            self._capture.disable()
+            # the capture keeps its plans for the next session only where nothing they were made from changed here
+            self._capture.disable(keep_plans=self._plans_key() == self._plans_at_enable)
             if self._feed is not None:  # the tables back in Python dicts, with what they hold
                 self.watched, self.last_writer, self.redirect, self.names = (
                     dict(table.items()) for table in self._tables())
@@ -352,6 +356,17 @@ class AccessTracker(TorchDispatchMode):
         """A free seen by the allocator while ops are captured: queued in the capture's buffer, so it lands
         between the ops it came between. Its stack only where a free may yet race or be traced (as `_dead`)."""
         self._capture.mark_free(key, self.hb.frees_can_race)
+
+    def _plans_key(self) -> str:
+        """Everything `_capture_plan`'s answers depend on beside the op, as one string: the capture keeps its plans
+        from one session to the next while it stays the same (the plan function itself, the modelled device, the
+        namespaces models handle and how, the host-sync table)."""
+        if "_capture_plan" in vars(self):  # replaced on this tracker: its answers are its own
+            return ""
+        return repr((id(type(self)._capture_plan), id(self._plans), self.device_type,
+                     sorted(self.namespace_handlers), sorted(self.queued_at_issue),
+                     sorted((namespace, id(model)) for namespace, model in self.fixed_rules.items()),
+                     id(self.host_syncs), len(self.host_syncs)))
 
     @_called_from_cpp
     def _capture_plan(self, name: str, overload: str):
