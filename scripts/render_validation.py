@@ -100,8 +100,10 @@ def _hardware(machine: dict, items: list[dict]) -> str:
 
 
 def rows(results: list[dict], only: list[int] | None = None) -> list[str]:
-    """The table's rows: each row's items, each from the last file that ran it."""
+    """The table's rows: each row's items, each from the last file that ran it; its claim as the last file that ran
+    one of its items states it (a claim that grew with a new item, run alone, is the row's claim from then on)."""
     by_row: dict[int, dict[str, tuple[dict, dict]]] = {}
+    claims: dict[int, str] = {}
     for data in results:
         for item in data["items"]:
             for row in item["rows"]:
@@ -109,6 +111,8 @@ def rows(results: list[dict], only: list[int] | None = None) -> list[str]:
                 before = mine.get(item["nodeid"])
                 if before is None or item["outcome"] != "skipped" or before[1]["outcome"] == "skipped":
                     mine[item["nodeid"]] = (data["machine"], item)
+                if str(row) in item.get("claims", {}) and (item["outcome"] != "skipped" or int(row) not in claims):
+                    claims[int(row)] = item["claims"][str(row)]
     out = []
     for row in sorted(by_row):
         if only and row not in only:
@@ -118,7 +122,7 @@ def rows(results: list[dict], only: list[int] | None = None) -> list[str]:
         ran = [machine for machine, item in pairs if item["outcome"] != "skipped"] or [m for m, _ in pairs]
         machine = max(ran, key=lambda m: (m.get("gpu_count") or 0, str(m.get("date"))))
         dates = " and ".join(sorted({str(m.get("date")) for m in ran}))
-        claim = next((i["claims"][str(row)] for i in items if str(row) in i.get("claims", {})), "(no claim recorded)")
+        claim = claims.get(row, "(no claim recorded)")
         out.append(f"| {row} | {claim} | {_result(items)} | {_hardware(machine, items)} | {dates} | "
                    f"`pytest -m gpu tests/gpu --validates {row}` |")
     return out
