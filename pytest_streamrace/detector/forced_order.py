@@ -153,6 +153,7 @@ class ForcedOrder:
         # a read freed while in use (cuda): its block's pointer, bytes that do not keep it alive, its allocation
         # stream, and the deallocation callback that writes it as its next owner would (`_next_owner`)
         self.freed_block: tuple | None = None
+        self.block_freed = False  # the program freed it during the re-run
         self._on_free = None
         # a later access the host makes (an op on pinned memory a held copy writes or reads), cuda: whether the hold
         # was still on when it was done, and so the host's access came first
@@ -268,9 +269,9 @@ class ForcedOrder:
         """The allocator frees the block the held read reads: write it as its next owner would, 0xFF (NaN in every
         float type) on the stream it was allocated on, where the allocator hands it out again at once. Issued at the
         free, before any next owner's work on that stream; it changes nothing the program still owns."""
-        if self.freed_block is None or ptr != self.freed_block[0] or self.seen.get("freed"):
+        if self.freed_block is None or ptr != self.freed_block[0] or self.block_freed:
             return
-        self.seen["freed"] = "free"
+        self.block_freed = True
         _, view, handle = self.freed_block
         try:
             from .session import active
@@ -557,7 +558,7 @@ class ForcedOrder:
         if self.cuda:
             torch.cuda.synchronize()
             forced = entry.get("held")
-            if self.freed_block is not None and "freed" not in self.seen:
+            if self.freed_block is not None and not self.block_freed:
                 return dict(out, status="not-tried", reason="the block was not freed while the read was held back")
         else:
             forced = torch.full_like(entry["first"], 0xFF)
