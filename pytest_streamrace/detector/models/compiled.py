@@ -277,9 +277,13 @@ def _triton_kernel(autotuner) -> tuple[str, tuple[int, ...]] | None:
 
 def _capturing() -> bool:
     try:
-        return torch.cuda.is_current_stream_capturing()
+        return _stream_capturing()
     except Exception:
         return False
+
+
+# torch.cuda.is_current_stream_capturing's own call, without its Python frame: asked at every Triton launch
+_stream_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or torch.cuda.is_current_stream_capturing
 
 
 def _codecache_patches(codecache) -> list:
@@ -306,15 +310,14 @@ def _triton_patches(triton_heuristics) -> list:
         return []
 
     def launch(self, *args, stream, **kwargs):
-        model = _model()
-        if model is None or _capturing():
-            return run(self, *args, stream=stream, **kwargs)
         # Recorded once run() returns: on its first call run() autotunes first (benchmark launches on copies of the
         # arguments, then a device synchronize), and the kernel is launched after that synchronize, not before it.
         out = run(self, *args, stream=stream, **kwargs)
-        kernel = _triton_kernel(self)
-        if kernel is not None:
-            model.launch(kernel[0], args, kernel[1], stream if isinstance(stream, int) else None)
+        model = _model()
+        if model is not None and not _capturing():
+            kernel = getattr(self, "_streamrace_kernel", None) or _triton_kernel(self)
+            if kernel is not None:
+                model.launch(kernel[0], args, kernel[1], stream if isinstance(stream, int) else None)
         return out
     # Its benchmarking at a kernel's first launch synchronizes the device: the compiler's ordering, not the program's.
     tuning = [AttrPatch(autotuner, name, compile_time.wrap(getattr(autotuner, name)))
