@@ -6,9 +6,8 @@
 One process per model (`--model` again: each in a process of its own): the plain step first, timed before any session
 starts (a session leaves the capture's kernel entry registered in the process, which later plain steps would pay),
 then the same step under the Detector with its timers off (the detector step: its real cost), then with them on for
-the breakdown. Step times are the median round's: CPU time of the process on the virtual backend (waiting for a core
-on a shared machine does not count; the larger MLP's intra-op threads add theirs), wall time synchronized per round on
-cuda. Each part is its median over the breakdown rounds, in wall time (steady clock). "Share" is of the
+the breakdown. Each step time is the fastest round's (wall time, synchronized on cuda), and each part its least over
+the breakdown rounds (steady clock): the rounds least disturbed by whatever else the machine runs. "Share" is of the
 detector's extra: the detector step less the plain step.
 
 The parts, timed exclusively (a part inside another stops the outer one's clock):
@@ -24,11 +23,15 @@ The parts, timed exclusively (a part inside another stops the outer one's clock)
   counted); plus the virtual model's node binding in C++ (``node_streams.cpp``: its graph walk and node hooks).
   Python the C++ parts call back (a drain, a plan, a race's judge) is here, not in the part that called it.
 
-Not in any part: what its Python calls outside the package (the original a patch wraps, which is the program's own
-work; torch's and the standard library's helpers), printed on its own line; the extension's other functions
-(pybind's glue around each call); the kernel entry's boxing and redispatch of every op. These make up "outside the
-parts", the extra less the parts (noise on a shared machine can make it negative). The timers cost two clock reads
-a part entered and cProfile a few hundred nanoseconds a Python call; the breakdown rounds' step time is printed too.
+Not in any part, and below them: "kernel entry", the boxing and redispatch of every op by the capture's kernel entry
+(``kernel_entry.cpp``), as the plain step timed again after the session (which leaves the entry registered; on cuda,
+the GPU trace's callbacks too) less the plain step before it; "unattributed", the extra less the parts and the kernel
+entry: pybind's glue around the extension's calls, the helpers outside the package the detector's Python calls
+(torch's, the standard library's), the clock's noise. Both are differences of step times, and noise on a shared
+machine can make either negative. The last line prints the time of all the code outside the package that the
+detector's Python called: mostly the originals its patches wrap (a compiled kernel, a factory), which is the program's
+own work, in the plain step too. The timers cost two clock reads a part entered, and cProfile a few hundred
+nanoseconds a Python call: the breakdown rounds' step time is printed apart.
 
 ``--top N``: the breakdown rounds' cProfile listing, the top N functions by own time.
 """
@@ -40,14 +43,13 @@ import contextlib
 import cProfile
 import os
 import pstats
-import statistics
 import subprocess
 import sys
 import time
 
 NAMES = {"launch-bound": "launch-bound MLP (8x64, batch 8)", "larger": "larger MLP (4x2048, batch 256)",
          "compiled": "compiled MLP (8x64, batch 8, Inductor)"}
-STEPS = {"launch-bound": 200, "larger": 3, "compiled": 200}  # a round's, by default: the larger MLP's is 0.3 s on a core
+STEPS = 200  # a round's by default; the larger MLP's on CPU: 3 (a step is 0.3 s a core)
 PARTS = ("capture", "frames", "intake", "hb core", "models")
 _EXTENSIONS = ("streamrace_capture", "streamrace_trace")  # the extension's modules: its functions' time is C++ parts'
 
@@ -77,32 +79,23 @@ def breakdown(counters: dict, stats: pstats.Stats, package: str, steps: int) -> 
 
 
 def rounds(step, count: int, steps: int, cuda: bool, around=None) -> list:
-    """Each round's ms a step (CPU time of this process on the virtual backend: time spent waiting for a core on a
-    shared machine does not count; wall time, synchronized, on cuda), with what `around` (a context manager's
-    factory) gave for it."""
-    import contextlib
-
+    """Each round's ms a step (wall time, synchronized on cuda), with what `around` (a context manager's factory) gave
+    for it."""
     import torch
 
-    clock = time.perf_counter if cuda else time.process_time
     out = []
     for _ in range(count):
         with (around or contextlib.nullcontext)() as got:
             if cuda:
                 torch.cuda.synchronize()
-            start = clock()
+            start = time.perf_counter()
             for _ in range(steps):
                 step()
             if cuda:
                 torch.cuda.synchronize()
-            ms = (clock() - start) / steps * 1e3
+            ms = (time.perf_counter() - start) / steps * 1e3
         out.append((ms, got))
     return out
-
-
-def median(measured: list):
-    """The median round's (ms, what was measured with it)."""
-    return sorted(measured, key=lambda m: m[0])[len(measured) // 2]
 
 
 def profile(args, model: str) -> None:
@@ -130,7 +123,8 @@ def profile(args, model: str) -> None:
     except Exception as exc:  # Inductor needs a C++ compiler on CPU
         print(f"{title}: not run: the step did not compile ({type(exc).__name__}: {str(exc).splitlines()[0]})")
         return
-    plain = median(rounds(step, args.rounds, args.steps, cuda))[0]
+    plain_rounds = [ms for ms, _ in rounds(step, args.rounds, args.steps, cuda)]
+    plain = min(plain_rounds)
     extension = capture.load()
     if extension is None:
         raise SystemExit(f"no C++ capture, no timers: {capture.failure()}")
@@ -151,34 +145,37 @@ def profile(args, model: str) -> None:
     with Detector(backend=args.backend) as detector:
         warm()
         detector.tracker.drain()
-        off = median(rounds(step, args.rounds, args.steps, cuda))[0]
+        off = min(ms for ms, _ in rounds(step, args.rounds, args.steps, cuda))
         measured = rounds(step, args.rounds, args.steps, cuda, profiled)
         source, feed = detector.op_source, detector.tracker._feed is not None
     if detector.races:
         raise SystemExit(f"{len(detector.races)} races reported on a correct step")
+    warm()  # plain again, the kernel entry left registered: its boxing and redispatch of every op
+    entry = (min(ms for ms, _ in rounds(step, args.rounds, args.steps, cuda)) - plain) * 1e3
 
     package = os.path.dirname(pytest_streamrace.__file__) + os.sep
     per_round = [breakdown(got["counters"], got["stats"], package, args.steps) for _, got in measured]
-    us = {part: statistics.median(r[part] for r in per_round) for part in per_round[0]}
+    us = {part: min(r[part] for r in per_round) for part in per_round[0]}
     us["models"] = us["models: C++"] + us["models: Python"]
     extra = (off - plain) * 1e3
-    us["outside the parts"] = extra - sum(us[part] for part in PARTS)
-    on, got = median(measured)
+    us["kernel entry"] = entry
+    us["unattributed"] = extra - sum(us[part] for part in PARTS) - entry
+    on, got = min(measured, key=lambda m: m[0])
 
-    print(f"{title}: median of {args.rounds} rounds of {args.steps} steps; ops from: {source}, feed: "
+    print(f"{title}: best of {args.rounds} rounds of {args.steps} steps; ops from: {source}, feed: "
           f"{'on' if feed else 'off'}; {torch.get_num_threads()} intra-op threads")
-    print(f"plain step {plain:.3f} ms; detector step {off:.3f} ms ({off / plain:.2f}x, extra {extra / 1e3:.3f} ms); "
+    print(f"plain step {plain:.3f} ms (rounds up to {max(plain_rounds):.3f}); detector step {off:.3f} ms ({off / plain:.2f}x, extra {extra / 1e3:.3f} ms); "
           f"with the timers and cProfile on {on:.3f} ms")
     ops = us["ops"]
     print(f"ops a step: {ops:.1f}")
     print(f"{'part':<18}{'µs a step':>11}{'µs an op':>10}{'share':>8}")
-    for part in (*PARTS, "outside the parts"):
+    for part in (*PARTS, "kernel entry", "unattributed"):
         value = us[part]
         per_op = value / ops if ops else 0.0
-        share = value / extra * 100 if extra > 0 else float("nan")
-        print(f"{part:<18}{value:>11.1f}{per_op:>10.3f}{share:>7.1f}%")
-    print(f"models: Python {us['models: Python']:.1f} µs, C++ {us['models: C++']:.1f} µs a step; not counted: "
-          f"{us['outside the package']:.1f} µs a step in code outside the package its Python called")
+        share = f"{value / extra * 100:.1f}%" if extra > 0 else "n/a"  # no extra beyond the step's noise
+        print(f"{part:<18}{value:>11.1f}{per_op:>10.3f}{share:>8}")
+    print(f"models: Python {us['models: Python']:.1f} µs, C++ {us['models: C++']:.1f} µs a step; code outside the "
+          f"package its Python called (the originals its patches wrap too): {us['outside the package']:.1f} µs a step")
     if args.top:
         got["stats"].sort_stats("tottime").print_stats(args.top)
 
@@ -187,7 +184,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("virtual", "cuda"), default="virtual")
     parser.add_argument("--model", choices=tuple(NAMES), action="append")
-    parser.add_argument("--steps", type=int, help="steps a round (default: 200; the larger MLP 3)")
+    parser.add_argument("--steps", type=int, help="steps a round (default: 200; the larger MLP's on CPU 3)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--top", type=int, default=0, help="print cProfile's top N functions by own time")
     args = parser.parse_args()
@@ -202,7 +199,7 @@ def main() -> None:
             if code:
                 raise SystemExit(code)
         return
-    args.steps = args.steps or STEPS[models[0]]
+    args.steps = args.steps or (3 if models[0] == "larger" and args.backend == "virtual" else STEPS)
     profile(args, models[0])
 
 
