@@ -6,9 +6,10 @@
 One process per model (`--model` again: each in a process of its own): the plain step first, timed before any session
 starts (a session leaves the capture's kernel entry registered in the process, which later plain steps would pay),
 then the same step under the Detector with its timers off (the detector step: its real cost), then with them on for
-the breakdown. Each step time is the fastest round's (wall time, synchronized on cuda), and each part its least over
-the breakdown rounds (steady clock): the rounds least disturbed by whatever else the machine runs. "Share" is of the
-detector's extra: the detector step less the plain step.
+the breakdown. On the virtual backend the step runs on one intra-op thread unless OMP_NUM_THREADS says otherwise (two
+spinning on a shared 2-core machine made a launch-bound step 300 ms). Each step time is the fastest round's (wall
+time, synchronized on cuda), and each part its least over the breakdown rounds (steady clock): the rounds least
+disturbed by whatever else the machine runs. "Share" is of the detector's extra: the detector step less the plain step.
 
 The parts, timed exclusively (a part inside another stops the outer one's clock):
 
@@ -108,6 +109,8 @@ def profile(args, model: str) -> None:
     from pytest_streamrace.detector.session import Detector
 
     cuda = args.backend == "cuda"
+    if not cuda and "OMP_NUM_THREADS" not in os.environ:  # intra-op threads spinning on a shared CPU drown the step
+        torch.set_num_threads(1)
     title = f"{NAMES[model]}, {args.backend} backend"
     step = launch_bound_step("cuda" if cuda else "cpu", model)
     compiled = model == "compiled"
@@ -163,9 +166,9 @@ def profile(args, model: str) -> None:
     on, got = min(measured, key=lambda m: m[0])
 
     print(f"{title}: best of {args.rounds} rounds of {args.steps} steps; ops from: {source}, feed: "
-          f"{'on' if feed else 'off'}; {torch.get_num_threads()} intra-op threads")
-    print(f"plain step {plain:.3f} ms (rounds up to {max(plain_rounds):.3f}); detector step {off:.3f} ms ({off / plain:.2f}x, extra {extra / 1e3:.3f} ms); "
-          f"with the timers and cProfile on {on:.3f} ms")
+          f"{'on' if feed else 'off'}; intra-op threads: {torch.get_num_threads()}")
+    print(f"plain step {plain:.3f} ms (rounds up to {max(plain_rounds):.3f}); detector step {off:.3f} ms "
+          f"({off / plain:.2f}x, extra {extra / 1e3:.3f} ms); with the timers and cProfile on {on:.3f} ms")
     ops = us["ops"]
     print(f"ops a step: {ops:.1f}")
     print(f"{'part':<18}{'µs a step':>11}{'µs an op':>10}{'share':>8}")
@@ -173,7 +176,7 @@ def profile(args, model: str) -> None:
         value = us[part]
         per_op = value / ops if ops else 0.0
         share = f"{value / extra * 100:.1f}%" if extra > 0 else "n/a"  # no extra beyond the step's noise
-        print(f"{part:<18}{value:>11.1f}{per_op:>10.3f}{share:>8}")
+        print(f"{part:<18}{value:>11.1f} {per_op:>9.3f} {share:>7}")
     print(f"models: Python {us['models: Python']:.1f} µs, C++ {us['models: C++']:.1f} µs a step; code outside the "
           f"package its Python called (the originals its patches wrap too): {us['outside the package']:.1f} µs a step")
     if args.top:
