@@ -1,41 +1,209 @@
-"""Where a launch-bound step's time goes under the Detector: cProfile of 200 steps, the top functions by own time.
+"""Where the detector's own time goes on a training step: its work per step and per op, by part.
 
-    python benchmarks/profile_step.py [--backend virtual|cuda] [--steps 200] [--top 25]
+    python benchmarks/profile_step.py [--backend virtual|cuda] [--model launch-bound|larger|compiled] [--steps N]
+                                      [--rounds 7] [--top N]
 
-C++ work shows only where Python called it (the capture's callbacks do not show; the feed's `apply` does).
+One process per model (`--model` again: each in a process of its own): the plain step first, timed before any session
+starts (a session leaves the capture's kernel entry registered in the process, which later plain steps would pay),
+then the same step under the Detector with its timers off (the detector step: its real cost), then with them on for
+the breakdown. On the virtual backend the step runs on one intra-op thread unless OMP_NUM_THREADS says otherwise (two
+spinning on a shared 2-core machine made a launch-bound step 300 ms). Each step time is the fastest round's (wall
+time, synchronized on cuda), and each part its least over the breakdown rounds (steady clock): the rounds least
+disturbed by whatever else the machine runs. "Share" is of the detector's extra: the detector step less the plain step.
+
+The parts, timed exclusively (a part inside another stops the outer one's clock):
+
+- capture: the kernel entry's start and end callbacks of each op (its plan, storages, stream, autograd node; the
+  virtual model's leaf binding), a compiled kernel's record (``record_kernel``), a free queued. Not the stack's walk.
+- frames: walking the Python stack for a record's site (``stack_here``).
+- intake: handing the records over (``Feed.apply``; ``drain`` where the feed is off), less the core's calls.
+- hb core: the happens-before core's calls (each under its lock), from the feed and from the Python models.
+- models: the detector's Python, every function under ``pytest_streamrace/`` (the tracker, the stream models,
+  compiled code's launch hooks, a drain's Python side), by its own time under cProfile, which is on for the
+  breakdown rounds, on the stepping thread only (Python the autograd engine's threads run for a GPU's backward is not
+  counted); plus the virtual model's node binding in C++ (``node_streams.cpp``: its graph walk and node hooks).
+  Python the C++ parts call back (a drain, a plan, a race's judge) is here, not in the part that called it.
+
+Not in any part, and below them: "kernel entry", the boxing and redispatch of every op by the capture's kernel entry
+(``kernel_entry.cpp``), as the plain step timed again after the session (which leaves the entry registered; on cuda,
+the GPU trace's callbacks too) less the plain step before it; "unattributed", the extra less the parts and the kernel
+entry: pybind's glue around the extension's calls, the helpers outside the package the detector's Python calls
+(torch's, the standard library's), the clock's noise. Both are differences of step times, and noise on a shared
+machine can make either negative. The last line prints the time of all the code outside the package that the
+detector's Python called: mostly the originals its patches wrap (a compiled kernel, a factory), which is the program's
+own work, in the plain step too. The timers cost two clock reads a part entered, and cProfile a few hundred
+nanoseconds a Python call: the breakdown rounds' step time is printed apart.
+
+``--top N``: the breakdown rounds' cProfile listing, the top N functions by own time.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
+import os
 import pstats
+import subprocess
+import sys
+import time
+
+NAMES = {"launch-bound": "launch-bound MLP (8x64, batch 8)", "larger": "larger MLP (4x2048, batch 256)",
+         "compiled": "compiled MLP (8x64, batch 8, Inductor)"}
+STEPS = 200  # a round's by default; the larger MLP's on CPU: 3 (a step is 0.3 s a core)
+PARTS = ("capture", "frames", "intake", "hb core", "models")
+_EXTENSIONS = ("streamrace_capture", "streamrace_trace")  # the extension's modules: its functions' time is C++ parts'
+
+
+def python_time(stats: pstats.Stats, package: str) -> tuple[float, float]:
+    """(own time of the package's Python functions, time of the code outside the package they call), in seconds."""
+    own = outside = 0.0
+    for (path, _, name), (_, _, tt, _, callers) in stats.stats.items():
+        if path.startswith(package):
+            own += tt
+        elif not any(e in name for e in _EXTENSIONS):
+            outside += sum(ct for caller, (_, _, _, ct) in callers.items() if caller[0].startswith(package))
+    return own, outside
+
+
+def breakdown(counters: dict, stats: pstats.Stats, package: str, steps: int) -> dict:
+    """One round's µs a step by part (models: C++ and Python), the code outside the package its Python called, and
+    ops a step."""
+    own, outside = python_time(stats, package)
+    us = {part: counters[part][0] / 1e3 / steps for part in PARTS}
+    us["models: C++"] = us["models"]
+    us["models: Python"] = own * 1e6 / steps
+    us["models"] += us["models: Python"]
+    us["outside the package"] = outside * 1e6 / steps
+    us["ops"] = counters["ops"][1] / steps
+    return us
+
+
+def rounds(step, count: int, steps: int, cuda: bool, around=None) -> list:
+    """Each round's ms a step (wall time, synchronized on cuda), with what `around` (a context manager's factory) gave
+    for it."""
+    import torch
+
+    out = []
+    for _ in range(count):
+        with (around or contextlib.nullcontext)() as got:
+            if cuda:
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(steps):
+                step()
+            if cuda:
+                torch.cuda.synchronize()
+            ms = (time.perf_counter() - start) / steps * 1e3
+        out.append((ms, got))
+    return out
+
+
+def profile(args, model: str) -> None:
+    import torch
+
+    from paired_overhead import launch_bound_step  # this folder is on the path of a script run from it
+
+    import pytest_streamrace
+    from pytest_streamrace.detector import capture
+    from pytest_streamrace.detector.session import Detector
+
+    cuda = args.backend == "cuda"
+    if not cuda and "OMP_NUM_THREADS" not in os.environ:  # intra-op threads spinning on a shared CPU drown the step
+        torch.set_num_threads(1)
+    title = f"{NAMES[model]}, {args.backend} backend"
+    step = launch_bound_step("cuda" if cuda else "cpu", model)
+    compiled = model == "compiled"
+
+    def warm() -> None:
+        if compiled:  # compiled afresh under each configuration, as a session compiles
+            torch._dynamo.reset()
+        for _ in range(3):
+            step()
+
+    try:
+        warm()
+    except Exception as exc:  # Inductor needs a C++ compiler on CPU
+        print(f"{title}: not run: the step did not compile ({type(exc).__name__}: {str(exc).splitlines()[0]})")
+        return
+    plain_rounds = [ms for ms, _ in rounds(step, args.rounds, args.steps, cuda)]
+    plain = min(plain_rounds)
+    extension = capture.load()
+    if extension is None:
+        raise SystemExit(f"no C++ capture, no timers: {capture.failure()}")
+
+    @contextlib.contextmanager
+    def profiled():  # a round's counters and cProfile listing
+        profiler, got = cProfile.Profile(), {}
+        extension.profile(True)
+        profiler.enable()
+        try:
+            yield got
+        finally:
+            detector.tracker.drain()
+            profiler.disable()
+            extension.profile(False)
+            got.update(counters=extension.profile_counters(), stats=pstats.Stats(profiler))
+
+    with Detector(backend=args.backend) as detector:
+        warm()
+        detector.tracker.drain()
+        off = min(ms for ms, _ in rounds(step, args.rounds, args.steps, cuda))
+        measured = rounds(step, args.rounds, args.steps, cuda, profiled)
+        source, feed = detector.op_source, detector.tracker._feed is not None
+    if detector.races:
+        raise SystemExit(f"{len(detector.races)} races reported on a correct step")
+    warm()  # plain again, the kernel entry left registered: its boxing and redispatch of every op
+    entry = (min(ms for ms, _ in rounds(step, args.rounds, args.steps, cuda)) - plain) * 1e3
+
+    package = os.path.dirname(pytest_streamrace.__file__) + os.sep
+    per_round = [breakdown(got["counters"], got["stats"], package, args.steps) for _, got in measured]
+    us = {part: min(r[part] for r in per_round) for part in per_round[0]}
+    us["models"] = us["models: C++"] + us["models: Python"]
+    extra = (off - plain) * 1e3
+    us["kernel entry"] = entry
+    us["unattributed"] = extra - sum(us[part] for part in PARTS) - entry
+    on, got = min(measured, key=lambda m: m[0])
+
+    print(f"{title}: best of {args.rounds} rounds of {args.steps} steps; ops from: {source}, feed: "
+          f"{'on' if feed else 'off'}; intra-op threads: {torch.get_num_threads()}")
+    print(f"plain step {plain:.3f} ms (rounds up to {max(plain_rounds):.3f}); detector step {off:.3f} ms "
+          f"({off / plain:.2f}x, extra {extra / 1e3:.3f} ms); with the timers and cProfile on {on:.3f} ms")
+    ops = us["ops"]
+    print(f"ops a step: {ops:.1f}")
+    print(f"{'part':<18}{'µs a step':>11}{'µs an op':>10}{'share':>8}")
+    for part in (*PARTS, "kernel entry", "unattributed"):
+        value = us[part]
+        per_op = value / ops if ops else 0.0
+        share = f"{value / extra * 100:.1f}%" if extra > 0 else "n/a"  # no extra beyond the step's noise
+        print(f"{part:<18}{value:>11.1f} {per_op:>9.3f} {share:>7}")
+    print(f"models: Python {us['models: Python']:.1f} µs, C++ {us['models: C++']:.1f} µs a step; code outside the "
+          f"package its Python called (the originals its patches wrap too): {us['outside the package']:.1f} µs a step")
+    if args.top:
+        got["stats"].sort_stats("tottime").print_stats(args.top)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("virtual", "cuda"), default="virtual")
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--model", choices=tuple(NAMES), action="append")
+    parser.add_argument("--steps", type=int, help="steps a round (default: 200; the larger MLP's on CPU 3)")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--top", type=int, default=0, help="print cProfile's top N functions by own time")
     args = parser.parse_args()
-
-    from paired_overhead import launch_bound_step  # this folder is on the path of a script run from it
-
-    from pytest_streamrace.detector.session import Detector
-
-    step = launch_bound_step("cuda" if args.backend == "cuda" else "cpu")
-
-    with Detector(backend=args.backend) as detector:
-        for _ in range(20):
-            step()
-        profile = cProfile.Profile()
-        profile.enable()
-        for _ in range(args.steps):
-            step()
-        detector.tracker.drain()
-        profile.disable()
-        print(f"ops from: {detector.op_source}; feed: {detector.tracker._feed is not None}; {args.steps} steps")
-    pstats.Stats(profile).sort_stats("tottime").print_stats(args.top)
+    models = args.model or ["launch-bound"]
+    if len(models) > 1:  # each plain step before any session in its process
+        argv = [a for i, a in enumerate(sys.argv[1:]) if a != "--model" and sys.argv[i] != "--model"
+                and not a.startswith("--model=")]
+        for i, model in enumerate(models):
+            if i:
+                print(flush=True)
+            code = subprocess.run([sys.executable, sys.argv[0], *argv, "--model", model]).returncode
+            if code:
+                raise SystemExit(code)
+        return
+    args.steps = args.steps or (3 if models[0] == "larger" and args.backend == "virtual" else STEPS)
+    profile(args, models[0])
 
 
 if __name__ == "__main__":

@@ -79,3 +79,65 @@ def test_suite_cost_prints_the_fixed_cost_per_test():
     assert lines[1].split() == ["plain", "s", "streamrace", "s", "ratio", "fixed", "cost", "per", "test", "ms"]
     assert re.fullmatch(r"\s*\d+\.\d\d\s+\d+\.\d\d\s+\d+\.\d\dx\s+-?\d+\.\d{3}", lines[2]), lines[2]
     assert lines[-1].startswith("fixed cost per test: "), lines[-1]
+
+
+PARTS = ("capture", "frames", "intake", "hb core", "models")
+
+
+def test_profile_step_breaks_the_detectors_work_down_by_part():
+    """``benchmarks/profile_step.py``, a few steps on the virtual backend: the table has every part, none negative, and
+    the parts every op passes through (capture, intake, hb core) are above zero, so an instrument that stopped counting
+    cannot pass as a detector that costs nothing."""
+    out = subprocess.run([sys.executable, "benchmarks/profile_step.py", "--steps", "3", "--rounds", "2"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("launch-bound MLP (8x64, batch 8), virtual backend: best of 2 rounds of 3 steps"), \
+        lines[0]
+    assert re.fullmatch(r"plain step \d+\.\d{3} ms \(rounds up to \d+\.\d{3}\); detector step \d+\.\d{3} ms .*",
+                        lines[1]), lines[1]
+    ops = float(re.fullmatch(r"ops a step: (\d+\.\d)", lines[2]).group(1))
+    assert ops > 0
+    assert lines[3].split() == ["part", "µs", "a", "step", "µs", "an", "op", "share"]
+    rows = {}
+    for part in PARTS:
+        row = next(line for line in lines if line.startswith(part + " "))
+        found = re.fullmatch(rf"{part}\s+(\d+\.\d)\s+(\d+\.\d{{3}})\s+(\d+\.\d%|n/a)", row)
+        assert found, row
+        rows[part] = float(found.group(1))
+    assert all(rows[part] > 0 for part in ("capture", "intake", "hb core")), rows
+    assert any(line.startswith("kernel entry ") for line in lines)
+
+
+def test_the_detectors_timers_count_nothing_while_off(monkeypatch):
+    """The timers behind that breakdown (``timers.cpp``) are off unless turned on: a session's steps then leave every
+    counter at zero. Turned on, the same steps count (so zero here is the switch, not a broken counter)."""
+    from pytest_streamrace.detector import capture
+    from pytest_streamrace.detector.session import Detector
+
+    extension = capture.load()
+    if extension is None:
+        pytest.skip(f"the capture extension does not build here: {capture.failure()}")
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from paired_overhead import launch_bound_step
+
+    step = launch_bound_step("cpu")
+
+    def session() -> dict:
+        with Detector(backend="virtual") as detector:
+            for _ in range(2):
+                step()
+            detector.tracker.drain()
+        assert not detector.races
+        return extension.profile_counters(reset=True)
+
+    extension.profile(False)
+    extension.profile_counters(reset=True)
+    assert set(session().values()) == {(0, 0)}
+    extension.profile(True)
+    try:
+        counted = session()
+    finally:
+        extension.profile(False)
+    assert all(counted[part][0] > 0 and counted[part][1] > 0 for part in ("capture", "frames", "intake", "hb core"))
+    assert counted["ops"][1] > 0

@@ -451,6 +451,7 @@ Recent known_stack(PyThreadState* thread) {
 // lookups, the hash or the lock of `known_stacks`. A stack seen before is found there without the GIL where the
 // interpreter's frames can be read; a new one takes the GIL.
 std::shared_ptr<Stack> stack_here() {
+  timers::Scope timed(timers::kFrames);
   if (!Py_IsInitialized()) return nullptr;  // its thread states may be gone already
   PyThreadState* thread = PyGILState_GetThisThreadState();
   if (thread == nullptr) return nullptr;
@@ -520,6 +521,7 @@ std::shared_ptr<const Plan> planned(const OpCall& call) {
     if (!Py_IsInitialized()) return nullptr;
     py::gil_scoped_acquire gil;
     if (plan_fn == nullptr) return nullptr;
+    timers::Callout python;
     py::object got = (*plan_fn)(name.name, name.overload_name);
     py::object rule = py::none();
     if (py::isinstance<py::tuple>(got) && py::len(got) == 2 && py::isinstance<py::str>(got.cast<py::tuple>()[0])) {
@@ -790,6 +792,7 @@ bool host_op(Record& r) {
 }
 
 std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
+  timers::Scope timed(timers::kCapture);
   Here& h = here;
   if (h.depth > 0 || h.paused || !live() || (cuda && in_collective_worker())) return nullptr;
   if (ops_added.load(std::memory_order_relaxed)) hook_ops(!cuda, false);
@@ -845,6 +848,7 @@ void drain_now() {
   h.draining = true;
   bool was_paused = h.paused;
   h.paused = true;  // whatever the tracker runs is not the program's
+  timers::Callout python;
   try {
     fn();
   } catch (py::error_already_set& error) {
@@ -885,6 +889,7 @@ void queue_modelled(const char* op, std::shared_ptr<const Plan> plan, std::vecto
 
 void on_end(c10::ArrayRef<c10::IValue> outputs, at::ObserverContext* context) {
   if (context == nullptr) return;
+  timers::Scope timed(timers::kCapture);
   auto* pending = static_cast<Pending*>(context);
   const Plan* plan = pending->plan.get();
   if (!pending->leaves.empty()) node_streams::bind_leaves(pending->leaves, stream_now());
@@ -1014,6 +1019,7 @@ void set_stream(int64_t stream) {
 // way).
 bool record_kernel(const std::string& name, std::optional<int64_t> stream, py::handle args, py::handle roles) {
   if (!live() || here.paused) return false;
+  timers::Scope timed(timers::kCapture);
   py::tuple arg_tuple = py::reinterpret_borrow<py::object>(args);  // a tuple already (a call's *args): no copy
   py::tuple role_tuple = py::reinterpret_borrow<py::object>(roles);
   Record r;
@@ -1074,6 +1080,7 @@ void enqueue(What what, int64_t handle, int64_t stream, std::shared_ptr<Stack> s
 }
 
 void mark_free(int64_t ptr, bool stack) {
+  timers::Scope timed(timers::kCapture);
   // no longer host memory from now on: the allocator may hand the address to the next storage before the free is
   // applied, and that one is classified as its op is captured
   if (any_hosts.load(std::memory_order_relaxed)) unmark_host(ptr);
@@ -1163,6 +1170,7 @@ void watch_held(py::list& out, const Spans& spans) {
 // (host memory); a tensor is (storage, start, end, write, shape, dtype[, nbytes]); thread: the recording thread's
 // ident.
 py::list drain() {
+  timers::Scope timed(timers::kIntake);
   std::vector<Record> taken = take_records();
   struct GiveBack { std::vector<Record>& records; ~GiveBack() { give_back(records); } } later{taken};
   py::list out;
@@ -1181,6 +1189,7 @@ py::list drain() {
       out.append(py::make_tuple("queued", queued_call(r, py::int_(r.stream)), r.thread));
       continue;
     }
+    timers::count_op();
     py::list accesses, fresh;
     for (const auto& t : r.accesses)
       accesses.append(py::make_tuple(t.storage, t.start, t.end, t.write, shape_of(t), dtype_name(t.dtype)));
@@ -1509,6 +1518,7 @@ class Feed {
   // by their small int (None on cuda: a stream is its handle). unnamed: the threads with an unnamed implicit sync
   // (a set of idents, or None); returns {thread: its first op's name} for them (the tracker names each sync after it).
   py::dict apply(py::object streams, bool engine_records_streams, py::object unnamed) {
+    timers::Scope timed(timers::kIntake);
     streams_ = std::move(streams);
     engine_records_streams_ = engine_records_streams;
     py::dict firsts;
@@ -1517,6 +1527,7 @@ class Feed {
       std::vector<Record> taken = take_records();
       if (taken.empty()) break;
       for (auto& r : taken) {
+        if (r.what == What::kOp) timers::count_op();
         if (naming && r.what == What::kOp) {
           py::int_ thread(r.thread);
           if (unnamed.contains(thread) && !firsts.contains(thread)) firsts[thread] = py::str(r.op);
@@ -1687,7 +1698,10 @@ class Feed {
     if (!r.in_node && r.seq >= 0) forward_.forward(r.seq, op_site);
     py::list races;
     core_.record(id, op_site, allocs, touches, races);
-    if (py::len(races) > 0) report_(races);
+    if (py::len(races) > 0) {
+      timers::Callout python;
+      report_(races);
+    }
   }
 
   void apply_one(Record& r) {
@@ -1708,6 +1722,7 @@ class Feed {
     }
     if (r.what == What::kQueuedStart && r.plan->rule && apply_rule(r, *r.plan->rule)) return;
     if (r.what != What::kOp) {  // tracker._queued: the model's, in order, named by the thread that issued it
+      timers::Callout python;
       queued_(*queued_call(r, core_.stream_key(stream(r.stream))), py::arg("thread") = r.thread);
       return;
     }
@@ -1731,6 +1746,7 @@ class Feed {
     // a host sync's rule (and a sync reported from inside the op) is the tracker's: tracker._captured_sync
     if (r.synced || r.sync) {
       py::object stack = stack_object(r);
+      timers::Callout python;
       captured_sync_(py::str(r.op), core_.stream_key(id), synced_of(r), stack, arguments_of(r),
                      !r.accesses.empty() || !streams_.is_none());
     }
@@ -1794,6 +1810,7 @@ py::cpp_function around(py::object before, py::object call, py::object after) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_core(m);  // hb_core.cpp, compiled into this module (capture.load)
+  timers::bind(m);  // timers.cpp: benchmarks/profile_step.py's breakdown
   py::class_<Stack, std::shared_ptr<Stack>>(m, "Stack").def("frames", &Stack::frames);
   m.def("stack", &stack_here);
   m.def("enable", &enable, py::arg("cuda"), py::arg("plan"), py::arg("drain") = py::none(),

@@ -623,6 +623,7 @@ class PyCore {
     }
 
    private:
+    timers::Scope timed_{timers::kCore};  // first: timed from before the lock (timers.cpp)
     std::unique_lock<std::mutex> lock_;
   };
 
@@ -908,6 +909,7 @@ class PyCore {
                                   py::cast(c.later.op), c.later.start, c.later.end, c.later.write,
                                   c.later.tensor.to_python(), c.alloc_site.to_python(), c.hidden_by.to_python());
       }
+      timers::Callout python;
       py::object found = core->judge_(items);
       for (auto race : found) out.append(race);
     }

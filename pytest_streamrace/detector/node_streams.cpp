@@ -51,6 +51,7 @@ py::list wrap(const variable_list& tensors) {
 }
 
 void call(py::object* fn, const py::object& a, const py::object& b, const py::object& c) {
+  timers::Callout python;
   try {
     if (fn != nullptr) (*fn)(a, b, c);
   } catch (py::error_already_set& error) {  // never into the user's backward
@@ -65,6 +66,7 @@ struct Binding : torch::autograd::FunctionPreHook {
   Binding(int64_t s, uint64_t o, bool a) : stream(s), of(o), accumulate(a) {}
   variable_list operator()(const variable_list& grads) override {
     if (runs(of)) {
+      timers::Scope timed(timers::kModels);
       py::gil_scoped_acquire gil;
       call(enter_fn, py::int_(stream), wrap(grads), py::bool_(accumulate));
     }
@@ -90,6 +92,7 @@ struct Follow : torch::autograd::FunctionPostHook {
   Follow(Node* n, Binding* b) : node(n), binding(b) {}
   variable_list operator()(const variable_list& outputs, const variable_list&) override {
     if (!runs(binding->of)) return outputs;
+    timers::Scope timed(timers::kModels);
     py::gil_scoped_acquire gil;
     py::list edges;
     for (const auto& edge : node->next_edges()) {
@@ -242,6 +245,7 @@ Node* raw_node(const P& node) {
 
 // `bind_graph` from Python: the backward's roots (tensors, or the nodes of GradientEdges), the caller's stream.
 void bind_roots(py::handle roots, int64_t caller) {
+  timers::Scope timed(timers::kModels);
   std::vector<Node*> nodes;
   for (py::handle root : roots) {
     PyObject* obj = root.ptr();
