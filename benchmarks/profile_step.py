@@ -11,7 +11,9 @@ spinning on a shared 2-core machine made a launch-bound step 300 ms). Each step 
 time, synchronized on cuda), and each part its least over the breakdown rounds (steady clock): the rounds least
 disturbed by whatever else the machine runs. "Share" is of the detector's extra: the detector step less the plain step.
 
-The parts, timed exclusively (a part inside another stops the outer one's clock):
+The parts, timed exclusively (a part inside another stops the outer one's clock), in rounds of their own with the
+extension's timers on, each part less its timers' own clock reads (two a part entered, at the cost of a clock read
+here, measured):
 
 - capture: the kernel entry's start and end callbacks of each op (its plan, storages, stream, autograd node; the
   virtual model's leaf binding), a compiled kernel's record (``record_kernel``), a free queued. Not the stack's walk.
@@ -19,9 +21,10 @@ The parts, timed exclusively (a part inside another stops the outer one's clock)
 - intake: handing the records over (``Feed.apply``; ``drain`` where the feed is off), less the core's calls.
 - hb core: the happens-before core's calls (each under its lock), from the feed and from the Python models.
 - models: the detector's Python, every function under ``pytest_streamrace/`` (the tracker, the stream models,
-  compiled code's launch hooks, a drain's Python side), by its own time under cProfile, which is on for the
-  breakdown rounds, on the stepping thread only (Python the autograd engine's threads run for a GPU's backward is not
-  counted); plus the virtual model's node binding in C++ (``node_streams.cpp``: its graph walk and node hooks).
+  compiled code's launch hooks, a drain's Python side), by its own time under cProfile in rounds of their own (timers
+  off), on the stepping thread only (Python the autograd engine's threads run for a GPU's backward is not counted);
+  where cProfile does not list the feed's ``apply`` apart (Python 3.12 puts a pybind method's time in its caller's),
+  intake and hb core are taken out of it. Plus the virtual model's node binding in C++ (``node_streams.cpp``).
   Python the C++ parts call back (a drain, a plan, a race's judge) is here, not in the part that called it.
 
 Not in any part, and below them: "kernel entry", the boxing and redispatch of every op by the capture's kernel entry
@@ -31,10 +34,9 @@ entry: pybind's glue around the extension's calls, the helpers outside the packa
 (torch's, the standard library's), the clock's noise. Both are differences of step times, and noise on a shared
 machine can make either negative. The last line prints the time of all the code outside the package that the
 detector's Python called: mostly the originals its patches wrap (a compiled kernel, a factory), which is the program's
-own work, in the plain step too. The timers cost two clock reads a part entered, and cProfile a few hundred
-nanoseconds a Python call: the breakdown rounds' step time is printed apart.
+own work, in the plain step too.
 
-``--top N``: the breakdown rounds' cProfile listing, the top N functions by own time.
+``--top N``: the cProfile rounds' listing, the top N functions by own time.
 """
 
 from __future__ import annotations
@@ -66,17 +68,26 @@ def python_time(stats: pstats.Stats, package: str) -> tuple[float, float]:
     return own, outside
 
 
-def breakdown(counters: dict, stats: pstats.Stats, package: str, steps: int) -> dict:
-    """One round's µs a step by part (models: C++ and Python), the code outside the package its Python called, and
-    ops a step."""
-    own, outside = python_time(stats, package)
-    us = {part: counters[part][0] / 1e3 / steps for part in PARTS}
-    us["models: C++"] = us["models"]
-    us["models: Python"] = own * 1e6 / steps
-    us["models"] += us["models: Python"]
-    us["outside the package"] = outside * 1e6 / steps
+def feed_listed(stats: pstats.Stats) -> bool:
+    """Whether cProfile listed the feed's `apply` (a pybind method) apart: Python 3.12's cProfile does not, and puts
+    its C++ time in the own time of the Python that called it (the tracker's drain)."""
+    return any(_EXTENSIONS[0] in name and "apply" in name for (_, _, name) in stats.stats)
+
+
+def timed(counters: dict, steps: int, clock_ns: float) -> dict:
+    """One timed round's µs a step by C++ part, less the timers' own clock reads (two a part entered), and ops a
+    step."""
+    us = {part: max(0.0, (counters[part][0] - 2 * clock_ns * counters[part][1]) / 1e3 / steps) for part in PARTS}
     us["ops"] = counters["ops"][1] / steps
     return us
+
+
+def profiled_python(stats: pstats.Stats, package: str, steps: int, fed_us: float) -> dict:
+    """One cProfile round's µs a step of the package's own Python (less `fed_us`, the feed's C++ a step, where
+    cProfile counted it as its caller's own time) and of the code outside the package its Python called."""
+    own, outside = python_time(stats, package)
+    python = own * 1e6 / steps - (0.0 if feed_listed(stats) else fed_us)
+    return {"models: Python": max(0.0, python), "outside the package": outside * 1e6 / steps}
 
 
 def rounds(step, count: int, steps: int, cuda: bool, around=None) -> list:
@@ -133,23 +144,33 @@ def profile(args, model: str) -> None:
         raise SystemExit(f"no C++ capture, no timers: {capture.failure()}")
 
     @contextlib.contextmanager
-    def profiled():  # a round's counters and cProfile listing
-        profiler, got = cProfile.Profile(), {}
+    def timers_on():  # a round's C++ counters
+        got = {}
         extension.profile(True)
+        try:
+            yield got
+        finally:
+            detector.tracker.drain()
+            extension.profile(False)
+            got["counters"] = extension.profile_counters()
+
+    @contextlib.contextmanager
+    def profiled():  # a round's cProfile listing (the timers off: neither's cost lands in the other's numbers)
+        profiler, got = cProfile.Profile(), {}
         profiler.enable()
         try:
             yield got
         finally:
             detector.tracker.drain()
             profiler.disable()
-            extension.profile(False)
-            got.update(counters=extension.profile_counters(), stats=pstats.Stats(profiler))
+            got["stats"] = pstats.Stats(profiler)
 
     with Detector(backend=args.backend) as detector:
         warm()
         detector.tracker.drain()
         off = min(ms for ms, _ in rounds(step, args.rounds, args.steps, cuda))
-        measured = rounds(step, args.rounds, args.steps, cuda, profiled)
+        measured = rounds(step, args.rounds, args.steps, cuda, timers_on)
+        listed = rounds(step, args.rounds, args.steps, cuda, profiled)
         source, feed = detector.op_source, detector.tracker._feed is not None
     if detector.races:
         raise SystemExit(f"{len(detector.races)} races reported on a correct step")
@@ -157,18 +178,25 @@ def profile(args, model: str) -> None:
     entry = (min(ms for ms, _ in rounds(step, args.rounds, args.steps, cuda)) - plain) * 1e3
 
     package = os.path.dirname(pytest_streamrace.__file__) + os.sep
-    per_round = [breakdown(got["counters"], got["stats"], package, args.steps) for _, got in measured]
+    clock_ns = extension.clock_cost_ns()
+    per_round = [timed(got["counters"], args.steps, clock_ns) for _, got in measured]
     us = {part: min(r[part] for r in per_round) for part in per_round[0]}
+    per_round = [profiled_python(got["stats"], package, args.steps, us["intake"] + us["hb core"])
+                 for _, got in listed]
+    us.update({part: min(r[part] for r in per_round) for part in per_round[0]})
+    us["models: C++"] = us["models"]
     us["models"] = us["models: C++"] + us["models: Python"]
     extra = (off - plain) * 1e3
     us["kernel entry"] = entry
     us["unattributed"] = extra - sum(us[part] for part in PARTS) - entry
-    on, got = min(measured, key=lambda m: m[0])
+    on = min(ms for ms, _ in measured)
+    _, got = min(listed, key=lambda m: m[0])
 
     print(f"{title}: best of {args.rounds} rounds of {args.steps} steps; ops from: {source}, feed: "
           f"{'on' if feed else 'off'}; intra-op threads: {torch.get_num_threads()}")
     print(f"plain step {plain:.3f} ms (rounds up to {max(plain_rounds):.3f}); detector step {off:.3f} ms "
-          f"({off / plain:.2f}x, extra {extra / 1e3:.3f} ms); with the timers and cProfile on {on:.3f} ms")
+          f"({off / plain:.2f}x, extra {extra / 1e3:.3f} ms); with the timers on {on:.3f} ms (a clock read "
+          f"{clock_ns:.0f} ns, taken out of the parts)")
     ops = us["ops"]
     print(f"ops a step: {ops:.1f}")
     print(f"{'part':<18}{'µs a step':>11}{'µs an op':>10}{'share':>8}")
