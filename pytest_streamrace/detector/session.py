@@ -222,7 +222,7 @@ class Detector:
             self.tracker = m.AccessTracker(self.hb, self._current, "cpu", track_frees=True)
             self.streams = virtual_streams.VirtualStreams(self.hb, self.tracker)
             shared += _once(("virtual streams", virtual_streams._opaque), self.streams.patches)
-            self.tracker.current_stream = self.streams.current  # per op: no detour through the session
+            self.tracker.current_stream = self.streams.current_function()  # per op: no detour through the session
             autograd = m.VirtualAutograd(self.streams, self.hb, self.tracker, extension)
             own += autograd.patches()
             kept(m.HostReads, None, self.tracker)
