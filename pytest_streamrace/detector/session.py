@@ -84,6 +84,15 @@ def _modules(backend: str) -> types.SimpleNamespace:
     return found
 
 
+def prepare(backend: str) -> None:
+    """Import what a session of `backend` builds from, now: a caller that starts sessions later (pytest, before any
+    test's clock starts) keeps the imports (and, under pytest, the rewriting of their asserts) out of its first
+    session's start."""
+    if backend not in STREAM_MODELS:
+        raise ValueError(f"streamrace: unknown backend {backend!r}; expected one of {', '.join(STREAM_MODELS)}")
+    _modules(backend)
+
+
 def _once(key, build) -> list:
     """Patches that read the session they serve through module state its models set at install."""
     patches = _built.get(key)

@@ -147,13 +147,15 @@ class RaceChecks:
         self.tally = tally.Tally(self.policy)
         self.children.latent, self.children.incidental = self.policy.latent != "off", self.policy.incidental
         # build (or load) the C++ extensions once, before any test's clock starts: the op capture and the
-        # happens-before core (both backends), the GPU trace's interpreter (cuda)
+        # happens-before core (both backends), the GPU trace's interpreter (cuda); and import the modules a
+        # session builds from (the first test's start would, a tenth of a second on its clock)
         from ..detector import capture
-        from ..detector.session import Resident
+        from ..detector.session import Resident, prepare
 
         capture.load()
         if self.backend == "cuda":
             capture.load_trace()
+        prepare(self.backend)
         self.resident = Resident()
 
     @pytest.hookimpl(wrapper=True)
