@@ -187,6 +187,7 @@ class Detector:
         self.latent, self.incidental = latent, tuple(incidental)
         self.resident = resident
         self._patches: list = []
+        self._forced = False  # whether `force` was given an order
 
     # lifecycle
 
@@ -205,7 +206,8 @@ class Detector:
             if self.tracker is not None:
                 self.tracker.drain()
         finally:
-            self.force(None)
+            if self._forced:  # (a session that forced nothing has nothing to take out)
+                self.force(None)
             self._uninstall_all()
             if self.tracker is not None:
                 self.tracker.detach()
@@ -302,6 +304,7 @@ class Detector:
         capture = self.tracker._capture if self.tracker is not None else None
         if capture is None:
             return None if order is None else "forcing an order needs the C++ capture"
+        self._forced = self._forced or order is not None
         if order is None:
             from .models import host_handoffs
 
