@@ -170,3 +170,32 @@ def test_a_detector_without_the_resident_takes_the_held_patches_out_first():
     finally:
         resident.close()
     assert _patched_attributes() == before
+
+
+def test_a_finished_session_is_freed_as_its_last_reference_goes_not_by_the_collector():
+    """pytest's sessions (one a test) are let go at each test's end: their core, tracker and models hold no cycle, so
+    they are freed as the last reference goes (once the next session is bound to the kept models), and a suite's
+    sessions leave nothing for the collector to walk and promote to its oldest generation."""
+    import gc
+    import weakref
+
+    resident = session.Resident()
+    with Detector(resident=resident):  # the process's earliest session: what is built once per process holds it
+        pass
+    gc.collect()
+    gc.disable()
+    try:
+        with Detector(resident=resident) as first:
+            _side_write_then_default_read(wait=False)
+            w = torch.ones(8, requires_grad=True)
+            (w * 2).sum().backward()
+            torch.ones(4, pin_memory=True).sum()
+            assert first.races
+        parts = [weakref.ref(part) for part in (first, first.hb, first.tracker, first.streams)]
+        del first
+        with Detector(resident=resident):  # the kept models bound to this one: nothing holds the first
+            pass
+        assert [part() for part in parts] == [None] * len(parts)
+    finally:
+        gc.enable()
+        resident.close()

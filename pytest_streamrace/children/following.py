@@ -33,7 +33,6 @@ class Following:
         self._offsets: dict[str, int] = {}
         self._pending: dict[str, bytes] = {}
         self._current_fd: int | None = None
-        self._current_size = 0
         self._listed: tuple = (None, False, [])  # the folder's mtime when listed, whether it had settled, the files
         self._head: tuple = (None, "")  # the variable's fields, and its text up to the owner (set twice a test)
         self._write_current("")
@@ -64,14 +63,12 @@ class Following:
     def _write_current(self, owner: str) -> None:
         """The live file rewritten in place, twice a test: a new file renamed over it cost ~1 ms on ext4, which
         flushes a file renamed over another. A reader that catches the write half done sees a bad checksum and
-        reads again (``child.live_test``)."""
+        reads again (``child.live_test``). A shorter record is not cut to its length: the header says where it
+        ends, and what an earlier, longer one left after it is never read (a truncation was a third of the write's
+        cost)."""
         if self._current_fd is None:
             self._current_fd = os.open(os.path.join(self.dir, child.CURRENT), os.O_WRONLY | os.O_CREAT, 0o644)
-        data = child.live_record(owner)
-        os.pwrite(self._current_fd, data, 0)
-        if len(data) < self._current_size:
-            os.ftruncate(self._current_fd, len(data))
-        self._current_size = len(data)
+        os.pwrite(self._current_fd, child.live_record(owner), 0)
 
     def _files(self) -> list[str]:
         """The followed processes' data files, sorted: listed again only when the folder changed since (a file

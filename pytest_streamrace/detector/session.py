@@ -84,6 +84,15 @@ def _modules(backend: str) -> types.SimpleNamespace:
     return found
 
 
+def prepare(backend: str) -> None:
+    """Import what a session of `backend` builds from, now: a caller that starts sessions later (pytest, before any
+    test's clock starts) keeps the imports (and, under pytest, the rewriting of their asserts) out of its first
+    session's start."""
+    if backend not in STREAM_MODELS:
+        raise ValueError(f"streamrace: unknown backend {backend!r}; expected one of {', '.join(STREAM_MODELS)}")
+    _modules(backend)
+
+
 def _once(key, build) -> list:
     """Patches that read the session they serve through module state its models set at install."""
     patches = _built.get(key)
@@ -178,6 +187,7 @@ class Detector:
         self.latent, self.incidental = latent, tuple(incidental)
         self.resident = resident
         self._patches: list = []
+        self._forced = False  # whether `force` was given an order
 
     # lifecycle
 
@@ -196,7 +206,8 @@ class Detector:
             if self.tracker is not None:
                 self.tracker.drain()
         finally:
-            self.force(None)
+            if self._forced:  # (a session that forced nothing has nothing to take out)
+                self.force(None)
             self._uninstall_all()
             if self.tracker is not None:
                 self.tracker.detach()
@@ -222,7 +233,7 @@ class Detector:
             self.tracker = m.AccessTracker(self.hb, self._current, "cpu", track_frees=True)
             self.streams = virtual_streams.VirtualStreams(self.hb, self.tracker)
             shared += _once(("virtual streams", virtual_streams._opaque), self.streams.patches)
-            self.tracker.current_stream = self.streams.current  # per op: no detour through the session
+            self.tracker.current_stream = self.streams.current_function()  # per op: no detour through the session
             autograd = m.VirtualAutograd(self.streams, self.hb, self.tracker, extension)
             own += autograd.patches()
             kept(m.HostReads, None, self.tracker)
@@ -293,6 +304,7 @@ class Detector:
         capture = self.tracker._capture if self.tracker is not None else None
         if capture is None:
             return None if order is None else "forcing an order needs the C++ capture"
+        self._forced = self._forced or order is not None
         if order is None:
             from .models import host_handoffs
 

@@ -607,6 +607,11 @@ class AccessTracker(TorchDispatchMode):
         """Stop watching storages (the session ends): no callback fires into a finished detector."""
         self.watched.clear()
         self._ref_keys.clear()
+        # the session's one bound method is a cycle through this tracker: let go, so the session is freed as its last
+        # reference goes, not by the collector (a storage watched from now on gets a bound method of its own)
+        self.__dict__.pop("_on_dead", None)
+
+    _on_dead = _dead
 
     # the host as a party (host_party)
 

@@ -24,16 +24,27 @@ EXPECT = ("race", "clean")
 MARKER = ("streamrace(expect='race'|'clean'): assert that the test's streams race (or not) when --streamrace "
           "is on; expect='race' turns a detected race into a pass and its absence into a failure")
 
-_detector_key = pytest.StashKey()
-_judged_key = pytest.StashKey()
-_children_key = pytest.StashKey()  # races of the processes the test started, judged so far
+_test_key = pytest.StashKey["_Test"]()  # the test's detector and judging state, from its setup to its teardown report
 _child_notes_key = pytest.StashKey()  # [(rank, note)]: what the detectors of those processes could not model
-_statuses_key = pytest.StashKey[list]()  # policy status of each race judged so far, in detector order
-_latent_key = pytest.StashKey[list]()  # [latent races judged so far, their statuses in detector order]
-_pending_key = pytest.StashKey[tuple]()  # (user_properties, section text) of the phase judged in its own hook
-_outcome_key = pytest.StashKey[str]()  # the test body's own outcome, for --streamrace-confirm
 _notes_key = pytest.StashKey[list]()  # the detector's notes, kept once the detector is let go (teardown's report)
-_PER_TEST = (_judged_key, _children_key, _statuses_key, _latent_key, _pending_key, _outcome_key)
+
+
+class _Test:
+    """One test's detector and what its judging has read so far: one object on the item, from the test's setup to its
+    teardown report, where it is let go (kept by every item to the suite's end, it would keep every session alive)."""
+
+    __slots__ = ("detector", "judged", "children", "statuses", "latent_judged", "latent_statuses", "pending",
+                 "outcome")
+
+    def __init__(self, detector):
+        self.detector = detector
+        self.judged = 0  # the detector's races judged so far
+        self.children = 0  # races of the processes the test started, judged so far (latent ones aside)
+        self.statuses: list = []  # policy status of each race judged so far, in detector order
+        self.latent_judged = 0  # the detector's latent races judged so far
+        self.latent_statuses: list = []  # their statuses, in detector order
+        self.pending: tuple = ([], None)  # (user_properties, section text) of the phase judged in its own hook
+        self.outcome: str | None = None  # the test body's own outcome, for --streamrace-confirm
 
 
 def resolve_backend(config: pytest.Config) -> str:
@@ -86,8 +97,8 @@ def check_marker(mark) -> str | None:
 def detector_notes(item: pytest.Item) -> list[tuple[int | None, str]]:
     """(rank, note) for what the test's detector, and those of the processes it started, could not model and
     skipped (once each)."""
-    detector = item.stash.get(_detector_key, None)
-    notes = detector.notes if detector is not None else item.stash.get(_notes_key, [])
+    test = item.stash.get(_test_key, None)
+    notes = test.detector.notes if test is not None else item.stash.get(_notes_key, [])
     own = [(process_rank(), note) for note in notes]
     return own + list(item.stash.get(_child_notes_key, ()))
 
@@ -147,13 +158,15 @@ class RaceChecks:
         self.tally = tally.Tally(self.policy)
         self.children.latent, self.children.incidental = self.policy.latent != "off", self.policy.incidental
         # build (or load) the C++ extensions once, before any test's clock starts: the op capture and the
-        # happens-before core (both backends), the GPU trace's interpreter (cuda)
+        # happens-before core (both backends), the GPU trace's interpreter (cuda); and import the modules a
+        # session builds from (the first test's start would, a tenth of a second on its clock)
         from ..detector import capture
-        from ..detector.session import Resident
+        from ..detector.session import Resident, prepare
 
         capture.load()
         if self.backend == "cuda":
             capture.load_trace()
+        prepare(self.backend)
         self.resident = Resident()
 
     @pytest.hookimpl(wrapper=True)
@@ -184,10 +197,7 @@ class RaceChecks:
         detector = Detector(backend=self.backend, trace=bool(self.trace_path), latent=self.policy.latent != "off",
                             incidental=self.policy.incidental, resident=self.resident)
         detector.__enter__()
-        item.stash[_detector_key] = detector
-        item.stash[_judged_key] = 0
-        item.stash[_statuses_key] = []
-        item.stash[_latent_key] = [0, []]
+        item.stash[_test_key] = _Test(detector)
         if self.rerun is not None:
             self.rerun.start(detector, self.policy.incidental)
         return (yield)
@@ -197,11 +207,15 @@ class RaceChecks:
         try:
             result = yield
         except BaseException as exc:
-            item.stash[_outcome_key] = _own_outcome(exc)
-            self._judge_in_phase(item, "call", failed=True)  # the test's own failure (or skip) stands
+            test = item.stash.get(_test_key, None)
+            if test is not None:
+                test.outcome = _own_outcome(exc)
+                self._judge_in_phase(item, test, "call", failed=True)  # the test's own failure (or skip) stands
             raise
-        item.stash[_outcome_key] = "passed"
-        self._judge_in_phase(item, "call", failed=False)
+        test = item.stash.get(_test_key, None)
+        if test is not None:
+            test.outcome = "passed"
+            self._judge_in_phase(item, test, "call", failed=False)
         return result
 
     @pytest.hookimpl(wrapper=True)
@@ -209,64 +223,57 @@ class RaceChecks:
         try:
             result = yield
         except BaseException:
-            self._exit_detector(item)
-            self._judge_in_phase(item, "teardown", failed=True)
+            test = item.stash.get(_test_key, None)
+            if test is not None:
+                test.detector.__exit__(None, None, None)
+                self._judge_in_phase(item, test, "teardown", failed=True)
             raise
-        self._exit_detector(item)
-        self._judge_in_phase(item, "teardown", failed=False)
+        test = item.stash.get(_test_key, None)
+        if test is not None:
+            test.detector.__exit__(None, None, None)
+            self._judge_in_phase(item, test, "teardown", failed=False)
         return result
 
-    @staticmethod
-    def _exit_detector(item: pytest.Item) -> None:
-        detector = item.stash.get(_detector_key, None)
-        if detector is not None:
-            detector.__exit__(None, None, None)
-
-    def _judge_in_phase(self, item: pytest.Item, when: str, failed: bool) -> None:
+    def _judge_in_phase(self, item: pytest.Item, test: _Test, when: str, failed: bool) -> None:
         """Judge the phase's races before its report exists: raised as a StreamRaceError when the phase itself
         passed, kept as a report section when it failed on its own."""
-        if item.stash.get(_detector_key, None) is None:
-            return
-        props, text = self._judge(item, when)
-        item.stash[_pending_key] = (props, text if failed else None)
+        props, text = self._judge(item, test, when)
+        test.pending = (props, text if failed else None)
         if failed:
             return
         if text is not None:
             raise StreamRaceError(text)
-        if when == "call" and not (item.stash[_judged_key] or item.stash.get(_children_key, 0)) and \
-                expected(item) == "race":
+        if when == "call" and not (test.judged or test.children) and expected(item) == "race":
             raise StreamRaceError("streamrace: expected a stream race (marker streamrace(expect='race')), "
                                   "but none was detected")
 
     @pytest.hookimpl(wrapper=True)
     def pytest_runtest_makereport(self, item: pytest.Item, call):
         report = yield
-        detector = item.stash.get(_detector_key, None)
-        if detector is None or (report.when == "setup" and report.passed):
+        test = item.stash.get(_test_key, None)
+        if test is None or (report.when == "setup" and report.passed):
             return report
+        detector = test.detector
         if report.when == "setup":  # setup failed or skipped: no call phase will judge what it saw
-            props, text = self._judge(item, "setup")
+            props, text = self._judge(item, test, "setup")
         else:
-            props, text = item.stash.get(_pending_key, ([], None))
-            item.stash[_pending_key] = ([], None)
+            props, text = test.pending
+            test.pending = ([], None)
         # Recorded on the item, so the teardown report — the one collected, here and in a launching parent —
         # carries every phase's; the teardown report itself is already built, so it gets its own directly.
         (report.user_properties if report.when == "teardown" else item.user_properties).extend(props)
         if report.when == "teardown" and self.rerun is not None:
             found = [r for key, value in item.user_properties + report.user_properties if key == RACES for r in value]
-            self.rerun.finish(detector, found, item.stash.get(_outcome_key, "passed"))
-        if report.when == "teardown" and _outcome_key in item.stash and self.role.kind == roles.RANK_CHILD:
-            report.user_properties.append((OUTCOME, item.stash[_outcome_key]))  # for the parent's confirmations
+            self.rerun.finish(detector, found, "passed" if test.outcome is None else test.outcome)
+        if report.when == "teardown" and test.outcome is not None and self.role.kind == roles.RANK_CHILD:
+            report.user_properties.append((OUTCOME, test.outcome))  # for the parent's confirmations
         if report.when == "teardown":
             # Let the session go (its core, tracker and models; held by the item, a suite's sessions would all stay
             # alive to its end, and every collection of the oldest objects would walk them): its notes stay.
             notes = detector.notes
             if notes:  # (read by the hints' report hook, which runs after this one)
                 item.stash[_notes_key] = notes
-            del item.stash[_detector_key]
-            for key in _PER_TEST:  # what only the test's own judging read: not kept by every item to the suite's end
-                if key in item.stash:
-                    del item.stash[key]
+            del item.stash[_test_key]  # with what only the test's own judging read
             self.children.end()
             after, self.children.after[:] = list(self.children.after), []
             if after:  # shipped on a report, so an xdist controller or launching parent sees them too
@@ -276,35 +283,34 @@ class RaceChecks:
         elif text is not None and report.failed:
             report.sections.append(("stream races", text))
         if report.when == "call" and self.confirmer is not None:
-            self._confirm(item, props, report)
+            self._confirm(item, test, props, report)
         return report
 
-    def _confirm(self, item: pytest.Item, props: list, report: pytest.TestReport) -> None:
+    def _confirm(self, item: pytest.Item, test: _Test, props: list, report: pytest.TestReport) -> None:
         """--streamrace-confirm: the call phase's races, each forced in a re-run; their lines join the report."""
         found = [r for key, value in props if key == RACES for r in value]
         if not found:
             return
         from .confirm import attach
 
-        attach(report, self.confirmer.confirm(item, found, item.stash.get(_outcome_key, "passed"), self.backend))
+        outcome = "passed" if test.outcome is None else test.outcome
+        attach(report, self.confirmer.confirm(item, found, outcome, self.backend))
 
-    def _judge(self, item: pytest.Item, when: str) -> tuple[list, str | None]:
+    def _judge(self, item: pytest.Item, test: _Test, when: str) -> tuple[list, str | None]:
         """The phase's fresh races and those of the processes the test started, classified by the policy: the
         user_properties to record, and the failure text of those that fail the test (None: none do)."""
-        detector = item.stash[_detector_key]
+        detector = test.detector
         races = detector.races
-        judged = item.stash[_judged_key]
-        fresh = races[judged:]
-        item.stash[_judged_key] = len(races)
+        fresh = races[test.judged:]
+        test.judged = len(races)
         children, child_traces = self.children.collect(item.nodeid)
-        item.stash[_children_key] = item.stash.get(_children_key, 0) + len([c for c in children
-                                                                             if not c.get("latent")])
+        if children:
+            test.children += len([c for c in children if not c.get("latent")])
         if self.children.notes:
             item.stash[_child_notes_key] = list(self.children.notes)
-        statuses = item.stash[_statuses_key]
-        latent_state = item.stash[_latent_key]
+        statuses = test.statuses
         latent = detector.latent_races
-        fresh_latent, latent_state[0] = latent[latent_state[0]:], len(latent)
+        fresh_latent, test.latent_judged = latent[test.latent_judged:], len(latent)
         props: list = []
         failing = []
         failing_children = []
@@ -319,7 +325,7 @@ class RaceChecks:
             latent_records = [from_race(r, detector.stream_name, rank) for r in fresh_latent]
             for race, data in zip(fresh_latent, latent_records):  # a kind of their own: never "expected"
                 status = self.policy.classify(item.nodeid, data, False)
-                latent_state[1].append(status)
+                test.latent_statuses.append(status)
                 if self.policy.fails(status, latent=True):
                     failing.append(race)
             for race, data in zip(fresh, records):
@@ -341,7 +347,7 @@ class RaceChecks:
             from .trace import trace_events
 
             events = trace_events(detector.timeline, races + latent, detector.stream_name, rank,
-                                  statuses + latent_state[1], _confirmations(item))
+                                  statuses + test.latent_statuses, _confirmations(item))
             props.append((TRACE, events))
         quiet = len(fresh) - len([r for r in failing if not r.latent]) + len(children) - len(failing_children)
         if race_expected or not (failing or failing_children):

@@ -49,11 +49,14 @@ class NativeBinding:
     mode = None  # no function mode for threads to enter
 
     def __init__(self, model, extension):
-        self.model, self.extension = model, extension
+        # the model holds this binding: it is held weakly back, so that a finished session is freed as its last
+        # reference goes, not by the collector
+        self._model, self.extension = weakref.ref(model), extension
+        self._streams = model.streams
 
     def install(self) -> None:
-        ref = weakref.ref(self.model)
-        core = getattr(self.model.hb, "core", None)  # hb_native's C++ core says when two streams exist, without Python
+        ref = self._model
+        core = getattr(ref().hb, "core", None)  # hb_native's C++ core says when two streams exist, without Python
         self.extension.bind_nodes(lambda stream, grads, accumulate: _enter(ref, stream, grads, accumulate),
                                   lambda stream, edges, grads: _leave(ref, stream, edges, grads), core)
 
@@ -67,7 +70,7 @@ class NativeBinding:
         roots = outputs if isinstance(outputs, (tuple, list)) else (outputs,)
         # tensors, or GradientEdges (node, output number)
         self.extension.bind_graph([r if isinstance(r, torch.Tensor) else getattr(r, "node", None) for r in roots],
-                                  self.model.streams.index(self.model.streams.current()))
+                                  self._streams.index(self._streams.current()))
 
 
 # Called by the C++ hooks once the core has seen two streams (node_streams.cpp's `runs`), with streams as the capture's

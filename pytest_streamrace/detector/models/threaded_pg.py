@@ -68,14 +68,18 @@ class ThreadedGroup:
         """This model is the patch: it patches the group's methods when its module is imported (now, if it is),
         and restores them at uninstall."""
         self._applied: list = []
-        self._when = WhenImported(MODULE, self._patch)
+        self._when = None
         return [self]
 
     def install(self) -> None:
+        self._when = WhenImported(MODULE, self._patch)
         self._when.install()
 
     def uninstall(self) -> None:
-        self._when.uninstall()
+        # the finder holds this model's bound method: let go, no cycle is left for the collector to find
+        when, self._when = self._when, None
+        if when is not None:
+            when.uninstall()
         while self._applied:
             self._applied.pop().uninstall()
 

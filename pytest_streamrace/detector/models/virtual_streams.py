@@ -19,6 +19,7 @@ same reason as ``torch.cuda.is_available()``.
 from __future__ import annotations
 
 import _thread
+import functools
 import threading
 import time
 
@@ -349,6 +350,11 @@ class VirtualStreams:
 
     def current(self) -> Stream:
         return getattr(self._tls, "stream", self.default)
+
+    def current_function(self):
+        """`current` as a function that does not hold this model: the tracker's, which the model holds (no cycle, so a
+        finished session is freed as its last reference goes, not by the collector), and a C call, not a frame."""
+        return functools.partial(getattr, self._tls, "stream", self.default)
 
     def set_current(self, stream: Stream) -> None:
         self._tls.stream = stream
