@@ -88,9 +88,14 @@ def prepare(backend: str) -> None:
     """Import what a session of `backend` builds from, now: a caller that starts sessions later (pytest, before any
     test's clock starts) keeps the imports (and, under pytest, the rewriting of their asserts) out of its first
     session's start."""
+    _known(backend)
+    _modules(backend)
+
+
+def _known(backend: str) -> None:
+    """A backend `Detector(backend=...)` selects, else a ValueError that names those there are."""
     if backend not in STREAM_MODELS:
         raise ValueError(f"streamrace: unknown backend {backend!r}; expected one of {', '.join(STREAM_MODELS)}")
-    _modules(backend)
 
 
 def _once(key, build) -> list:
@@ -176,8 +181,7 @@ class Detector:
 
     def __init__(self, backend: str = "virtual", trace: bool = False, latent: bool = True, incidental=(),
                  resident: Resident | None = None):
-        if backend not in STREAM_MODELS:
-            raise ValueError(f"streamrace: unknown backend {backend!r}; expected one of {', '.join(STREAM_MODELS)}")
+        _known(backend)
         self.backend = backend
         self.hb = _core(trace)
         self.tracker = None

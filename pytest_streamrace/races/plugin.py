@@ -46,6 +46,10 @@ class _Test:
         self.pending: tuple = ([], None)  # (user_properties, section text) of the phase judged in its own hook
         self.outcome: str | None = None  # the test body's own outcome, for --streamrace-confirm
 
+    def own_outcome(self) -> str:
+        """The test body's own outcome ("passed" where its call phase did not say otherwise)."""
+        return "passed" if self.outcome is None else self.outcome
+
 
 def resolve_backend(config: pytest.Config) -> str:
     """The backend --streamrace uses here: auto picks cuda when a GPU is visible."""
@@ -264,7 +268,7 @@ class RaceChecks:
         (report.user_properties if report.when == "teardown" else item.user_properties).extend(props)
         if report.when == "teardown" and self.rerun is not None:
             found = [r for key, value in item.user_properties + report.user_properties if key == RACES for r in value]
-            self.rerun.finish(detector, found, "passed" if test.outcome is None else test.outcome)
+            self.rerun.finish(detector, found, test.own_outcome())
         if report.when == "teardown" and test.outcome is not None and self.role.kind == roles.RANK_CHILD:
             report.user_properties.append((OUTCOME, test.outcome))  # for the parent's confirmations
         if report.when == "teardown":
@@ -293,8 +297,7 @@ class RaceChecks:
             return
         from .confirm import attach
 
-        outcome = "passed" if test.outcome is None else test.outcome
-        attach(report, self.confirmer.confirm(item, found, outcome, self.backend))
+        attach(report, self.confirmer.confirm(item, found, test.own_outcome(), self.backend))
 
     def _judge(self, item: pytest.Item, test: _Test, when: str) -> tuple[list, str | None]:
         """The phase's fresh races and those of the processes the test started, classified by the policy: the

@@ -315,7 +315,7 @@ def _triton_patches(triton_heuristics) -> list:
         out = run(self, *args, stream=stream, **kwargs)
         model = _model()
         if model is not None and not _capturing():
-            kernel = getattr(self, "_streamrace_kernel", None) or _triton_kernel(self)
+            kernel = _triton_kernel(self)
             if kernel is not None:
                 model.launch(kernel[0], args, kernel[1], stream if isinstance(stream, int) else None)
         return out
