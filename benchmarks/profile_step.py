@@ -19,6 +19,9 @@ here, measured):
   virtual model's leaf binding), a compiled kernel's record (``record_kernel``), a free queued. Not the stack's walk.
 - frames: walking the Python stack for a record's site (``stack_here``).
 - intake: handing the records over (``Feed.apply``; ``drain`` where the feed is off), less the core's calls.
+  Where the capture's applier thread applies them (``applied: thread``, the cuda backend's default where four cores
+  are free), only what is left to the stepping thread's drains: the parts time the stepping thread's work, not the
+  applier's.
 - hb core: the happens-before core's calls (each under its lock), from the feed and from the Python models.
 - models: the detector's Python, every function under ``pytest_streamrace/`` (the tracker, the stream models,
   compiled code's launch hooks, a drain's Python side), by its own time under cProfile in rounds of their own (timers
@@ -172,6 +175,7 @@ def profile(args, model: str) -> None:
         measured = rounds(step, args.rounds, args.steps, cuda, timers_on)
         listed = rounds(step, args.rounds, args.steps, cuda, profiled)
         source, feed = detector.op_source, detector.tracker._feed is not None
+        applier = "thread" if detector.tracker.applier else "inline"
     if detector.races:
         raise SystemExit(f"{len(detector.races)} races reported on a correct step")
     warm()  # plain again, the kernel entry left registered: its boxing and redispatch of every op
@@ -193,7 +197,7 @@ def profile(args, model: str) -> None:
     _, got = min(listed, key=lambda m: m[0])
 
     print(f"{title}: best of {args.rounds} rounds of {args.steps} steps; ops from: {source}, feed: "
-          f"{'on' if feed else 'off'}; intra-op threads: {torch.get_num_threads()}")
+          f"{'on' if feed else 'off'}, applied: {applier}; intra-op threads: {torch.get_num_threads()}")
     print(f"plain step {plain:.3f} ms (rounds up to {max(plain_rounds):.3f}); detector step {off:.3f} ms "
           f"({off / plain:.2f}x, extra {extra / 1e3:.3f} ms); with the timers on {on:.3f} ms (a clock read "
           f"{clock_ns:.0f} ns, taken out of the parts)")

@@ -115,6 +115,13 @@ def native(value: str, where: str = env.NATIVE) -> bool:
     return value == "1"
 
 
+def applier(value: str, where: str = env.APPLIER) -> str:
+    """``STREAMRACE_APPLIER``: where the captured records are applied, on a thread of their own or inline."""
+    if value not in ("thread", "inline"):
+        raise _bad(where, value, "thread or inline")
+    return value
+
+
 def _json_object(value: str, where: str, what: str, keys: tuple = ()) -> dict:
     try:
         doc = json.loads(value)
@@ -172,7 +179,7 @@ def confirm_run(value: str, where: str = env.CONFIRM) -> dict:
     return _json_object(value, where, "the JSON --streamrace-confirm sets for its re-runs (unset it)", ("mode", "out"))
 
 
-ENVIRONMENT = {env.NATIVE: native, env.SUBPROCESS: subprocess_config, env.RANK_SPEC: rank_spec,
+ENVIRONMENT = {env.NATIVE: native, env.APPLIER: applier, env.SUBPROCESS: subprocess_config, env.RANK_SPEC: rank_spec,
                env.REPRO: repro_settings, env.PROGRESS: progress_file,
                env.FORKSERVER_STATE: forkserver_state, env.CONFIRM: confirm_run,
                env.CRASH_OUTPUT: crash_output}  # every variable env.py names

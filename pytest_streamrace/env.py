@@ -20,6 +20,7 @@ PROGRESS = "STREAMRACE_PROGRESS"  # file a repro's ranks append their progress l
 FORKSERVER_STATE = "STREAMRACE_FORKSERVER_STATE"  # JSON: a re-executed rank fork server's own state (no rank inherits)
 CONFIRM = "STREAMRACE_CONFIRM"  # JSON: this session re-runs one test for --streamrace-confirm (locate, or force a race)
 NATIVE = "STREAMRACE_NATIVE"  # "0": no C++ (op capture, core): the pure-Python path, as where no compiler is
+APPLIER = "STREAMRACE_APPLIER"  # "thread" / "inline": captured records applied beside the program or on its thread
 CRASH_OUTPUT = "STREAMRACE_CRASH_OUTPUT"  # file a fatal signal's native stack goes to (a rank's output), not fd 2
 
 _NVIDIA_PROC = "/proc/driver/nvidia/gpus"

@@ -88,6 +88,7 @@ def test_a_bad_setting_is_one_line_before_the_first_test(pytester, setting, file
 
 BAD_ENV = {
     env.NATIVE: ["yes", "2"],
+    env.APPLIER: ["yes", "Thread"],
     env.SUBPROCESS: ["1", "{not json", '{"backend": "virtual"}'],
     env.RANK_SPEC: ["x", "{}"],
     env.REPRO: ["x", '{"world_size": 0}', '{"steps": -1}'],

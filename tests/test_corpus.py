@@ -1,5 +1,5 @@
 """The race corpus under `pytest --streamrace` (virtual backend): every verdict right, with the right kind, from the
-C++ capture and core and from the pure-Python fallback (``STREAMRACE_NATIVE=0``: a machine without a compiler)."""
+C++ capture and core (its records applied inline and by its applier thread) and from the pure-Python fallback (``STREAMRACE_NATIVE=0``: a machine without a compiler)."""
 
 import json
 from pathlib import Path
@@ -25,9 +25,11 @@ RACY = {
 }
 
 
-@pytest.mark.parametrize("native", ["1", "0"], ids=["native", "fallback"])
-def test_corpus_verdicts_and_kinds(pytester, monkeypatch, native):
+@pytest.mark.parametrize("native, applier", [("1", "inline"), ("1", "thread"), ("0", "inline")],
+                         ids=["native", "applier-thread", "fallback"])
+def test_corpus_verdicts_and_kinds(pytester, monkeypatch, native, applier):
     monkeypatch.setenv("STREAMRACE_NATIVE", native)
+    monkeypatch.setenv("STREAMRACE_APPLIER", applier)  # the records applied by the capture's thread, or inline
     result = pytester.runpytest_subprocess(str(CORPUS), "--streamrace", "-p", "no:cacheprovider",
                                            "--streamrace-json", "races.json", "-rf")
     result.assert_outcomes(passed=2 * len(RACY))

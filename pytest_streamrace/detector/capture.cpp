@@ -276,6 +276,19 @@ void Pending::operator delete(void* pointer, size_t size) {
   }
   h.spare[h.spares++] = pointer;
 }
+}  // namespace
+
+// The applier thread (applier.cpp): a session's feed attached, woken every `kWakeEvery` records pushed.
+namespace applier {
+constexpr size_t kWakeEvery = 32;
+std::atomic<bool> attached{false};
+std::atomic<bool> stalled{false};  // the attached feed's applier left a record for a drain
+void wake();
+thread_local bool here = false;  // this thread is the applier: nothing it runs may enter Python
+}  // namespace applier
+
+namespace {
+
 // Frees: the tracker learns them through a weak reference to the storage, made when it first gets the storage. A
 // storage first seen by a record is held by it until drained (so its address is not reused before the tracker
 // watches it); `known` are the addresses handed over and not freed since (`mark_free`). Records hold their storages,
@@ -859,13 +872,17 @@ void drain_now() {
 }
 
 void push(Record&& r) {
-  bool full;
+  size_t now;
   {
     std::lock_guard<std::mutex> guard(mutex);
     records.push_back(std::move(r));
-    full = records.size() >= kDrainEvery;
+    now = records.size();
   }
-  if (full) drain_now();
+  if (now >= kDrainEvery) return drain_now();
+  if (now % applier::kWakeEvery != 0 || !applier::attached.load(std::memory_order_relaxed)) return;
+  // the applier waits for a drain (a record needed Python: a stream's first op, ...): this thread drains sooner
+  if (applier::stalled.load(std::memory_order_relaxed)) drain_now();
+  else applier::wake();
 }
 
 // A modelled namespace's op the Python model takes from the records, with its arguments (and outputs), this thread's
@@ -1298,6 +1315,10 @@ struct Site : NativePayload, streamrace_hb::Pooled<Site> {
   int64_t ordinal = 0;  // Record::ordinal
   py::object origin;  // its thread's ThreadOrigin as the op was applied, where the session follows that thread
   py::object named;
+  ~Site() override {  // the last reference may go on the applier thread (a history entry replaced there)
+    streamrace_hb::drop(origin);
+    streamrace_hb::drop(named);
+  }
   py::object to_python() override {
     if (!named) {
       py::object frames = stack ? py::cast(stack) : py::object(py::none());
@@ -1362,23 +1383,50 @@ int64_t storage_of(py::handle key) {  // a storage's key: its data pointer
 // storages watched (each with the weak reference that reports its free, where one was made), the stream of each one's
 // latest write, autograd's redirects (a storage -> the stream of the next op reading it), and the names people gave.
 // Streams are the core's ids. The tracker's Python paths read and write them through `Table`, a dict's face.
+// `mutex` is the feed's: whoever applies records (a drain with the GIL, or the applier thread without it) and every
+// face below hold it; recursive, as Python a drain calls (a queued op's model) reads the tables through their faces.
+// `watched` has a lock of its own, held for a lookup or an update and nothing else: a storage's weak reference reads
+// it from wherever a collection runs, even inside the core's judge, while the applier may hold `mutex` waiting for
+// the core.
 struct Tables {
   std::unordered_map<int64_t, py::object> watched;  // null: no weak reference
   std::unordered_map<int64_t, int32_t> last_writer, redirect;
   std::unordered_map<int64_t, std::shared_ptr<const std::string>> names;
+  std::recursive_mutex mutex, watched_mutex;
+};
+
+// A lock of the tables, taken with the GIL released while another thread holds it (the applier thread never waits
+// for the GIL, but a drain with it may run Python that lets another thread in).
+class Locked {
+ public:
+  explicit Locked(std::recursive_mutex& m) : lock_(m, std::try_to_lock) {
+    if (lock_.owns_lock()) return;
+    if (PyGILState_Check()) {
+      py::gil_scoped_release release;
+      lock_.lock();
+    } else {
+      lock_.lock();
+    }
+  }
+
+ private:
+  std::unique_lock<std::recursive_mutex> lock_;
 };
 
 // How one table's values look from Python: a weak reference or None (watched), an interned stream key (last_writer,
 // redirect: ids in C++), a name (names).
 struct WatchedValues {
+  static std::recursive_mutex& lock(Tables& t) { return t.watched_mutex; }
   static py::object out(const py::object& ref, PyCore&) { return ref ? ref : py::none(); }
   static py::object in(py::object value, PyCore&) { return value.is_none() ? py::object() : value; }
 };
 struct StreamValues {
+  static std::recursive_mutex& lock(Tables& t) { return t.mutex; }
   static py::object out(int32_t id, PyCore& core) { return core.stream_key(id); }
   static int32_t in(py::object key, PyCore& core) { return core.locked_stream_id(key); }
 };
 struct NameValues {
+  static std::recursive_mutex& lock(Tables& t) { return t.mutex; }
   static py::object out(const std::shared_ptr<const std::string>& name, PyCore&) { return py::str(*name); }
   static std::shared_ptr<const std::string> in(py::object name, PyCore&) {
     return std::make_shared<const std::string>(name.cast<std::string>());
@@ -1393,7 +1441,11 @@ class Table {
   Table(std::shared_ptr<Tables> tables, Map Tables::*map, py::object core)
       : tables_(std::move(tables)), map_(map), core_object_(std::move(core)), core_(core_object_.cast<PyCore&>()) {}
 
-  bool contains(py::handle key) const { return map().count(storage_of(key)) > 0; }
+  bool contains(py::handle key) const {
+    int64_t storage = storage_of(key);
+    Locked locked(Values::lock(*tables_));
+    return map().count(storage) > 0;
+  }
 
   py::object get(py::handle key, py::object otherwise) const {
     py::object found = find(storage_of(key));
@@ -1406,10 +1458,16 @@ class Table {
     return found;
   }
 
-  void setitem(py::handle key, py::object value) { map()[storage_of(key)] = Values::in(std::move(value), core_); }
+  void setitem(py::handle key, py::object value) {
+    int64_t storage = storage_of(key);
+    Value in = Values::in(std::move(value), core_);
+    Locked locked(Values::lock(*tables_));
+    map()[storage] = std::move(in);
+  }
 
   py::object pop(py::handle key, py::object otherwise) {  // otherwise null: KeyError when missing
     int64_t storage = storage_of(key);
+    Locked locked(Values::lock(*tables_));
     py::object found = find(storage);
     if (!found) {
       if (!otherwise) throw py::key_error(py::repr(key).cast<std::string>());
@@ -1419,11 +1477,21 @@ class Table {
     return found;
   }
 
-  void clear() { map().clear(); }
-  size_t size() const { return map().size(); }
+  void clear() {
+    Map dropped;  // let go of outside the lock: a weak reference's release may run Python
+    {
+      Locked locked(Values::lock(*tables_));
+      dropped.swap(map());
+    }
+  }
+  size_t size() const {
+    Locked locked(Values::lock(*tables_));
+    return map().size();
+  }
 
   py::list items() const {
     py::list out;
+    Locked locked(Values::lock(*tables_));
     for (auto& [storage, value] : map()) out.append(py::make_tuple(int_key(storage), Values::out(value, core_)));
     return out;
   }
@@ -1446,6 +1514,7 @@ class Table {
   Map& map() const { return (*tables_).*map_; }
 
   py::object find(int64_t storage) const {  // null when missing
+    Locked locked(Values::lock(*tables_));
     auto found = map().find(storage);
     return found == map().end() ? py::object() : Values::out(found->second, core_);
   }
@@ -1505,8 +1574,11 @@ class Feed {
         }
         int64_t ptr = storage_of(found);
         if (PyDict_DelItem(ref_keys.ptr(), ref.ptr()) < 0) throw py::error_already_set();
-        auto entry = tables->watched.find(ptr);
-        if (entry == tables->watched.end() || entry->second.ptr() != ref.ptr() || !on.load()) return;
+        {
+          Locked locked(tables->watched_mutex);
+          auto entry = tables->watched.find(ptr);
+          if (entry == tables->watched.end() || entry->second.ptr() != ref.ptr() || !on.load()) return;
+        }
         queue_free(ptr);
       } catch (py::error_already_set& error) {  // printed as Python does for errors it cannot raise
         error.discard_as_unraisable("streamrace: a storage's free");
@@ -1514,19 +1586,29 @@ class Feed {
     });
   }
 
-  // Drains the capture into the core (until no frees follow on host memory). streams: the virtual model's streams
-  // by their small int (None on cuda: a stream is its handle). unnamed: the threads with an unnamed implicit sync
-  // (a set of idents, or None); returns {thread: its first op's name} for them (the tracker names each sync after it).
+  // Drains the capture into the core (until no frees follow on host memory), after what the applier thread left:
+  // the candidates it found judged, its notes made, the records it could not apply (Python needed) applied first.
+  // streams: the virtual model's streams by their small int (None on cuda: a stream is its handle). unnamed: the
+  // threads with an unnamed implicit sync (a set of idents, or None); returns {thread: its first op's name} for them
+  // (the tracker names each sync after it).
   py::dict apply(py::object streams, bool engine_records_streams, py::object unnamed) {
     timers::Scope timed(timers::kIntake);
+    Locked locked(tables_->mutex);
+    streamrace_hb::release_dropped();
     streams_ = std::move(streams);
     engine_records_streams_ = engine_records_streams;
     py::dict firsts;
     const bool naming = !unnamed.is_none();
-    for (;;) {
-      std::vector<Record> taken = take_records();
-      if (taken.empty()) break;
-      for (auto& r : taken) {
+    if (naming)  // the applier's records came first
+      for (const auto& [thread, op] : applied_firsts_) {
+        py::int_ key(thread);
+        if (unnamed.contains(key) && !firsts.contains(key)) firsts[key] = py::str(op);
+      }
+    applied_firsts_.clear();
+    judge_applied();
+    auto apply_all = [&](std::vector<Record>& taken, size_t from) {
+      for (size_t i = from; i < taken.size(); ++i) {
+        Record& r = taken[i];
         if (r.what == What::kOp) timers::count_op();
         if (naming && r.what == What::kOp) {
           py::int_ thread(r.thread);
@@ -1540,11 +1622,48 @@ class Feed {
         });
       }
       give_back(taken);  // the storages they held (host memory): frees that follow are queued now
+    };
+    if (!left_.empty()) {
+      std::vector<Record> left;
+      left.swap(left_);
+      apply_all(left, left_from_);
+    }
+    stalled_.store(false, std::memory_order_relaxed);
+    applier::stalled.store(false, std::memory_order_relaxed);
+    for (;;) {
+      std::vector<Record> taken = take_records();
+      if (taken.empty()) break;
+      apply_all(taken, 0);
       if (!track_frees_) break;
     }
     streams_ = py::none();
     return firsts;
   }
+
+  // The applier thread's turn (no GIL): the records so far, in order, as long as each needs no Python (`applied`);
+  // the first that does and those after it wait for the next drain (`left_`), and until then the applier takes none.
+  void apply_native() {
+    if (stalled_.load(std::memory_order_relaxed)) return;
+    Locked locked(tables_->mutex);
+    if (stalled_.load(std::memory_order_relaxed)) return;
+    for (;;) {
+      std::vector<Record> taken = take_records();
+      if (taken.empty()) return;
+      for (size_t i = 0; i < taken.size(); ++i) {
+        if (!applied(taken[i])) {
+          left_.swap(taken);
+          left_from_ = i;
+          stalled_.store(true, std::memory_order_relaxed);
+          applier::stalled.store(true, std::memory_order_relaxed);
+          return;
+        }
+      }
+      give_back(taken);
+    }
+  }
+
+  void use_applier(bool on);  // applier.cpp
+  uint64_t applier_applied() const { return applied_.load(std::memory_order_relaxed); }
 
   size_t forward_sites() const { return forward_.size(); }
 
@@ -1565,9 +1684,106 @@ class Feed {
     }
   }
 
+  static std::string what_of(const Record& r) {
+    return r.op != nullptr ? r.op : r.what == What::kFree ? "free" : "an event's record or wait";
+  }
+
   void note(const Record& r, py::str type, py::str message) {
-    std::string what = r.op != nullptr ? r.op : r.what == What::kFree ? "free" : "an event's record or wait";
-    note_(py::str("{} is not checked: {}: {}").format(what, type, message));
+    note_(py::str("{} is not checked: {}: {}").format(what_of(r), type, message));
+  }
+
+  // What the applier thread found since the last drain, handed to Python (the GIL and `tables_->mutex` held): the
+  // candidates the core kept for a judge, and the notes.
+  void judge_applied() {
+    py::list races;
+    core_.judge_deferred(races);
+    if (py::len(races) > 0) {
+      timers::Callout python;
+      report_(races);
+    }
+    std::vector<std::string> notes;
+    notes.swap(applier_notes_);
+    for (const auto& text : notes) note_(py::str(text));
+  }
+
+  // One record applied without Python, on the applier thread: false, with nothing done, where it needs Python (a
+  // host sync's rule, a queued op's model, a stream or group not seen yet, a followed thread's origin, host memory).
+  bool applied(Record& r) {
+    if (!native(r)) return false;
+    streamrace_hb::ActingFor acting(r.thread);
+    try {
+      switch (r.what) {
+        case What::kFree:
+          freed(r);
+          break;
+        case What::kEventRecord:
+          core_.record_event(r.handle, streams_by_record_.at(r.stream));
+          break;
+        case What::kEventWait:
+          core_.wait_event(streams_by_record_.at(r.stream), r.handle);
+          break;
+        case What::kQueuedStart:
+          apply_rule(r, *r.plan->rule);
+          break;
+        default:
+          apply_op(r);
+      }
+    } catch (const std::exception& error) {  // this op goes unchecked, said at the next drain
+      applier_notes_.push_back(what_of(r) + " is not checked: RuntimeError: " + error.what());
+    }
+    applied_.fetch_add(1, std::memory_order_relaxed);
+    if (r.what != What::kOp) return true;
+    timers::count_op();
+    for (const auto& first : applied_firsts_)
+      if (first.first == r.thread) return true;
+    applied_firsts_.push_back({r.thread, r.op});
+    return true;
+  }
+
+  // Whether `applied` can take the record: what it would ask Python is known already.
+  bool native(const Record& r) {
+    if (PyDict_GET_SIZE(thread_origins->ptr()) > 0) return false;  // a followed thread's site names its origin
+    switch (r.what) {
+      case What::kFree:
+        return !any_hosts.load(std::memory_order_relaxed) && PySet_GET_SIZE(hosts_.ptr()) == 0;
+      case What::kEventRecord:
+      case What::kEventWait:
+        return ready(r.stream);
+      case What::kQueuedStart: {
+        if (!r.plan || !r.plan->rule) return false;
+        const Rule& rule = *r.plan->rule;
+        if (rule.stream_arg >= r.args.size() || !r.args[rule.stream_arg].isObject()) return false;
+        const Named* on = known_named(r.args[rule.stream_arg]);
+        return on != nullptr && ready_id(on->stream) && ready(r.stream);
+      }
+      case What::kOp: {
+        if (r.stream == kHostStream || r.synced || r.sync || !r.args.empty()) return false;
+        for (const Span& span : r.accesses) if (span.held) return false;
+        for (const Span& span : r.fresh) if (span.held) return false;
+        if (!ready(r.stream)) return false;
+        for (const Span& span : r.accesses) {  // the op's stream, where a redirect takes it
+          auto target = tables_->redirect.find(span.storage);
+          if (target != tables_->redirect.end()) return ready_id(target->second);
+        }
+        return true;
+      }
+      default:
+        return false;
+    }
+  }
+
+  // A recorded stream the core knows by id, already named (what `created` would otherwise name in Python).
+  bool ready(int64_t recorded) {
+    auto found = streams_by_record_.find(recorded);
+    return found != streams_by_record_.end() && ready_id(found->second);
+  }
+
+  bool ready_id(int32_t id) {
+    if (static_cast<size_t>(id) < ready_.size() && ready_[id]) return true;
+    if (!core_.ready(id)) return false;
+    if (ready_.size() <= static_cast<size_t>(id)) ready_.resize(id + 1, false);
+    ready_[id] = true;
+    return true;
   }
 
   // The core's id of a stream the capture recorded.
@@ -1587,7 +1803,7 @@ class Feed {
     made->stack = r.stack;
     made->thread = r.thread;
     made->ordinal = r.ordinal;
-    if (PyDict_GET_SIZE(thread_origins->ptr()) > 0) {  // (the GIL is held: the drain applies the records)
+    if (!applier::here && PyDict_GET_SIZE(thread_origins->ptr()) > 0) {  // (the applier: none, `native` saw)
       py::int_ key(r.thread);
       PyObject* found = PyDict_GetItemWithError(thread_origins->ptr(), key.ptr());  // borrowed
       if (found != nullptr) made->origin = py::reinterpret_borrow<py::object>(found);
@@ -1613,24 +1829,31 @@ class Feed {
   }
 
   void watch(const Span& span) {  // tracker._apply_captured's "watch": a storage first seen, its free learnt from now
-    if (!span.held) return;
-    auto& entry = tables_->watched[span.storage];
-    if (entry || !track_frees_) return;
+    if (!span.held || !track_frees_) return;
+    {
+      Locked locked(tables_->watched_mutex);
+      if (tables_->watched[span.storage]) return;
+    }
     py::object storage = py::reinterpret_steal<py::object>(THPStorage_Wrap(span.held));
     py::object ref = py::reinterpret_steal<py::object>(PyWeakref_NewRef(storage.ptr(), on_dead_.ptr()));
     if (!ref) throw py::error_already_set();
     if (PyDict_SetItem(ref_keys_.ptr(), ref.ptr(), int_key(span.storage).ptr()) < 0) throw py::error_already_set();
-    entry = std::move(ref);
+    Locked locked(tables_->watched_mutex);
+    tables_->watched[span.storage] = std::move(ref);
   }
 
   // The stream a fixed rule's argument names, and this rank in it (-1: none), asked of the model once per object
   // (a process group); null where the model declines it. The object's memory is kept (a weak reference), so its
   // address names no other while the entry lives.
   struct Named { c10::weak_intrusive_ptr<c10::ivalue::Object> object; int32_t stream; int64_t rank; };
+  const Named* known_named(const c10::IValue& value) const {  // null where the model was not asked yet
+    auto found = named_.find(value.toObject().get());
+    return found != named_.end() && !found->second.object.expired() ? &found->second : nullptr;
+  }
+
   const Named* named(const Record& r, const c10::IValue& value) {
+    if (const Named* known = known_named(value)) return known;
     const auto& object = value.toObject();
-    auto found = named_.find(object.get());
-    if (found != named_.end() && !found->second.object.expired()) return &found->second;
     py::object got = rule_stream_(py::str(r.op), torch::jit::toPyObject(value));
     if (got.is_none()) return nullptr;
     auto pair = got.cast<py::tuple>();
@@ -1676,8 +1899,13 @@ class Feed {
     Emptied emptied{scratch_};
     auto& touches = scratch_.touches;
     auto& allocs = scratch_.allocs;
+    auto& first_seen = scratch_.first_seen;
+    {  // (its own lock, held for nothing else: see Tables)
+      Locked locked(t.watched_mutex);
+      for (Span& span : r.accesses) t.watched.try_emplace(span.storage);
+      for (Span& span : r.fresh) first_seen.push_back(t.watched.try_emplace(span.storage).second);
+    }
     for (Span& span : r.accesses) {
-      t.watched.try_emplace(span.storage);
       if (span.write) {
         t.last_writer[span.storage] = id;
       } else if (engine_records_streams_ && r.in_node) {  // read inside a node: one of its incoming gradients
@@ -1686,9 +1914,10 @@ class Feed {
       }
       touches.push_back({span.storage, span.start, span.end, span.write, tensor(span, true)});
     }
-    for (Span& span : r.fresh) {
+    for (size_t i = 0; i < r.fresh.size(); ++i) {
+      Span& span = r.fresh[i];
       Payload desc = tensor(span, false);
-      if (t.watched.try_emplace(span.storage).second) allocs.push_back({span.storage, span.nbytes, desc});
+      if (first_seen[i]) allocs.push_back({span.storage, span.nbytes, desc});
       if (span.write) {
         t.last_writer[span.storage] = id;
         touches.push_back({span.storage, span.start, span.end, true, std::move(desc)});
@@ -1696,24 +1925,37 @@ class Feed {
     }
     Payload op_site = site(r);
     if (!r.in_node && r.seq >= 0) forward_.forward(r.seq, op_site);
+    if (applier::here) {  // its candidates wait for the next drain's judge
+      core_.record(id, op_site, allocs, touches, nullptr);
+      return;
+    }
     py::list races;
-    core_.record(id, op_site, allocs, touches, races);
+    core_.record(id, op_site, allocs, touches, &races);
     if (py::len(races) > 0) {
       timers::Callout python;
       report_(races);
     }
   }
 
-  void apply_one(Record& r) {
+  void freed(Record& r) {  // tracker._freed
     Tables& t = *tables_;
-    if (r.what == What::kFree) {  // tracker._freed
-      if (PySet_GET_SIZE(hosts_.ptr()) > 0) forget_host_(r.handle);  // (the capture forgot it as it was freed)
-      if (t.watched.erase(r.handle) == 0) return;  // never touched by a tracked op
-      if (!t.names.empty()) t.names.erase(r.handle);
-      t.last_writer.erase(r.handle);
-      core_.free(r.handle, site(r));
-      return;
+    if (PySet_GET_SIZE(hosts_.ptr()) > 0) forget_host_(r.handle);  // (the capture forgot it as it was freed)
+    py::object ref;  // its weak reference, let go of outside the lock (on the applier: later, with the GIL)
+    {
+      Locked locked(t.watched_mutex);
+      auto found = t.watched.find(r.handle);
+      if (found == t.watched.end()) return;  // never touched by a tracked op
+      ref = std::move(found->second);
+      t.watched.erase(found);
     }
+    streamrace_hb::drop(ref);
+    if (!t.names.empty()) t.names.erase(r.handle);
+    t.last_writer.erase(r.handle);
+    core_.free(r.handle, site(r));
+  }
+
+  void apply_one(Record& r) {
+    if (r.what == What::kFree) return freed(r);
     if (r.what == What::kEventRecord || r.what == What::kEventWait) {  // the cuda model's _event_record / _wait
       int32_t id = stream(r.stream);
       if (r.what == What::kEventRecord) core_.record_event(r.handle, id);
@@ -1732,6 +1974,12 @@ class Feed {
       core_.synchronize_stream(timeline, py::none());
       return;
     }
+    apply_op(r);
+  }
+
+  // An op on a device stream (its accesses, then where it syncs the host, the tracker's rule).
+  void apply_op(Record& r) {
+    Tables& t = *tables_;
     int32_t id = stream(r.stream);
     if (!t.redirect.empty())  // a gradient's add the engine runs on its consumer's stream
       for (const Span& span : r.accesses) {
@@ -1769,18 +2017,29 @@ class Feed {
   bool track_frees_ = false, engine_records_streams_ = false;
   py::object streams_ = py::none();
   std::unordered_map<int64_t, int32_t> streams_by_record_;
+  std::vector<bool> ready_;  // by core stream id: named already (`ready_id`)
   ForwardSites forward_;
+  // The applier thread's (under `tables_->mutex`): the records it left for a drain (from `left_from_` on), whether
+  // it left any (`stalled_`: it takes no more until a drain), its notes, and each thread's first op it applied.
+  std::vector<Record> left_;
+  size_t left_from_ = 0;
+  std::atomic<bool> stalled_{false};
+  std::vector<std::string> applier_notes_;
+  std::vector<std::pair<int64_t, const char*>> applied_firsts_;
+  std::atomic<uint64_t> applied_{0};  // records the applier applied, for tests and benchmarks
   // The vectors a record is applied with, kept between records (no allocation per record once grown), emptied after
   // each. One set: the tracker never applies a record from inside another's (its drain returns while it applies).
   struct Scratch {
     std::vector<PyCore::Touch> touches;
     std::vector<PyCore::Alloc> allocs;
+    std::vector<bool> first_seen;  // per fresh output: its storage first seen here
   };
   struct Emptied {
     Scratch& s;
     ~Emptied() {
       s.touches.clear();
       s.allocs.clear();
+      s.first_seen.clear();
     }
   };
   Scratch scratch_;
@@ -1849,6 +2108,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<feed::Feed>(m, "Feed")
       .def(py::init<py::object, py::object>(), py::arg("core"), py::arg("tracker"))
       .def("apply", &feed::Feed::apply, py::arg("streams"), py::arg("engine_records_streams"), py::arg("name_first"))
+      .def("use_applier", &feed::Feed::use_applier, py::arg("on"))
+      .def_property_readonly("applier_applied", &feed::Feed::applier_applied)
       .def_property_readonly("forward_sites", &feed::Feed::forward_sites)
       .def_property_readonly("tables", &feed::Feed::tables);
   feed::WatchedTable::bind(m, "WatchedTable");

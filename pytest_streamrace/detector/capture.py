@@ -299,12 +299,12 @@ def sources() -> list[str]:
     work that the others use (``timers.cpp``, off unless a benchmark turns them on), the happens-before core
     (``hb_core.cpp``), what differs between torch releases (``torch_compat.cpp``), the virtual model's node binding
     (``node_streams.cpp``), the native stack of a fatal signal (``fatal_signals.cpp``), the capture
-    (``capture.cpp``), which uses them and whose module binds them, then its kernel entry (``kernel_entry.cpp``),
-    which hands it ops."""
+    (``capture.cpp``), which uses them and whose module binds them, then the thread that applies its records beside
+    the program (``applier.cpp``) and its kernel entry (``kernel_entry.cpp``), which hands it ops."""
     files = importlib.resources.files(__package__)
     return [files.joinpath(name).read_text(encoding="utf-8")
             for name in ("timers.cpp", "hb_core.cpp", "torch_compat.cpp", "node_streams.cpp", "fatal_signals.cpp",
-                         "capture.cpp", "kernel_entry.cpp")]
+                         "capture.cpp", "applier.cpp", "kernel_entry.cpp")]
 
 
 def failure() -> str | None:

@@ -10,7 +10,10 @@
 // object from Python, a NativePayload from a C++ caller (capture.cpp's Feed). Races are found here and handed to a
 // Sink as candidates, one batch per access or allocation; the caller names and deduplicates them (that reads frames:
 // Python's job).
-// Every call comes with the GIL held.
+// Every call from Python comes with the GIL held. The capture's applier thread (capture.cpp's `Applier`) calls the
+// C++ face without it: there nothing enters Python (the judge's candidates wait in `deferred_` for the next call with
+// the GIL), a Python object it lets go is released later under the GIL (`drop`), and blocks come from its own free
+// lists.
 
 #include <pybind11/pybind11.h>
 
@@ -35,34 +38,91 @@ namespace py = pybind11;
 namespace STREAMRACE_HIDDEN streamrace_hb {
 
 // Blocks of one size made and dropped once per op or access (an op, its site, an access's tensor), kept on a free
-// list: malloc and free were a quarter of the detector's own instructions a step. These are made and dropped only with
-// the GIL held (they hold Python objects, or sit behind a Payload, which may), and the GIL guards the list: no lock, no
-// thread-local. Bounded; never freed (it would outlive the interpreter).
+// list: malloc and free were a quarter of the detector's own instructions a step. One list per thread (the applier
+// thread makes and drops them too; a block may end on another thread's list), bounded, given back to malloc as the
+// thread ends.
 template <size_t Size>
 class FreeList {
  public:
   static void* take() {
-    if (head_ == nullptr) return ::operator new(Size);
-    Block* block = head_;
-    head_ = block->next;
-    --count_;
+    Local& l = local();
+    if (l.head == nullptr) return ::operator new(Size);
+    Block* block = l.head;
+    l.head = block->next;
+    --l.count;
     return block;
   }
   static void give(void* pointer) {
-    if (count_ >= kKept) return ::operator delete(pointer);
+    Local& l = local();
+    if (l.count >= kKept || l.gone) return ::operator delete(pointer);
     auto* block = static_cast<Block*>(pointer);
-    block->next = head_;
-    head_ = block;
-    ++count_;
+    block->next = l.head;
+    l.head = block;
+    ++l.count;
   }
 
  private:
   struct Block { Block* next; };
   static_assert(Size >= sizeof(Block), "a block holds the list's link");
   static constexpr size_t kKept = 4096;
-  static inline Block* head_ = nullptr;
-  static inline size_t count_ = 0;
+  struct Local {
+    Block* head = nullptr;
+    size_t count = 0;
+    bool gone = false;  // the thread is ending: what it drops from now on goes straight back to malloc
+    ~Local() {
+      gone = true;
+      while (head != nullptr) {
+        Block* next = head->next;
+        ::operator delete(head);
+        head = next;
+      }
+      count = 0;
+    }
+  };
+  static Local& local() {
+    thread_local Local list;
+    return list;
+  }
 };
+
+// A Python object let go of on a thread without the GIL (the applier's): released at the next `release_dropped`,
+// which every entry that holds the GIL and applies records calls. With the GIL, at once.
+inline std::mutex& dropped_mutex() {
+  static auto* m = new std::mutex();  // never destroyed: it would outlive the interpreter
+  return *m;
+}
+inline std::vector<PyObject*>& dropped() {
+  static auto* objects = new std::vector<PyObject*>();
+  return *objects;
+}
+inline std::atomic<bool>& any_dropped() {
+  static std::atomic<bool> flag{false};
+  return flag;
+}
+
+inline void drop(PyObject* object) {
+  if (object == nullptr || !Py_IsInitialized()) return;
+  if (PyGILState_Check()) {
+    Py_DECREF(object);
+    return;
+  }
+  std::lock_guard<std::mutex> guard(dropped_mutex());
+  dropped().push_back(object);
+  any_dropped().store(true, std::memory_order_relaxed);
+}
+
+inline void drop(py::object& object) { drop(object.release().ptr()); }
+
+inline void release_dropped() {  // the GIL held
+  if (!any_dropped().load(std::memory_order_relaxed)) return;
+  std::vector<PyObject*> now;
+  {
+    std::lock_guard<std::mutex> guard(dropped_mutex());
+    now.swap(dropped());
+    any_dropped().store(false, std::memory_order_relaxed);
+  }
+  for (PyObject* object : now) Py_DECREF(object);
+}
 
 // A class whose objects come from the free list of their size (derived classes of another size go to malloc).
 template <class T>
@@ -130,7 +190,7 @@ class Payload {
     return *this;
   }
   ~Payload() {
-    if (is_object()) Py_DECREF(object());
+    if (is_object()) drop(object());
     else if (is_native() && native_object()->refs.fetch_sub(1, std::memory_order_acq_rel) == 1)
       delete native_object();
   }
@@ -198,6 +258,13 @@ struct Op {
   ClockPtr clock, strict;
   std::shared_ptr<StreamKeys> keys;
   py::object clock_dict, strict_dict;  // the clocks as hb.py's dicts, built when read (`happens_before`, tests)
+  Op() = default;
+  Op(const Op&) = delete;
+  Op& operator=(const Op&) = delete;
+  ~Op() {  // the last reference may go on the applier thread (a history entry replaced there)
+    drop(clock_dict);
+    drop(strict_dict);
+  }
 };
 using OpPtr = std::shared_ptr<Op>;
 
@@ -612,12 +679,16 @@ class PyCore {
  public:
   PyCore(bool trace, py::object judge) : core_(trace), judge_(std::move(judge)) {}
 
-  // One GIL-safe lock per core (hb.py's threading.Lock): the judge runs Python, which may let another thread in.
+  // One GIL-safe lock per core (hb.py's threading.Lock): the judge runs Python, which may let another thread in, and
+  // the applier thread (no GIL) may hold it.
   class Guard {
    public:
     explicit Guard(std::mutex& m) : lock_(m, std::try_to_lock) {
-      if (!lock_.owns_lock()) {
+      if (lock_.owns_lock()) return;
+      if (PyGILState_Check()) {
         py::gil_scoped_release release;
+        lock_.lock();
+      } else {
         lock_.lock();
       }
     }
@@ -760,7 +831,7 @@ class PyCore {
   py::list access(const OpPtr& op, py::handle storage, int64_t start, int64_t end, bool write, py::handle tensor) {
     Guard g(mutex_);
     py::list out;
-    Judge sink(this, out);
+    Judge sink(this, &out);
     core_.access(op, storage_id(storage), start, end, write, Payload::of(tensor), sink);
     return out;
   }
@@ -770,7 +841,7 @@ class PyCore {
     Guard g(mutex_);
     OpPtr op = launch_unlocked(stream, site);
     py::list out;
-    Judge sink(this, out);
+    Judge sink(this, &out);
     const int32_t id = op->stream;
     for_each_item(allocs, 3, [&](PyObject* const* item) {
       int64_t nbytes = PyLong_AsLongLong(item[1]);
@@ -790,7 +861,7 @@ class PyCore {
   py::list alloc(py::handle storage, int64_t nbytes, py::handle stream, py::handle site, py::handle tensor) {
     Guard g(mutex_);
     py::list out;
-    Judge sink(this, out);
+    Judge sink(this, &out);
     core_.alloc(storage_id(storage), nbytes, stream_id(stream), Payload::of(site), Payload::of(tensor), sink);
     return out;
   }
@@ -805,8 +876,9 @@ class PyCore {
     bool write;
     Payload tensor;
   };
+  // races: null on the applier thread (no GIL): the candidates wait for the next judge with the GIL (`deferred_`)
   void record(int32_t id, const Payload& site, const std::vector<Alloc>& allocs, const std::vector<Touch>& touches,
-              py::list& races) {
+              py::list* races) {
     Guard g(mutex_);
     OpPtr op = core_.launch(id, site);
     created(id);
@@ -825,6 +897,19 @@ class PyCore {
   int32_t locked_stream_id(py::handle key) {
     Guard g(mutex_);
     return stream_id(key);
+  }
+
+  // Whether the applier thread may use stream `id`: it counts already (`created` would make a Python name).
+  bool ready(int32_t id) {
+    Guard g(mutex_);
+    return static_cast<size_t>(id) < names_.size() && !names_[id].is_none();
+  }
+
+  // The candidates found on the applier thread, judged now (the GIL held): their races appended to `races`.
+  void judge_deferred(py::list& races) {
+    Guard g(mutex_);
+    Judge sink(this, &races);
+    sink.flush();
   }
 
   py::object stream_key(int32_t id) const { return core_.stream_key(id).to_python(); }  // interned: never changes
@@ -898,9 +983,26 @@ class PyCore {
 
  private:
   // Candidates to Python, one batch per access: judge(batch) -> the races not reported before (hb._collect).
+  // Under the core's lock. Without the GIL (the applier thread, `out` null) a batch waits in `deferred_`; with it,
+  // the batches waiting are judged first, in the order found.
   struct Judge : Sink {
-    Judge(PyCore* core, py::list& out) : core(core), out(out) {}
+    Judge(PyCore* core, py::list* out) : core(core), out(out) {}
     void judge(std::vector<Candidate>& batch) override {
+      if (out == nullptr) {
+        core->deferred_.push_back(std::move(batch));
+        batch.clear();
+        return;
+      }
+      flush();
+      judge_now(batch);
+    }
+    void flush() {
+      if (core->deferred_.empty()) return;
+      std::vector<std::vector<Candidate>> waiting;
+      waiting.swap(core->deferred_);
+      for (auto& batch : waiting) judge_now(batch);
+    }
+    void judge_now(std::vector<Candidate>& batch) {
       py::list items(batch.size());
       for (size_t i = 0; i < batch.size(); ++i) {
         Candidate& c = batch[i];
@@ -911,10 +1013,10 @@ class PyCore {
       }
       timers::Callout python;
       py::object found = core->judge_(items);
-      for (auto race : found) out.append(race);
+      for (auto race : found) out->append(race);
     }
     PyCore* core;
-    py::list& out;
+    py::list* out;
   };
 
   OpPtr launch_unlocked(py::handle stream, py::handle site) {
@@ -948,6 +1050,7 @@ class PyCore {
   Core core_;
   py::object judge_;
   std::mutex mutex_;
+  std::vector<std::vector<Candidate>> deferred_;  // found on the applier thread, for the next judge with the GIL
   py::dict stream_ids_, storage_ids_;
   std::vector<py::object> names_;  // by stream id: None until the stream counts
   std::vector<py::object> storage_keys_;  // interned storage keys, by -id - 1

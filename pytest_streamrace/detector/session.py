@@ -309,6 +309,7 @@ class Detector:
         if capture is None:
             return None if order is None else "forcing an order needs the C++ capture"
         self._forced = self._forced or order is not None
+        self.tracker.stop_applier()  # a forced run's records, applied by its own threads as they drain
         if order is None:
             from .models import host_handoffs
 

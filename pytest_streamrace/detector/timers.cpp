@@ -28,6 +28,7 @@ struct Now {  // the part this thread is in (-1: none) and since when
   uint64_t since = 0;
 };
 thread_local Now now_in;
+thread_local bool untimed = false;  // a thread whose work is not the program's step's (the applier)
 
 inline uint64_t clock_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
@@ -59,6 +60,7 @@ class Scope {
  private:
   static constexpr int kIdle = -2;
   __attribute__((noinline)) void enter(int part) {
+    if (untimed) return;
     if (part < kParts) entries[part].fetch_add(1, std::memory_order_relaxed);
     outer_ = switch_to(part, clock_ns());
   }

@@ -16,6 +16,7 @@ import collections
 import contextlib
 import functools
 import operator
+import os
 import re
 import threading
 import weakref
@@ -28,6 +29,7 @@ from torch._C import _current_autograd_node
 from torch._C._autograd import _get_sequence_nr
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from .. import checks, env
 from ..patching import skip_in_dynamo
 from . import host_party, host_sync
 from .backward_sites import ForwardSites
@@ -177,6 +179,22 @@ def _called_from_cpp(method):
     return call
 
 
+def applier_wanted(cuda: bool) -> bool:
+    """Whether a session's captured records are applied by the capture's applier thread (capture's applier.cpp)
+    rather than by the program's threads as they drain: ``STREAMRACE_APPLIER`` (thread, inline) where set; else on
+    the cuda backend where the process may run on four cores or more (a step there is host-bound, and the thread takes
+    the records' application off it). The virtual backend runs its Python models on every stream call, whose drains
+    leave the thread little to do."""
+    chosen = os.environ.get(env.APPLIER) or None
+    if chosen is not None:
+        return checks.applier(chosen) == "thread"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return cuda and cores >= 4
+
+
 class AccessTracker(TorchDispatchMode):
     """Turns ATen ops into hb launches and accesses on the stream `current_stream()` names.
 
@@ -229,6 +247,7 @@ class AccessTracker(TorchDispatchMode):
         self._capture = None  # the C++ capture, when it replaces this dispatch mode
         self._plans_at_enable = ""  # `_plans_key` as the capture was enabled
         self._feed = None  # the capture's records applied straight to the C++ core (capture.cpp's Feed), when it is one
+        self.applier = False  # and by the capture's applier thread (applier.cpp), not only as the program drains
         self.forcing = None  # a forced run's call at each op's place (`session.force`), for host accesses no op makes
         self._ordinal = 0  # the captured op whose queued model runs now (`_queued`): its ordinal names what it launches
         self._issuer: int | None = None  # and the thread that issued it (its ordinal counts that thread's ops)
@@ -299,6 +318,16 @@ class AccessTracker(TorchDispatchMode):
         extension.enable(cuda, self._capture_plan, self._drain_forced,
                          cuda if every_thread is None else every_thread, host_frees=self.track_frees and not cuda,
                          plans_key=self._plans_at_enable)
+        self.applier = self._feed is not None and applier_wanted(cuda)
+        if self.applier:
+            self._feed.use_applier(True)
+
+    def stop_applier(self) -> None:
+        """Apply the records on the threads that drain from now on (the session ends, or a confirmation forces an
+        order): the applier thread lets this session's feed go."""
+        if self._feed is not None:
+            self._feed.use_applier(False)
+        self.applier = False
 
     def busy_here(self) -> bool:
         """Whether this thread is inside the tracker's own work (an op being recorded, a drain): what runs there is the
@@ -333,6 +362,7 @@ class AccessTracker(TorchDispatchMode):
 
     def stop_capture(self) -> None:
         if self._capture is not None:
+            self.stop_applier()
             self.drain()
             # the capture keeps its plans for the next session only where nothing they were made from changed here
             self._capture.disable(keep_plans=self._plans_key() == self._plans_at_enable)
