@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 
 _session = None  # the active Detector
-_models: dict = {}  # stream model class -> the active session's instance
+models: dict = {}  # stream model class -> the active session's instance (`model`; read directly where a frame counts)
 _lock = threading.Lock()
 
 
@@ -35,14 +35,14 @@ def leave(detector) -> None:
     with _lock:
         if _session is detector:
             _session = None
-            _models.clear()
+            models.clear()
 
 
 def register(model) -> None:
     """A stream model of the active session, found again by its class (`model`)."""
-    _models[type(model)] = model
+    models[type(model)] = model
 
 
 def model(kind):
     """The active session's stream model of class `kind`, or None."""
-    return _models.get(kind)
+    return models.get(kind)

@@ -312,12 +312,27 @@ def _triton_patches(triton_heuristics) -> list:
     def launch(self, *args, stream, **kwargs):
         # Recorded once run() returns: on its first call run() autotunes first (benchmark launches on copies of the
         # arguments, then a device synchronize), and the kernel is launched after that synchronize, not before it.
+        # A compiled step launches dozens: no Python frame of ours between this one and the capture's record.
         out = run(self, *args, stream=stream, **kwargs)
-        model = _model()
-        if model is not None and not _capturing():
-            kernel = _triton_kernel(self)
+        model = active.models.get(CompiledCode)
+        if model is None:
+            return out
+        try:
+            capturing = _stream_capturing()
+        except Exception:  # no CUDA here (the virtual backend's stand-ins)
+            capturing = False
+        if not capturing:
+            kernel = getattr(self, "_streamrace_kernel", None) or _triton_kernel(self)
             if kernel is not None:
-                model.launch(kernel[0], args, kernel[1], stream if isinstance(stream, int) else None)
+                on = stream if isinstance(stream, int) else None
+                tracker = model.tracker
+                capture = tracker._capture if on is None or tracker.device_type == "cuda" else None  # as launch()
+                try:
+                    recorded = capture is not None and capture.record_kernel(kernel[0], on, args, kernel[1])
+                except Exception:  # the model's path says why, once
+                    recorded = False
+                if not recorded:
+                    model.launch(kernel[0], args, kernel[1], on)
         return out
     # Its benchmarking at a kernel's first launch synchronizes the device: the compiler's ordering, not the program's.
     tuning = [AttrPatch(autotuner, name, compile_time.wrap(getattr(autotuner, name)))
