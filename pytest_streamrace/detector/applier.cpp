@@ -3,8 +3,8 @@
 // Applying a record (its storages' tables, its site, the core's clocks and histories) cost the stepping thread more
 // than capturing it: on a launch-bound step on an H200 host about twice the capture's time (docs/validation.md's cost
 // breakdown). A step is host-bound, so that time was the step's. Here one thread per process applies what the
-// capture queues, woken every `kWakeEvery` records and every millisecond while a feed is attached, holding the feed's
-// lock (`Tables::mutex`) as a drain does, so records are applied once and in order whoever applies them.
+// capture queues, every millisecond while a feed is attached (sooner when `kWakeEvery` records wait), holding the
+// feed's lock (`Tables::mutex`) as a drain does, so records are applied once and in order whoever applies them.
 //
 // It never takes the GIL, so it cannot deadlock against the program's threads: a record that needs Python (a host
 // sync's rule, a queued op's model, a stream or process group the model has not named yet, a followed thread's origin,

@@ -278,9 +278,11 @@ void Pending::operator delete(void* pointer, size_t size) {
 }
 }  // namespace
 
-// The applier thread (applier.cpp): a session's feed attached, woken every `kWakeEvery` records pushed.
+// The applier thread (applier.cpp): a session's feed attached. It wakes every millisecond; a thread that pushed
+// `kWakeEvery` records since it last took them wakes it sooner (a futex call on that thread: a few a second at most on
+// a training step, where the millisecond's wake takes the records first).
 namespace applier {
-constexpr size_t kWakeEvery = 32;
+constexpr size_t kWakeEvery = 128;
 std::atomic<bool> attached{false};
 std::atomic<bool> stalled{false};  // the attached feed's applier left a record for a drain
 void wake();
