@@ -42,9 +42,16 @@ def headers(version: str, cache: str) -> str:
     return include
 
 
+def standard(include: str) -> str:
+    """The C++ standard torch's extension loader builds with for this release: C++20 where its ATen requires it
+    (2.14 on), else C++17."""
+    with open(os.path.join(include, "ATen", "ATen.h"), encoding="utf-8") as f:
+        return "c++20" if "C++20 or later" in f.read() else "c++17"
+
+
 def compiles(include: str, source: str) -> str | None:
     """None where `source` compiles against `include`, else the first error line."""
-    flags = ["-std=c++17", "-fsyntax-only", "-O2", "-DNDEBUG", "-DTORCH_EXTENSION_NAME=check",
+    flags = [f"-std={standard(include)}", "-fsyntax-only", "-O2", "-DNDEBUG", "-DTORCH_EXTENSION_NAME=check",
              "-DTORCH_API_INCLUDE_EXTENSION_H", "-isystem", include,
              "-isystem", os.path.join(include, "torch", "csrc", "api", "include"),
              "-isystem", sysconfig.get_paths()["include"], "-x", "c++", "-"]

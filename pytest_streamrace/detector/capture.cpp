@@ -24,7 +24,7 @@
 #include <unordered_set>
 #if PY_VERSION_HEX < 0x030B0000
 #include <frameobject.h>  // PyFrameObject's fields (f_lasti), read directly before Python 3.11's accessors
-#elif PY_VERSION_HEX < 0x030E0000
+#elif PY_VERSION_HEX < 0x030E0000 && __has_include(<torch/csrc/dynamo/cpython_includes.h>)  // (torch 2.5 on)
 #include <torch/csrc/dynamo/cpython_includes.h>  // _PyInterpreterFrame, F_CODE, PREV_INSTR: as torch's dynamo reads them
 #define STREAMRACE_INTERPRETER_FRAMES 1
 #endif

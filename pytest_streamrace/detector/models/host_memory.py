@@ -94,8 +94,10 @@ class PinnedMemory:
                     WrapPatch(torch.Tensor, "is_pinned", self._is_pinned),
                     WrapPatch(torch.Tensor, "to", self._to)]
         patches.append(self._loader_patch())
-        import torch.cuda._pin_memory_utils as registered  # torch's cudaHostRegister helpers (DCP's stager pins so)
-
+        try:  # torch's cudaHostRegister helpers (DCP's stager pins so), in the releases that have them
+            import torch.cuda._pin_memory_utils as registered
+        except ImportError:
+            return patches
         patches += [AttrPatch(registered, "pin_memory", self._register),
                     AttrPatch(registered, "unpin_memory", self._unregister)]
         return patches
