@@ -93,7 +93,7 @@ class PinnedMemory:
         patches += [WrapPatch(torch.Tensor, "pin_memory", self._pin_memory),
                     WrapPatch(torch.Tensor, "is_pinned", self._is_pinned),
                     WrapPatch(torch.Tensor, "to", self._to)]
-        patches.append(self._loader_patch())
+        patches += self._loader_patches()
         try:  # torch's cudaHostRegister helpers (DCP's stager pins so), in the releases that have them
             import torch.cuda._pin_memory_utils as registered
         except ImportError:
@@ -109,13 +109,18 @@ class PinnedMemory:
     def _unregister(self, data_ptr: int) -> None:
         self.tracker.forget_host_address(int(data_ptr))
 
-    def _loader_patch(self) -> AttrPatch:
+    def _loader_patches(self) -> list:
         """DataLoader(pin_memory=True) pins as on a GPU host: its iterator asks for an accelerator, which the virtual
-        backend does not claim to have (code that branches on one keeps the CPU), so the iterator is told to pin."""
+        backend does not claim to have (code that branches on one keeps the CPU), so the iterator is told to pin. With
+        workers torch pins on a thread of its own, which selects the device through ``torch.accelerator`` (virtual
+        here) in recent releases and through ``torch.cuda`` (no device here) in older ones (2.6): there the batches
+        are pinned as the iterator hands them out, on the thread that takes them."""
         from torch.utils.data import dataloader  # imported with torch
+        from torch.utils.data._utils import pin_memory
 
         base = dataloader._BaseDataLoaderIter
         original = base.__init__
+        thread_pins = "accelerator" in pin_memory._pin_memory_loop.__code__.co_names
 
         @functools.wraps(original)
         def __init__(iterator, loader, *args, **kwargs):
@@ -124,8 +129,19 @@ class PinnedMemory:
                     warnings.filterwarnings("ignore", message=".*pin_memory.*")
                 original(iterator, loader, *args, **kwargs)
             if loader.pin_memory:
-                iterator._pin_memory, iterator._pin_memory_device = True, "cuda"
-        return AttrPatch(base, "__init__", __init__)
+                pins_here = not thread_pins and bool(loader.num_workers)
+                iterator._pin_memory, iterator._pin_memory_device = not pins_here, "cuda"
+                iterator._streamrace_pins_here = pins_here
+        patches = [AttrPatch(base, "__init__", __init__)]
+        if thread_pins:
+            return patches
+        next_batch = base.__next__
+
+        @functools.wraps(next_batch)
+        def __next__(iterator):
+            batch = next_batch(iterator)
+            return pin_memory.pin_memory(batch, "cuda") if getattr(iterator, "_streamrace_pins_here", False) else batch
+        return patches + [AttrPatch(base, "__next__", __next__)]
 
 
 class _FactoryPatch(WrapPatch):

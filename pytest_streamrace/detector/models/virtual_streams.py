@@ -19,6 +19,7 @@ same reason as ``torch.cuda.is_available()``.
 from __future__ import annotations
 
 import _thread
+import abc
 import functools
 import threading
 import time
@@ -159,6 +160,23 @@ class Event:
 
     def __repr__(self) -> str:
         return "<virtual torch.cuda.Event>"
+
+
+def _registered_with_torch_bases() -> None:
+    """Where torch's stream and event bases are abstract classes (``torch._streambase``, torch 2.4), these classes are
+    registered as theirs: dynamo's first import checks that the CUDA device interface's ``Stream`` and ``Event`` derive
+    from them, and inside a session those are these (an optimizer's first construction imports dynamo)."""
+    try:
+        from torch import _streambase
+    except ImportError:
+        return
+    for base, cls in ((getattr(_streambase, "_StreamBase", None), Stream), (getattr(_streambase, "_EventBase", None),
+                                                                            Event)):
+        if isinstance(base, abc.ABCMeta):
+            base.register(cls)
+
+
+_registered_with_torch_bases()
 
 
 class StreamContext:
