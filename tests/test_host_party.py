@@ -12,16 +12,20 @@ from test_stacks import racy_twins, tagged
 STACK = Path(__file__).parent / "stacks" / "stack_pinned_memory.py"
 
 
-@pytest.mark.parametrize("mode", ["fallback", "latent-fail"])
+@pytest.mark.parametrize("mode", ["fallback", "latent-fail", "no-register-helpers"])
 def test_pinned_memory_twins(pytester, monkeypatch, mode):
+    """no-register-helpers: a torch without ``torch.cuda._pin_memory_utils`` (2.4; DCP's cudaHostRegister helpers),
+    whose model is then left out: the session starts and the twins give the same verdicts."""
     source = STACK.read_text()
     module = pytester.makepyfile(**{STACK.stem: source})
     args = ["--streamrace", "--streamrace-backend=virtual", "--streamrace-json", "races.json", "-p", "no:cacheprovider",
             "-rA", str(module)]
     if mode == "fallback":
         monkeypatch.setenv("STREAMRACE_NATIVE", "0")
-    else:
+    elif mode == "latent-fail":
         args.append("--streamrace-latent=fail")
+    else:
+        pytester.makeconftest("import sys\n\nsys.modules['torch.cuda._pin_memory_utils'] = None  # import fails\n")
     result = pytester.runpytest_subprocess(*args)
     outcomes = result.parseoutcomes()
     assert outcomes.get("failed", 0) == outcomes.get("error", 0) == 0, result.stdout.str()
