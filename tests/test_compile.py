@@ -8,7 +8,7 @@ import json
 import pytest
 
 from pytest_streamrace.detector import capture
-from pytest_streamrace.detector.models.compiled import READ, WRITE, cpp_roles
+from pytest_streamrace.detector.models.compiled import READ, WRITE, _loaded, cpp_roles
 
 CASES = """
 import pytest, torch
@@ -161,6 +161,24 @@ extern "C"  void  kernel(float* in_out_ptr0,
 { }'''
     assert cpp_roles(source) == (READ | WRITE, READ, WRITE, 0)
     assert cpp_roles("no kernel here") is None
+
+
+def test_generated_modules_are_listed_from_either_shape_of_inductors_code_cache():
+    """PyCodeCache lists its loaded modules (``modules``), or (torch 2.4) keeps them in a dict by key (``cache``): the
+    model reads both in load order, and an unknown shape as none, never raising into a session's start."""
+    import types
+
+    first, second = types.ModuleType("first"), types.ModuleType("second")
+
+    class Listed:
+        modules = [first, second]
+
+    class Keyed:
+        cache = {"k1": first, "k2": second}
+
+    assert _loaded(Listed) == [first, second]
+    assert _loaded(Keyed) == [first, second]
+    assert _loaded(object) == []
 
 
 def test_compiled_code_keeps_its_graph_and_stays_quiet_without_streams(pytester):

@@ -150,7 +150,7 @@ class CompiledCode:
         codecache = sys.modules.get("torch._inductor.codecache")
         if codecache is None:  # nothing generated in this process yet
             return
-        modules = codecache.PyCodeCache.modules
+        modules = _loaded(codecache.PyCodeCache)
         if len(modules) < self._modules_seen:  # Inductor's caches were cleared: look at all again
             self._modules_seen = 0
         if len(modules) == self._modules_seen:
@@ -205,6 +205,16 @@ class CompiledCode:
                 namespace[name] = original
 
 
+def _loaded(cache) -> list:
+    """The generated modules Inductor's PyCodeCache loaded, in the order it loaded them: its ``modules`` list, or
+    (torch 2.4) the values of its ``cache`` dict."""
+    modules = getattr(cache, "modules", None)
+    if modules is not None:
+        return modules
+    by_key = getattr(cache, "cache", None)
+    return list(by_key.values()) if isinstance(by_key, dict) else []
+
+
 def _dynamo_patches(output_graph) -> list:
     """Every graph a backend compiled is wrapped in the run-time shim (``_runtime``); the detector's entry points
     become frames dynamo skips."""
@@ -212,9 +222,9 @@ def _dynamo_patches(output_graph) -> list:
     graph_class = output_graph.OutputGraph
     original = graph_class.call_user_compiler
 
-    def call_user_compiler(graph, gm, example_inputs):
+    def call_user_compiler(graph, gm, *args, **kwargs):  # (gm, example_inputs); torch 2.4's takes gm alone
         with compile_time.scope():  # compiling and max-autotune synchronize: not the program's ordering
-            compiled = original(graph, gm, example_inputs)
+            compiled = original(graph, gm, *args, **kwargs)
         return _runtime(compiled)
     return [AttrPatch(graph_class, "call_user_compiler", call_user_compiler)]
 
