@@ -1397,23 +1397,7 @@ struct Tables {
   std::recursive_mutex mutex, watched_mutex;
 };
 
-// A lock of the tables, taken with the GIL released while another thread holds it (the applier thread never waits
-// for the GIL, but a drain with it may run Python that lets another thread in).
-class Locked {
- public:
-  explicit Locked(std::recursive_mutex& m) : lock_(m, std::try_to_lock) {
-    if (lock_.owns_lock()) return;
-    if (PyGILState_Check()) {
-      py::gil_scoped_release release;
-      lock_.lock();
-    } else {
-      lock_.lock();
-    }
-  }
-
- private:
-  std::unique_lock<std::recursive_mutex> lock_;
-};
+using Locked = streamrace_hb::GilFreeLock<std::recursive_mutex>;  // a lock of the tables
 
 // How one table's values look from Python: a weak reference or None (watched), an interned stream key (last_writer,
 // redirect: ids in C++), a name (names).
@@ -1714,22 +1698,7 @@ class Feed {
     if (!native(r)) return false;
     streamrace_hb::ActingFor acting(r.thread);
     try {
-      switch (r.what) {
-        case What::kFree:
-          freed(r);
-          break;
-        case What::kEventRecord:
-          core_.record_event(r.handle, streams_by_record_.at(r.stream));
-          break;
-        case What::kEventWait:
-          core_.wait_event(streams_by_record_.at(r.stream), r.handle);
-          break;
-        case What::kQueuedStart:
-          apply_rule(r, *r.plan->rule);
-          break;
-        default:
-          apply_op(r);
-      }
+      apply_one(r);  // as a drain would: what `native` checked is what it would otherwise ask Python
     } catch (const std::exception& error) {  // this op goes unchecked, said at the next drain
       applier_notes_.push_back(what_of(r) + " is not checked: RuntimeError: " + error.what());
     }

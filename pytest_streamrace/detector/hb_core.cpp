@@ -10,8 +10,8 @@
 // object from Python, a NativePayload from a C++ caller (capture.cpp's Feed). Races are found here and handed to a
 // Sink as candidates, one batch per access or allocation; the caller names and deduplicates them (that reads frames:
 // Python's job).
-// Every call from Python comes with the GIL held. The capture's applier thread (capture.cpp's `Applier`) calls the
-// C++ face without it: there nothing enters Python (the judge's candidates wait in `deferred_` for the next call with
+// Every call from Python comes with the GIL held. The capture's applier thread (applier.cpp) calls the C++ face
+// without it: there nothing enters Python (the judge's candidates wait in `deferred_` for the next call with
 // the GIL), a Python object it lets go is released later under the GIL (`drop`), and blocks come from its own free
 // lists.
 
@@ -22,6 +22,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -123,6 +124,22 @@ inline void release_dropped() {  // the GIL held
   }
   for (PyObject* object : now) Py_DECREF(object);
 }
+
+// A lock taken with the GIL released while another thread holds it: the holder may be a thread without the GIL (the
+// applier), or one whose Python let this thread in, and either may need the GIL before it lets go.
+template <class Mutex>
+class GilFreeLock {
+ public:
+  explicit GilFreeLock(Mutex& m) : lock_(m, std::try_to_lock) {
+    if (lock_.owns_lock()) return;
+    std::optional<py::gil_scoped_release> release;
+    if (PyGILState_Check()) release.emplace();
+    lock_.lock();
+  }
+
+ private:
+  std::unique_lock<Mutex> lock_;
+};
 
 // A class whose objects come from the free list of their size (derived classes of another size go to malloc).
 template <class T>
@@ -683,19 +700,11 @@ class PyCore {
   // the applier thread (no GIL) may hold it.
   class Guard {
    public:
-    explicit Guard(std::mutex& m) : lock_(m, std::try_to_lock) {
-      if (lock_.owns_lock()) return;
-      if (PyGILState_Check()) {
-        py::gil_scoped_release release;
-        lock_.lock();
-      } else {
-        lock_.lock();
-      }
-    }
+    explicit Guard(std::mutex& m) : lock_(m) {}
 
    private:
     timers::Scope timed_{timers::kCore};  // first: timed from before the lock (timers.cpp)
-    std::unique_lock<std::mutex> lock_;
+    GilFreeLock<std::mutex> lock_;
   };
 
   int32_t stream_id(py::handle key) {
