@@ -188,6 +188,42 @@ def test_backward_ops_without_frames_of_their_own_name_the_forward_op_that_made_
         "their_node"
 
 
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return x * 1
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 2
+
+
+class _Triple(_Double):
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * 3
+
+
+def test_backward_ops_inside_python_functions_name_their_own_node(extension):
+    """Node names are kept per node class, but a Python autograd Function's node (one C++ class for all of them) is
+    named by its own Python class: each accumulation below runs inside the node of whichever Function's gradient came
+    second, and names that one."""
+    import threading
+
+    def accumulation_node(first, second):
+        with capturing(extension) as (hb, _):
+            w = torch.ones(4, requires_grad=True)
+            y = (first.apply(w) + second.apply(w)).sum()
+            engine = threading.Thread(target=y.backward)  # no frames of the program's: the site names the node
+            engine.start()
+            engine.join()
+        (add,) = [op for op in hb.timeline if op.site.op == "aten::add" and "backward of" in op.site.frames[0][2]]
+        return add.site.frames[0][2].split(",")[0]
+
+    assert accumulation_node(_Double, _Triple) == "backward of _DoubleBackward"
+    assert accumulation_node(_Triple, _Double) == "backward of _TripleBackward"
+
+
 def test_paused_tracker_captures_nothing(extension):
     with capturing(extension) as (hb, tracker):
         tracker.enabled = False

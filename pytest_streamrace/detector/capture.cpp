@@ -20,6 +20,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <typeindex>
 #include <unordered_map>
 #include <unordered_set>
 #if PY_VERSION_HEX < 0x030B0000
@@ -87,9 +88,13 @@ void release_stacks() {  // the GIL held
 
 // held (host memory only): the storage, first seen here, kept alive until drained (see `hold`)
 using Shape = c10::SmallVector<int64_t, 5>;  // inline: no allocation per access
-struct Span { int64_t storage, start, end; bool write; Shape shape; c10::ScalarType dtype; int64_t nbytes;
-              c10::Storage held; bool host = false; };  // host: a host storage's (host_op)
-using Spans = c10::SmallVector<Span, 3>;  // an op's reads and writes, or its fresh outputs: inline for most ops
+struct Span { int64_t storage = 0, start = 0, end = 0, nbytes = -1; c10::Storage held; Shape shape;
+              c10::ScalarType dtype = c10::ScalarType::Undefined; bool write = false;
+              bool host = false; };  // host: a host storage's (host_op)
+// An op's reads and writes (inline for most ops), and its fresh outputs (one for most); functions take either.
+using Spans = c10::SmallVectorImpl<Span>;
+using Accesses = c10::SmallVector<Span, 3>;
+using Outputs = c10::SmallVector<Span, 1>;
 
 // "float", "long", ...: as a tensor's description names its dtype (hb.TensorInfo). Called with the GIL held.
 py::str dtype_name(c10::ScalarType dtype) {
@@ -124,15 +129,16 @@ struct Plan { bool below_autograd = false, record = false, queued = false, at_is
 enum class What : uint8_t { kOp, kFree, kEventRecord, kEventWait, kQueuedStart, kQueuedEnd };
 struct Record {
   What what = What::kOp; const char* op = nullptr; int64_t stream = 0; bool in_node = false;
-  Spans accesses, fresh; std::shared_ptr<Stack> stack;
+  Accesses accesses; Outputs fresh; std::shared_ptr<Stack> stack;
   int64_t handle = 0;  // a free's storage, an event's handle
   // the autograd sequence number: in forward, of the node the op may create; in backward, of the node running it
-  int64_t seq = -1; std::string node;
+  int64_t seq = -1; const char* node = nullptr;  // the node's name, interned (`node_name`)
   // a stream the host waited for inside this op (a read-back: a copy to the host, t[mask]). Not 0 for none: 0 is a
   // stream's key too (the legacy default stream's handle, the virtual default stream)
   std::optional<int64_t> synced;
   bool sync = false;  // the op is a host sync's (tracker.host_syncs): the tracker judges whether it applies
   int64_t touched = 0;  // tensors of the modelled device among its arguments and fresh outputs, empty ones included
+  int device = -1;  // on a GPU: the device of its first GPU tensor argument, whose current stream the op runs on
   int64_t device_args = 0, hosts = 0;  // device tensors among its arguments; host storages (host_party) it touches
   // a copy_'s, where host storages exist (host_op): whether it copies into one, from one, and asked not to block
   bool copy_into_host = false, copy_from_host = false, non_blocking = false;
@@ -145,8 +151,18 @@ struct Record {
   int64_t ordinal = 0;
 };
 
+// Records come from a pool and go back to it once applied (`fresh_record`, `give_back`): an op's record is written once,
+// where it is built, and handed over as a pointer. Moved from the op into the queue, and made and destroyed on the
+// op's thread, a record (most of a kilobyte) cost about a tenth of the capture's instructions on the launch-bound step
+// (benchmarks/instructions.py); made and destroyed by the applier, it is off the program's thread too.
+struct Recycle {
+  void operator()(Record* r) const noexcept;
+};
+using Held = std::unique_ptr<Record, Recycle>;
+using Batch = std::vector<Held>;
+
 struct Pending : at::ObserverContext {
-  Record record; std::shared_ptr<const Plan> plan; std::vector<c10::IValue> inputs; const char* op = nullptr;
+  Held record; std::shared_ptr<const Plan> plan; std::vector<c10::IValue> inputs; const char* op = nullptr;
   int64_t ordinal = 0;  // Record::ordinal, for queued ops too
   std::vector<at::Tensor> leaves;  // the virtual model's (node_streams::leaves_of)
   static void* operator new(size_t size);  // from the thread's spares (`Here`): one is made and dropped per op
@@ -154,22 +170,50 @@ struct Pending : at::ObserverContext {
 };
 
 std::mutex mutex;  // records and plans
-std::vector<Record> records;
-std::vector<Record> spare;  // an emptied buffer of records kept for the next one: no regrowth per drain
+Batch records;
+Batch spare;  // an emptied buffer of records kept for the next one: no regrowth per drain
 
 // The records so far, for a drain; `records` starts again on the spare buffer.
-std::vector<Record> take_records() {
-  std::vector<Record> taken;
+Batch take_records() {
+  Batch taken;
   std::lock_guard<std::mutex> guard(mutex);
   taken.swap(records);
   records.swap(spare);
   return taken;
 }
 
-// A drained buffer back as the spare. Emptied first, outside the lock: a storage a record held may die and queue its
-// free.
-void give_back(std::vector<Record>& drained) {
+// The pool: records cleared, for any thread's next ones (a thread takes `kPoolBatch` at a time, `fresh_record`). At
+// most `kPoolMost` kept: the rest of a burst goes back to malloc.
+std::mutex pool_mutex;
+auto* pool = new std::vector<Record*>();  // never freed: a thread's exit may give records back after static teardown
+constexpr size_t kPoolBatch = 32, kPoolMost = 4096;
+
+void clear(Record* r) {  // as made; what it held let go (a storage may die, and queue its free)
+  r->~Record();
+  new (r) Record();
+}
+
+void to_pool(Record* const* from, size_t n) {
+  std::lock_guard<std::mutex> guard(pool_mutex);
+  for (size_t i = 0; i < n; ++i) {
+    if (pool->size() < kPoolMost) pool->push_back(from[i]);
+    else delete from[i];
+  }
+}
+
+// A drained buffer back as the spare, its records to the pool. Emptied first, outside the lock: a storage a record
+// held may die and queue its free.
+void give_back(Batch& drained) {
+  thread_local std::vector<Record*> back;
+  back.clear();
+  for (auto& held : drained) {
+    Record* r = held.release();
+    if (r == nullptr) continue;
+    clear(r);
+    back.push_back(r);
+  }
   drained.clear();
+  to_pool(back.data(), back.size());
   std::lock_guard<std::mutex> guard(mutex);
   if (drained.capacity() > spare.capacity()) spare.swap(drained);
 }
@@ -230,6 +274,8 @@ struct Here {
   // back to malloc when the thread ends (`Reaper`), or at once after that
   void* spare[4] = {};
   int spares = 0;
+  Record* cached[kPoolBatch] = {};  // records from the pool, for this thread's next ones (`fresh_record`)
+  size_t cached_count = 0;
   bool reaper_armed = false, gone = false;
   int8_t collective_worker = -1;  // `in_collective_worker`, once known (-1: not asked yet)
 };
@@ -252,13 +298,52 @@ bool in_collective_worker() {
   return h.collective_worker > 0;
 }
 
-struct Reaper {  // made on a thread once it keeps a spare: gives them back as the thread ends
+struct Reaper {  // made on a thread once it keeps a spare or a pooled record: gives them back as the thread ends
   ~Reaper() {
     Here& h = here;
     h.gone = true;
     while (h.spares > 0) ::operator delete(h.spare[--h.spares]);
+    to_pool(h.cached, h.cached_count);
+    h.cached_count = 0;
   }
 };
+
+void arm_reaper(Here& h) {
+  if (h.reaper_armed) return;
+  h.reaper_armed = true;
+  thread_local Reaper reaper;
+  (void)reaper;
+}
+
+// One record let go of without being queued (an op that launched nothing, a session's leftovers): kept by this thread.
+void Recycle::operator()(Record* r) const noexcept {
+  clear(r);
+  Here& h = here;
+  if (h.gone || h.cached_count == kPoolBatch) return to_pool(&r, 1);
+  h.cached[h.cached_count++] = r;
+  arm_reaper(h);
+}
+
+// A cleared record for this thread's next op, free or event: from the thread's records, refilled from the pool.
+Held fresh_record() {
+  Here& h = here;
+  if (h.cached_count == 0 && !h.gone) {
+    std::lock_guard<std::mutex> guard(pool_mutex);
+    size_t n = std::min(kPoolBatch, pool->size());
+    std::copy(pool->end() - n, pool->end(), h.cached);
+    pool->resize(pool->size() - n);
+    h.cached_count = n;
+  }
+  Record* r;
+  if (h.cached_count > 0) {
+    r = h.cached[--h.cached_count];
+    arm_reaper(h);
+  } else {
+    r = new Record();
+  }
+  r->thread = static_cast<int64_t>(PyThread_get_thread_ident());  // cleared on whichever thread applied it
+  return Held(r);
+}
 
 void* Pending::operator new(size_t size) {
   Here& h = here;
@@ -269,11 +354,7 @@ void* Pending::operator new(size_t size) {
 void Pending::operator delete(void* pointer, size_t size) {
   Here& h = here;
   if (size != sizeof(Pending) || h.gone || h.spares == 4) return ::operator delete(pointer);
-  if (!h.reaper_armed) {
-    h.reaper_armed = true;
-    thread_local Reaper reaper;
-    (void)reaper;
-  }
+  arm_reaper(h);
   h.spare[h.spares++] = pointer;
 }
 }  // namespace
@@ -497,6 +578,11 @@ const char* interned(const std::string& text) {  // the GIL held; never freed
   return texts->insert(text).first->c_str();
 }
 
+// Autograd nodes' names by node class (`node_name`; null: a class whose nodes name themselves), and the names.
+std::mutex names_mutex;
+auto* names_by_class = new std::unordered_map<std::type_index, const char*>();
+auto* names = new std::unordered_set<std::string>();
+
 Rule rule_of(py::handle spec) {  // (name, stream argument, root argument or -1, [(argument, access)])
   auto t = spec.cast<py::tuple>();
   Rule rule;
@@ -644,6 +730,7 @@ void add(Record& r, Spans& out, const at::Tensor& t, bool write, bool fresh) try
   } else if (on_device(t)) {
     ++r.touched;
     if (!fresh) ++r.device_args;
+    if (cuda && r.device < 0) r.device = t.get_device();
   } else {
     return;  // not the modelled device (host memory under cuda)
   }
@@ -653,8 +740,13 @@ void add(Record& r, Spans& out, const at::Tensor& t, bool write, bool fresh) try
   else for (int64_t d = 0; d < t.dim(); ++d) last += (t.size(d) - 1) * t.stride(d);
   auto key = reinterpret_cast<int64_t>(t.storage().data());
   if (key == 0) return;
-  Span& span = out.emplace_back(Span{key, start, start + (last + 1) * size, write, Shape(), t.scalar_type(),
-                                      fresh ? (int64_t)t.storage().nbytes() : -1, {}});
+  Span& span = out.emplace_back();
+  span.storage = key;
+  span.start = start;
+  span.end = start + (last + 1) * size;
+  span.write = write;
+  span.dtype = t.scalar_type();
+  if (fresh) span.nbytes = static_cast<int64_t>(t.storage().nbytes());
   span.shape.assign(t.sizes().begin(), t.sizes().end());  // in place: a Shape moved is its dims copied
   span.host = host;
   if (!cuda && !frees_reported(t)) hold(span, t);
@@ -734,18 +826,22 @@ int64_t stream_now() {
   return h.stream_generation == generation.load(std::memory_order_relaxed) ? h.stream : 0;
 }
 
-// This thread's current stream as records key it: the CUDA stream's handle, or the virtual model's small int.
-int64_t current_stream() {
+// This thread's current stream as records key it: the CUDA stream's handle, or the virtual model's small int. On a GPU,
+// `device`'s current stream, where the op has a tensor there (a kernel runs on its tensors' device, under a guard
+// for it, on that device's current stream), else the current device's (asking which device is current is a call into
+// the CUDA runtime per op, which the tensor's device saves).
+int64_t current_stream(int device = -1) {
   if (!cuda) return stream_now();
   const auto* impl = c10::impl::getDeviceGuardImpl(c10::DeviceType::CUDA);
-  return reinterpret_cast<int64_t>(torch_compat::stream_handle(impl->getStream(impl->getDevice())));
+  c10::Device on = device >= 0 ? c10::Device(c10::DeviceType::CUDA, static_cast<c10::DeviceIndex>(device))
+                               : impl->getDevice();
+  return reinterpret_cast<int64_t>(torch_compat::stream_handle(impl->getStream(on)));
 }
 
 // Below autograd, the node an op made is already numbered: the first recording op on this thread to see the number
 // moved on since the last one made node (number - 1), as the dispatch mode reads it (tracker._site); -1 for the others
 // and for the thread's first op in a session (its number may be older than the session).
-int64_t moved_seq() {
-  Here& h = here;
+int64_t moved_seq(Here& h) {
   uint64_t now_generation = generation.load(std::memory_order_relaxed);
   int64_t last = h.seen_seq_generation == now_generation ? h.seen_seq : -1;
   auto now = static_cast<int64_t>(at::sequence_number::peek());
@@ -754,13 +850,29 @@ int64_t moved_seq() {
   return now != last && last >= 0 && now > 0 ? now - 1 : -1;
 }
 
+// A node's name, interned: a node class names all its nodes alike (the generated ones return a literal; the default
+// is the class's), so it is asked once per class, not per op (a std::string made per backward op, most too long to be
+// stored inline), and read where the applier makes the site. But for a Python autograd Function's node (PyNode), whose
+// name is its Python class's: asked every time. The names of a process's node classes are few; never freed.
+const char* node_name(torch::autograd::Node* node) {
+  const std::type_info& type = typeid(*node);
+  std::lock_guard<std::mutex> guard(names_mutex);
+  auto found = names_by_class->find(std::type_index(type));
+  if (found != names_by_class->end() && found->second != nullptr) return found->second;
+  bool per_node = found != names_by_class->end() || std::strstr(type.name(), "PyNode") != nullptr;
+  const char* name = names->insert(node->name()).first->c_str();
+  if (per_node) names_by_class->emplace(std::type_index(type), nullptr);
+  else names_by_class->emplace(std::type_index(type), name);
+  return name;
+}
+
 // Whether an autograd node runs on this thread; if so the record takes its number and name (backward sites).
 bool in_node(Record& r) {
   auto node = torch::autograd::get_current_node();
   if (node == nullptr) return false;
   r.in_node = true;
   r.seq = static_cast<int64_t>(node->sequence_nr());
-  r.node = node->name();
+  r.node = node_name(node.get());
   return true;
 }
 
@@ -768,8 +880,7 @@ void queue_modelled(const char* op, std::shared_ptr<const Plan> plan, std::vecto
                    std::vector<c10::IValue> outputs, What what);  // below
 
 // The next op's place on this thread in this session (`Record::ordinal`).
-int64_t next_ordinal() {
-  Here& h = here;
+int64_t next_ordinal(Here& h) {
   uint64_t now = generation.load(std::memory_order_relaxed);
   if (h.ordinal_generation != now) {
     h.ordinal = 0;
@@ -817,7 +928,7 @@ std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
   ++h.depth;
   auto pending = std::make_unique<Pending>();
   pending->plan = plan;
-  pending->ordinal = next_ordinal();
+  pending->ordinal = next_ordinal(h);
   if (!cuda) node_streams::leaves_of(call.inputs, pending->leaves);
   if (plan->queued) {
     pending->inputs.assign(call.inputs.begin(), call.inputs.end());
@@ -825,16 +936,17 @@ std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
     if (plan->at_issue && !issuing()) queue_modelled(call.name, plan, pending->inputs, {}, What::kQueuedStart);
   }
   if (plan->record) {
-    Record& r = pending->record;
+    pending->record = fresh_record();
+    Record& r = *pending->record;
     r.op = call.name;
     r.ordinal = pending->ordinal;
     r.sync = plan->sync;
-    r.stream = current_stream();
-    if (!in_node(r)) r.seq = moved_seq();
+    if (!in_node(r)) r.seq = moved_seq(h);
     auto inputs = call.inputs;
     r.accesses.reserve(plan->args.size());
     for (const auto& [index, write] : plan->args)
       if (index < inputs.size()) add_value(r, r.accesses, inputs[index], write, false);
+    r.stream = current_stream(r.device);
     if (plan->keep_args) {
       r.plan = plan;
       r.args.assign(inputs.begin(), inputs.end());
@@ -873,7 +985,7 @@ void drain_now() {
   h.draining = false;
 }
 
-void push(Record&& r) {
+void push(Held&& r) {
   size_t now;
   {
     std::lock_guard<std::mutex> guard(mutex);
@@ -894,7 +1006,8 @@ void push(Record&& r) {
 // values hold the op's tensors until drained.
 void queue_modelled(const char* op, std::shared_ptr<const Plan> plan, std::vector<c10::IValue> args,
                    std::vector<c10::IValue> outputs, What what) {
-  Record r;
+  Held held = fresh_record();
+  Record& r = *held;
   r.what = what;
   r.op = op;
   r.plan = std::move(plan);
@@ -903,7 +1016,7 @@ void queue_modelled(const char* op, std::shared_ptr<const Plan> plan, std::vecto
   r.stream = current_stream();
   r.stack = stack_here();
   r.ordinal = here.last_ordinal;
-  push(std::move(r));
+  push(std::move(held));
 }
 
 void on_end(c10::ArrayRef<c10::IValue> outputs, at::ObserverContext* context) {
@@ -923,7 +1036,7 @@ void on_end(c10::ArrayRef<c10::IValue> outputs, at::ObserverContext* context) {
   }
   if (!plan->record) return;
   h.in_flight = nullptr;
-  Record& r = pending->record;
+  Record& r = *pending->record;
   if (plan->fresh) {
     r.fresh.reserve(outputs.size());
     for (const auto& v : outputs) add_value(r, r.fresh, v, plan->writes_output, true);
@@ -933,7 +1046,7 @@ void on_end(c10::ArrayRef<c10::IValue> outputs, at::ObserverContext* context) {
   } else if (!cuda && r.touched == 0) {
     return;  // no tensor of the modelled device: no launch, as under the dispatch mode
   }
-  push(std::move(r));
+  push(std::move(pending->record));
 }
 
 py::tuple shape_of(const Span& t) {
@@ -946,7 +1059,7 @@ py::tuple shape_of(const Span& t) {
 
 // Records and addresses dropped outside the locks: a storage a record held may die, and its weak reference call back.
 void clear_all(bool keep_plans = false) {
-  std::vector<Record> dropped;
+  Batch dropped;
   {
     std::lock_guard<std::mutex> guard(mutex);
     if (!keep_plans) {
@@ -1041,9 +1154,9 @@ bool record_kernel(const std::string& name, std::optional<int64_t> stream, py::h
   timers::Scope timed(timers::kCapture);
   py::tuple arg_tuple = py::reinterpret_borrow<py::object>(args);  // a tuple already (a call's *args): no copy
   py::tuple role_tuple = py::reinterpret_borrow<py::object>(roles);
-  Record r;
+  Held held = fresh_record();
+  Record& r = *held;
   r.op = interned(name);
-  r.stream = stream ? *stream : current_stream();
   in_node(r);
   size_t n = std::min(arg_tuple.size(), role_tuple.size());
   for (int bit : {1, 2})  // every read, then every write (an in-out argument is both)
@@ -1055,8 +1168,9 @@ bool record_kernel(const std::string& name, std::optional<int64_t> stream, py::h
       if (role & bit) add(r, r.accesses, THPVariable_Unpack(arg), bit == 2, false);
     }
   if (r.accesses.empty()) return true;
+  r.stream = stream ? *stream : current_stream(r.device);
   r.stack = stack_here();
-  push(std::move(r));
+  push(std::move(held));
   return true;
 }
 
@@ -1089,13 +1203,13 @@ void unmark_host(int64_t ptr) {
 // A free or an event, queued in order with the ops without forcing a drain (it may come from the allocator, on any
 // thread).
 void enqueue(What what, int64_t handle, int64_t stream, std::shared_ptr<Stack> stack) {
-  Record r;
-  r.what = what;
-  r.handle = handle;
-  r.stream = stream;
-  r.stack = std::move(stack);
+  Held held = fresh_record();
+  held->what = what;
+  held->handle = handle;
+  held->stream = stream;
+  held->stack = std::move(stack);
   std::lock_guard<std::mutex> guard(mutex);
-  records.push_back(std::move(r));
+  records.push_back(std::move(held));
 }
 
 void mark_free(int64_t ptr, bool stack) {
@@ -1190,10 +1304,11 @@ void watch_held(py::list& out, const Spans& spans) {
 // ident.
 py::list drain() {
   timers::Scope timed(timers::kIntake);
-  std::vector<Record> taken = take_records();
-  struct GiveBack { std::vector<Record>& records; ~GiveBack() { give_back(records); } } later{taken};
+  Batch taken = take_records();
+  struct GiveBack { Batch& records; ~GiveBack() { give_back(records); } } later{taken};
   py::list out;
-  for (auto& r : taken) {
+  for (auto& held : taken) {
+    Record& r = *held;
     py::object stack = stack_object(r);
     if (r.what == What::kFree) {
       out.append(py::make_tuple("free", r.handle, stack, r.thread));
@@ -1214,7 +1329,7 @@ py::list drain() {
       accesses.append(py::make_tuple(t.storage, t.start, t.end, t.write, shape_of(t), dtype_name(t.dtype)));
     for (const auto& t : r.fresh)
       fresh.append(py::make_tuple(t.storage, t.start, t.end, t.write, shape_of(t), dtype_name(t.dtype), t.nbytes));
-    py::object node = r.node.empty() ? py::object(py::none()) : py::object(py::str(r.node));
+    py::object node = r.node == nullptr || *r.node == 0 ? py::object(py::none()) : py::object(py::str(r.node));
     out.append(py::make_tuple("op", r.op, r.stream, r.in_node, accesses, fresh, stack, r.seq, node,
                               synced_of(r), arguments_of(r), r.ordinal, r.thread));
     watch_held(out, r.accesses);
@@ -1592,9 +1707,9 @@ class Feed {
       }
     applied_firsts_.clear();
     judge_applied();
-    auto apply_all = [&](std::vector<Record>& taken, size_t from) {
+    auto apply_all = [&](Batch& taken, size_t from) {
       for (size_t i = from; i < taken.size(); ++i) {
-        Record& r = taken[i];
+        Record& r = *taken[i];
         if (r.what == What::kOp) timers::count_op();
         if (naming && r.what == What::kOp) {
           py::int_ thread(r.thread);
@@ -1610,14 +1725,14 @@ class Feed {
       give_back(taken);  // the storages they held (host memory): frees that follow are queued now
     };
     if (!left_.empty()) {
-      std::vector<Record> left;
+      Batch left;
       left.swap(left_);
       apply_all(left, left_from_);
     }
     stalled_.store(false, std::memory_order_relaxed);
     applier::stalled.store(false, std::memory_order_relaxed);
     for (;;) {
-      std::vector<Record> taken = take_records();
+      Batch taken = take_records();
       if (taken.empty()) break;
       apply_all(taken, 0);
       if (!track_frees_) break;
@@ -1633,10 +1748,10 @@ class Feed {
     Locked locked(tables_->mutex);
     if (stalled_.load(std::memory_order_relaxed)) return;
     for (;;) {
-      std::vector<Record> taken = take_records();
+      Batch taken = take_records();
       if (taken.empty()) return;
       for (size_t i = 0; i < taken.size(); ++i) {
-        if (!applied(taken[i])) {
+        if (!applied(*taken[i])) {
           left_.swap(taken);
           left_from_ = i;
           stalled_.store(true, std::memory_order_relaxed);
@@ -1781,7 +1896,7 @@ class Feed {
       else PyErr_Clear();
     }
     if (r.in_node) {
-      made->node = r.node.empty() ? std::string("a backward node") : std::move(r.node);
+      made->node = r.node == nullptr || *r.node == 0 ? "a backward node" : r.node;
       made->forward = forward_.backward(r.seq);
     }
     return payload;
@@ -1992,7 +2107,7 @@ class Feed {
   ForwardSites forward_;
   // The applier thread's (under `tables_->mutex`): the records it left for a drain (from `left_from_` on), whether
   // it left any (`stalled_`: it takes no more until a drain), its notes, and each thread's first op it applied.
-  std::vector<Record> left_;
+  Batch left_;
   size_t left_from_ = 0;
   std::atomic<bool> stalled_{false};
   std::vector<std::string> applier_notes_;
@@ -2053,7 +2168,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_forcing", &set_forcing, py::arg("fn"), py::arg("ordinals"));
   m.def("add_forcing_ordinal", &add_forcing_ordinal);
   m.def("thread_ordinal", &thread_ordinal);
-  m.def("next_ordinal", &next_ordinal);  // a host access no op makes (`tracker.host_access`) takes a place too
+  m.def("next_ordinal", [] { return next_ordinal(here); });  // a host access no op makes (`tracker.host_access`) takes a place too
   m.def("set_stream", &set_stream);
   m.def("sync_inside_op", &sync_inside_op);
   m.def("in_op", &in_op);
@@ -2063,7 +2178,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("mark_free", &mark_free, py::arg("ptr"), py::arg("stack") = true);
   m.def("drain", &drain);
   m.def("discard", [] {  // the records dropped unread: the capture's own cost, for benchmarks' floors
-    std::vector<Record> taken = take_records();
+    Batch taken = take_records();
     give_back(taken);
   });
   m.def("bind_nodes", &node_streams::start, py::arg("enter"), py::arg("leave"), py::arg("core"));
