@@ -39,12 +39,18 @@ machine can make either negative. The last line prints the time of all the code 
 detector's Python called: mostly the originals its patches wrap (a compiled kernel, a factory), which is the program's
 own work, in the plain step too.
 
+The line after it counts the tracker's drains a step on every thread (in the cProfile rounds), by the function that
+asked for each: a model's Python, or the capture itself (``_drain_forced``: its queue full, or the applier thread
+stalled on a record that needs Python). Where the applier thread applies the records, a drain is where a program's
+thread applies what is left, so this names what keeps a step's records off the applier.
+
 ``--top N``: the cProfile rounds' listing, the top N functions by own time.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import cProfile
 import os
@@ -75,6 +81,29 @@ def feed_listed(stats: pstats.Stats) -> bool:
     """Whether cProfile listed the feed's `apply` (a pybind method) apart: Python 3.12's cProfile does not, and puts
     its C++ time in the own time of the Python that called it (the tracker's drain)."""
     return any(_EXTENSIONS[0] in name and "apply" in name for (_, _, name) in stats.stats)
+
+
+@contextlib.contextmanager
+def counting_drains(package: str):
+    """Yields a switch (a list: [on]) and the drains it counted, by what asked: the tracker's `drain` wrapped for
+    every session started inside, on every thread (the capture calls the method it was given as a session started)."""
+    from pytest_streamrace.detector.tracker import AccessTracker
+
+    original, switch, asked = AccessTracker.drain, [False], collections.Counter()
+
+    def drain(self):
+        if switch[0]:
+            caller = sys._getframe(1)
+            path = caller.f_code.co_filename
+            asked[f"{os.path.relpath(path, package)}:{caller.f_lineno}({caller.f_code.co_name})"
+                  if path.startswith(package) else f"{os.path.basename(path)}({caller.f_code.co_name})"] += 1
+        return original(self)
+
+    AccessTracker.drain = drain
+    try:
+        yield switch, asked
+    finally:
+        AccessTracker.drain = original
 
 
 def timed(counters: dict, steps: int, clock_ns: float) -> dict:
@@ -160,15 +189,18 @@ def profile(args, model: str) -> None:
     @contextlib.contextmanager
     def profiled():  # a round's cProfile listing (the timers off: neither's cost lands in the other's numbers)
         profiler, got = cProfile.Profile(), {}
+        counting[0] = True
         profiler.enable()
         try:
             yield got
         finally:
+            counting[0] = False
             detector.tracker.drain()
             profiler.disable()
             got["stats"] = pstats.Stats(profiler)
 
-    with Detector(backend=args.backend) as detector:
+    package = os.path.dirname(pytest_streamrace.__file__) + os.sep
+    with counting_drains(package) as (counting, asked), Detector(backend=args.backend) as detector:
         warm()
         detector.tracker.drain()
         off = min(ms for ms, _ in rounds(step, args.rounds, args.steps, cuda))
@@ -181,7 +213,6 @@ def profile(args, model: str) -> None:
     warm()  # plain again, the kernel entry left registered: its boxing and redispatch of every op
     entry = (min(ms for ms, _ in rounds(step, args.rounds, args.steps, cuda)) - plain) * 1e3
 
-    package = os.path.dirname(pytest_streamrace.__file__) + os.sep
     clock_ns = extension.clock_cost_ns()
     per_round = [timed(got["counters"], args.steps, clock_ns) for _, got in measured]
     us = {part: min(r[part] for r in per_round) for part in per_round[0]}
@@ -211,6 +242,9 @@ def profile(args, model: str) -> None:
         print(f"{part:<18}{value:>11.1f} {per_op:>9.3f} {share:>7}")
     print(f"models: Python {us['models: Python']:.1f} µs, C++ {us['models: C++']:.1f} µs a step; code outside the "
           f"package its Python called (the originals its patches wrap too): {us['outside the package']:.1f} µs a step")
+    profiled_steps = args.rounds * args.steps
+    print(f"drains a step: {sum(asked.values()) / profiled_steps:.2f}"
+          + "".join(f"; {n / profiled_steps:.2f} from {where}" for where, n in asked.most_common(5)))
     if args.top:
         got["stats"].sort_stats("tottime").print_stats(args.top)
 

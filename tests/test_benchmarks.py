@@ -107,6 +107,10 @@ def test_profile_step_breaks_the_detectors_work_down_by_part():
         rows[part] = float(found.group(1))
     assert all(rows[part] > 0 for part in ("capture", "intake", "hb core")), rows
     assert any(line.startswith("kernel entry ") for line in lines)
+    # the virtual model applies the records at the end of each backward: one drain a step, named by its caller
+    drains = next(line for line in lines if line.startswith("drains a step: "))
+    assert re.fullmatch(r"drains a step: 1\.00; 1\.00 from detector/models/virtual_autograd\.py:\d+\(_after_backward\)",
+                        drains), drains
 
 
 def test_the_detectors_timers_count_nothing_while_off(monkeypatch):
