@@ -201,6 +201,12 @@ void to_pool(Record* const* from, size_t n) {
   }
 }
 
+// One record let go of without being queued (an op that launched nothing, a session's leftovers).
+void Recycle::operator()(Record* r) const noexcept {
+  clear(r);
+  to_pool(&r, 1);
+}
+
 // A drained buffer back as the spare, its records to the pool. Emptied first, outside the lock: a storage a record
 // held may die and queue its free.
 void give_back(Batch& drained) {
@@ -313,15 +319,6 @@ void arm_reaper(Here& h) {
   h.reaper_armed = true;
   thread_local Reaper reaper;
   (void)reaper;
-}
-
-// One record let go of without being queued (an op that launched nothing, a session's leftovers): kept by this thread.
-void Recycle::operator()(Record* r) const noexcept {
-  clear(r);
-  Here& h = here;
-  if (h.gone || h.cached_count == kPoolBatch) return to_pool(&r, 1);
-  h.cached[h.cached_count++] = r;
-  arm_reaper(h);
 }
 
 // A cleared record for this thread's next op, free or event: from the thread's records, refilled from the pool.
@@ -573,15 +570,16 @@ bool reaches_kernel(const c10::OperatorHandle& op) {  // what reaches the dispat
   return false;
 }
 
-const char* interned(const std::string& text) {  // the GIL held; never freed
+const char* interned(const std::string& text) {  // on any thread; never freed
+  static std::mutex texts_mutex;
   static auto* texts = new std::unordered_set<std::string>();
+  std::lock_guard<std::mutex> guard(texts_mutex);
   return texts->insert(text).first->c_str();
 }
 
-// Autograd nodes' names by node class (`node_name`; null: a class whose nodes name themselves), and the names.
+// Autograd nodes' names by node class (`node_name`)
 std::mutex names_mutex;
 auto* names_by_class = new std::unordered_map<std::type_index, const char*>();
-auto* names = new std::unordered_set<std::string>();
 
 Rule rule_of(py::handle spec) {  // (name, stream argument, root argument or -1, [(argument, access)])
   auto t = spec.cast<py::tuple>();
@@ -853,16 +851,20 @@ int64_t moved_seq(Here& h) {
 // A node's name, interned: a node class names all its nodes alike (the generated ones return a literal; the default
 // is the class's), so it is asked once per class, not per op (a std::string made per backward op, most too long to be
 // stored inline), and read where the applier makes the site. But for a Python autograd Function's node (PyNode), whose
-// name is its Python class's: asked every time. The names of a process's node classes are few; never freed.
+// name is its Python class's: asked every time, outside the lock (it takes the GIL, which a thread waiting for the
+// lock may hold). The names of a process's node classes are few; never freed.
 const char* node_name(torch::autograd::Node* node) {
-  const std::type_info& type = typeid(*node);
-  std::lock_guard<std::mutex> guard(names_mutex);
-  auto found = names_by_class->find(std::type_index(type));
-  if (found != names_by_class->end() && found->second != nullptr) return found->second;
-  bool per_node = found != names_by_class->end() || std::strstr(type.name(), "PyNode") != nullptr;
-  const char* name = names->insert(node->name()).first->c_str();
-  if (per_node) names_by_class->emplace(std::type_index(type), nullptr);
-  else names_by_class->emplace(std::type_index(type), name);
+  std::type_index type(typeid(*node));
+  {
+    std::lock_guard<std::mutex> guard(names_mutex);
+    auto found = names_by_class->find(type);
+    if (found != names_by_class->end()) return found->second;
+  }
+  const char* name = interned(node->name());
+  if (std::strstr(type.name(), "PyNode") == nullptr) {
+    std::lock_guard<std::mutex> guard(names_mutex);
+    names_by_class->emplace(type, name);
+  }
   return name;
 }
 
