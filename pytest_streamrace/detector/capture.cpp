@@ -145,7 +145,7 @@ struct Record {
   std::shared_ptr<const Plan> plan; std::vector<c10::IValue> args;  // the arguments, where the plan keeps them
   std::vector<c10::IValue> outputs;  // a queued collective's, as it returned
   // the thread that recorded it: the core applies its launch, syncs and frees with that thread's host clock
-  int64_t thread = static_cast<int64_t>(PyThread_get_thread_ident());
+  int64_t thread = 0;
   // the op's place among the ops captured on its thread in this session (1, 2, ...; 0: not an op's): with the thread,
   // what names this op in another run of the same program (a confirmation's forced run, `forcing`)
   int64_t ordinal = 0;
@@ -256,6 +256,7 @@ std::atomic<uint64_t> generation{0};  // a session's: what a thread set in an ea
 
 // What the capture keeps per thread, in one place: a dlopen'ed library reaches each thread-local variable through a
 // call (__tls_get_addr), so an entry reads this once. Trivially destructible: readable through the thread's exit.
+struct Caches;
 struct Here {
   bool observed = false;  // this thread's ops are captured where not every thread's are (`observe`)
   int depth = 0;  // ops below autograd running on this thread
@@ -284,15 +285,17 @@ struct Here {
   size_t cached_count = 0;
   bool reaper_armed = false, gone = false;
   int8_t collective_worker = -1;  // `in_collective_worker`, once known (-1: not asked yet)
+  int64_t thread_id = 0;  // PyThread_get_thread_ident(), once asked (a thread keeps its ident, in a forked child too)
+  Caches* caches = nullptr;  // this thread's caches (`caches_of`), made on first use, freed by the `Reaper`
 };
 thread_local Here here;
+void free_caches(Here& h);  // below, with the caches
 
 // Whether this thread is a c10d backend's worker (gloo's "pt_gloo_runloop"): the ops it runs are a collective's own
 // work (gloo stages a CUDA tensor's collective through pinned host memory on a pooled stream of its own and copies
 // the result back there), which the collectives model stands for as one access on the group's communication stream,
 // ordered by the work's wait(). Their copies are not the program's: recorded, they race with that modelled access.
-bool in_collective_worker() {
-  Here& h = here;
+bool in_collective_worker(Here& h) {
   if (h.collective_worker < 0) {
     char name[16] = {};
 #ifdef __linux__
@@ -311,6 +314,7 @@ struct Reaper {  // made on a thread once it keeps a spare or a pooled record: g
     while (h.spares > 0) ::operator delete(h.spare[--h.spares]);
     to_pool(h.cached, h.cached_count);
     h.cached_count = 0;
+    free_caches(h);
   }
 };
 
@@ -322,8 +326,7 @@ void arm_reaper(Here& h) {
 }
 
 // A cleared record for this thread's next op, free or event: from the thread's records, refilled from the pool.
-Held fresh_record() {
-  Here& h = here;
+Held fresh_record(Here& h) {
   if (h.cached_count == 0 && !h.gone) {
     std::lock_guard<std::mutex> guard(pool_mutex);
     size_t n = std::min(kPoolBatch, pool->size());
@@ -338,9 +341,12 @@ Held fresh_record() {
   } else {
     r = new Record();
   }
-  r->thread = static_cast<int64_t>(PyThread_get_thread_ident());  // cleared on whichever thread applied it
+  if (h.thread_id == 0) h.thread_id = static_cast<int64_t>(PyThread_get_thread_ident());
+  r->thread = h.thread_id;
   return Held(r);
 }
+
+Held fresh_record() { return fresh_record(here); }
 
 void* Pending::operator new(size_t size) {
   Here& h = here;
@@ -421,6 +427,34 @@ void add_frame(Frames& out, size_t& hash, const void* code, int lasti) {
 
 // One of this thread's latest stacks, and whether its walk stopped at the harness (else at the thread's first frame).
 struct Recent { std::shared_ptr<Stack> stack; bool to_harness = false; };
+
+// A plan this thread used, by op name, as of `plans_made` (`plan_for`).
+struct CachedPlan { const char* name = nullptr; uint64_t made = 0; std::shared_ptr<const Plan> plan; };
+constexpr size_t kCachedPlans = 256;
+
+// What an op's capture looks up per thread, behind the one thread-local `here` (each further thread-local of a
+// dlopen'ed library is a call to find, several per op): the thread's latest stacks (`stack_here`: two a set, the set
+// by the stack's innermost frames), its plans (`plan_for`), and the last autograd node class it named (`node_name`).
+constexpr size_t kRecentSets = 32, kRecentWays = 2;
+struct Caches {
+  Recent recent[kRecentSets * kRecentWays];
+  CachedPlan plans[kCachedPlans];
+  const std::type_info* node_type = nullptr;
+  const char* node_name = nullptr;
+};
+
+Caches* caches_of(Here& h) {  // null once the thread is ending (its `Reaper` ran)
+  if (h.caches == nullptr && !h.gone) {
+    h.caches = new Caches();
+    arm_reaper(h);
+  }
+  return h.caches;
+}
+
+void free_caches(Here& h) {
+  delete h.caches;
+  h.caches = nullptr;
+}
 
 #ifdef STREAMRACE_INTERPRETER_FRAMES
 // The calling thread's Python frames, innermost first, down to the test harness's first, and their hash, read from the
@@ -537,31 +571,53 @@ Recent known_stack(PyThreadState* thread) {
   return {s, to_harness};
 }
 
+#ifdef STREAMRACE_INTERPRETER_FRAMES
+// The set of this thread's recent stacks where the calling thread's stack would be: by its two innermost frames'
+// (code, offset) pairs, which tell most sites apart (a compiled graph's launches, each from a line of its own).
+size_t recent_set(PyThreadState* thread) {
+  size_t hash = 0;
+  int seen = 0;
+  for (_PyInterpreterFrame* frame = top_frame(thread); frame != nullptr && seen < 2; frame = frame->previous) {
+    if (_PyFrame_IsIncomplete(frame)) continue;
+    PyCodeObject* c = F_CODE(frame);
+    hash = (hash ^ (reinterpret_cast<size_t>(c) + static_cast<size_t>(offset_in(frame, c)))) * 1099511628211ULL;
+    ++seen;
+  }
+  return (hash ^ (hash >> 29)) % kRecentSets;
+}
+#endif
+
 // None on a thread with no Python thread state (a C++ worker): it has no frames to take, and taking them would create
 // and drop a thread state per op. (torch's autograd device threads keep one: their stacks are taken, and empty.)
-// A loop's ops come in runs of a few stacks (a layer's ops, then the next layer's from the same lines, backward's from
-// one line): this thread's latest stacks, most recent first, are tried by comparing frames, without the harness
-// lookups, the hash or the lock of `known_stacks`. A stack seen before is found there without the GIL where the
-// interpreter's frames can be read; a new one takes the GIL.
-std::shared_ptr<Stack> stack_here() {
+// A training step takes the same few dozen stacks again and again (a compiled graph's launches, each from a line of
+// its own; a loop's layers from the same lines): this thread's recent stacks, in sets by their innermost frames, the
+// latest of a set first, are tried by comparing frames, without the harness lookups, the hash or the lock of
+// `known_stacks`. A stack seen before is found there without the GIL where the interpreter's frames can be read; a new
+// one takes the GIL.
+std::shared_ptr<Stack> stack_here(Here& h) {
   timers::Scope timed(timers::kFrames);
   if (!Py_IsInitialized()) return nullptr;  // its thread states may be gone already
   PyThreadState* thread = PyGILState_GetThisThreadState();
   if (thread == nullptr) return nullptr;
 #ifdef STREAMRACE_INTERPRETER_FRAMES
-  thread_local Recent recent[4];
-  for (size_t i = 0; i < std::size(recent) && recent[i].stack; ++i)
-    if (same_frames(thread, recent[i])) {
-      std::rotate(recent, recent + i, recent + i + 1);
-      return recent[0].stack;
+  Caches* caches = caches_of(h);
+  if (caches == nullptr) return known_stack(thread).stack;
+  Recent* set = caches->recent + recent_set(thread) * kRecentWays;
+  for (size_t i = 0; i < kRecentWays && set[i].stack; ++i)
+    if (same_frames(thread, set[i])) {
+      std::rotate(set, set + i, set + i + 1);
+      return set[0].stack;
     }
-  std::move_backward(recent, recent + std::size(recent) - 1, recent + std::size(recent));
-  recent[0] = known_stack(thread);
-  return recent[0].stack;
+  std::move_backward(set, set + kRecentWays - 1, set + kRecentWays);
+  set[0] = known_stack(thread);
+  return set[0].stack;
 #else
+  (void)h;
   return known_stack(thread).stack;
 #endif
 }
+
+std::shared_ptr<Stack> stack_here() { return stack_here(here); }
 
 bool reaches_kernel(const c10::OperatorHandle& op) {  // what reaches the dispatch mode: no decomposition above it
   using K = c10::DispatchKey;
@@ -652,14 +708,13 @@ std::shared_ptr<const Plan> planned(const OpCall& call) {
 }
 
 // This thread's plans by op name, from the map as of `plans_made` (`clear_all` moves it on): a hit takes no lock.
-struct CachedPlan { const char* name = nullptr; uint64_t made = 0; std::shared_ptr<const Plan> plan; };
-constexpr size_t kCachedPlans = 256;
 std::atomic<uint64_t> plans_made{1};
 
-std::shared_ptr<const Plan> plan_for(const OpCall& call) {
-  thread_local CachedPlan cached[kCachedPlans];
+std::shared_ptr<const Plan> plan_for(Here& h, const OpCall& call) {
+  Caches* caches = caches_of(h);
+  if (caches == nullptr) return planned(call);
   uint64_t made = plans_made.load(std::memory_order_acquire);
-  CachedPlan& slot = cached[(reinterpret_cast<uintptr_t>(call.name) >> 3) % kCachedPlans];
+  CachedPlan& slot = caches->plans[(reinterpret_cast<uintptr_t>(call.name) >> 3) % kCachedPlans];
   if (slot.name == call.name && slot.made == made) return slot.plan;
   auto plan = planned(call);
   if (plan != nullptr) slot = CachedPlan{call.name, made, plan};
@@ -853,28 +908,37 @@ int64_t moved_seq(Here& h) {
 // stored inline), and read where the applier makes the site. But for a Python autograd Function's node (PyNode), whose
 // name is its Python class's: asked every time, outside the lock (it takes the GIL, which a thread waiting for the
 // lock may hold). The names of a process's node classes are few; never freed.
-const char* node_name(torch::autograd::Node* node) {
-  std::type_index type(typeid(*node));
+const char* node_name(Here& h, torch::autograd::Node* node) {
+  const std::type_info& info = typeid(*node);
+  Caches* caches = caches_of(h);
+  if (caches != nullptr && caches->node_type == &info) return caches->node_name;  // a backward's nodes come in runs
+  std::type_index type(info);
+  const char* name = nullptr;
   {
     std::lock_guard<std::mutex> guard(names_mutex);
     auto found = names_by_class->find(type);
-    if (found != names_by_class->end()) return found->second;
+    if (found != names_by_class->end()) name = found->second;
   }
-  const char* name = interned(node->name());
-  if (std::strstr(type.name(), "PyNode") == nullptr) {
+  if (name == nullptr) {
+    name = interned(node->name());
+    if (std::strstr(type.name(), "PyNode") != nullptr) return name;
     std::lock_guard<std::mutex> guard(names_mutex);
     names_by_class->emplace(type, name);
+  }
+  if (caches != nullptr) {
+    caches->node_type = &info;
+    caches->node_name = name;
   }
   return name;
 }
 
 // Whether an autograd node runs on this thread; if so the record takes its number and name (backward sites).
-bool in_node(Record& r) {
+bool in_node(Here& h, Record& r) {
   auto node = torch::autograd::get_current_node();
   if (node == nullptr) return false;
   r.in_node = true;
   r.seq = static_cast<int64_t>(node->sequence_nr());
-  r.node = node_name(node.get());
+  r.node = node_name(h, node.get());
   return true;
 }
 
@@ -922,9 +986,9 @@ bool host_op(Record& r) {
 std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
   timers::Scope timed(timers::kCapture);
   Here& h = here;
-  if (h.depth > 0 || h.paused || !live() || (cuda && in_collective_worker())) return nullptr;
+  if (h.depth > 0 || h.paused || !live() || (cuda && in_collective_worker(h))) return nullptr;
   if (ops_added.load(std::memory_order_relaxed)) hook_ops(!cuda, false);
-  auto plan = plan_for(call);
+  auto plan = plan_for(h, call);
   if (plan == nullptr || !plan->below_autograd) return nullptr;
   if (on_subclass(call) || (plan->copy && copies_onto_itself(call))) return nullptr;
   ++h.depth;
@@ -938,12 +1002,12 @@ std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
     if (plan->at_issue && !issuing()) queue_modelled(call.name, plan, pending->inputs, {}, What::kQueuedStart);
   }
   if (plan->record) {
-    pending->record = fresh_record();
+    pending->record = fresh_record(h);
     Record& r = *pending->record;
     r.op = call.name;
     r.ordinal = pending->ordinal;
     r.sync = plan->sync;
-    if (!in_node(r)) r.seq = moved_seq(h);
+    if (!in_node(h, r)) r.seq = moved_seq(h);
     auto inputs = call.inputs;
     r.accesses.reserve(plan->args.size());
     for (const auto& [index, write] : plan->args)
@@ -953,7 +1017,7 @@ std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
       r.plan = plan;
       r.args.assign(inputs.begin(), inputs.end());
     }
-    r.stack = stack_here();
+    r.stack = stack_here(h);
     if (cuda && plan->copy && into_pageable_host(call)) r.synced = r.stream;
     if (!cuda && plan->copy && any_hosts.load(std::memory_order_relaxed) && inputs.size() >= 2 &&
         inputs[0].isTensor() && inputs[1].isTensor()) {
@@ -1008,7 +1072,8 @@ void push(Held&& r) {
 // values hold the op's tensors until drained.
 void queue_modelled(const char* op, std::shared_ptr<const Plan> plan, std::vector<c10::IValue> args,
                    std::vector<c10::IValue> outputs, What what) {
-  Held held = fresh_record();
+  Here& h = here;
+  Held held = fresh_record(h);
   Record& r = *held;
   r.what = what;
   r.op = op;
@@ -1016,8 +1081,8 @@ void queue_modelled(const char* op, std::shared_ptr<const Plan> plan, std::vecto
   r.args = std::move(args);
   r.outputs = std::move(outputs);
   r.stream = current_stream();
-  r.stack = stack_here();
-  r.ordinal = here.last_ordinal;
+  r.stack = stack_here(h);
+  r.ordinal = h.last_ordinal;
   push(std::move(held));
 }
 
@@ -1152,14 +1217,15 @@ void set_stream(int64_t stream) {
 // relies on it: a record's op name outlives it). False when nothing is captured here (the tracker then runs it the slow
 // way).
 bool record_kernel(const std::string& name, std::optional<int64_t> stream, py::handle args, py::handle roles) {
-  if (!live() || here.paused) return false;
+  Here& h = here;
+  if (!live() || h.paused) return false;
   timers::Scope timed(timers::kCapture);
   py::tuple arg_tuple = py::reinterpret_borrow<py::object>(args);  // a tuple already (a call's *args): no copy
   py::tuple role_tuple = py::reinterpret_borrow<py::object>(roles);
-  Held held = fresh_record();
+  Held held = fresh_record(h);
   Record& r = *held;
   r.op = interned(name);
-  in_node(r);
+  in_node(h, r);
   size_t n = std::min(arg_tuple.size(), role_tuple.size());
   for (int bit : {1, 2})  // every read, then every write (an in-out argument is both)
     for (size_t i = 0; i < n; ++i) {
@@ -1171,7 +1237,7 @@ bool record_kernel(const std::string& name, std::optional<int64_t> stream, py::h
     }
   if (r.accesses.empty()) return true;
   r.stream = stream ? *stream : current_stream(r.device);
-  r.stack = stack_here();
+  r.stack = stack_here(h);
   push(std::move(held));
   return true;
 }
@@ -2159,7 +2225,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   bind_core(m);  // hb_core.cpp, compiled into this module (capture.load)
   timers::bind(m);  // timers.cpp: benchmarks/profile_step.py's breakdown
   py::class_<Stack, std::shared_ptr<Stack>>(m, "Stack").def("frames", &Stack::frames);
-  m.def("stack", &stack_here);
+  m.def("stack", [] { return stack_here(); });
   m.def("enable", &enable, py::arg("cuda"), py::arg("plan"), py::arg("drain") = py::none(),
         py::arg("every_thread") = true, py::arg("host_frees") = false, py::arg("plans_key") = "");
   m.def("observe", &observe);
