@@ -1,9 +1,10 @@
 """Where the detector's own time goes on a training step: its work per step and per op, by part.
 
-    python benchmarks/profile_step.py [--backend virtual|cuda] [--model launch-bound|larger|compiled] [--steps N]
-                                      [--rounds 7] [--top N]
+    python benchmarks/profile_step.py [--backend virtual|cuda] [--model launch-bound|larger|compiled|ddp]
+                                      [--steps N] [--rounds 7] [--top N]
 
-One process per model (`--model` again: each in a process of its own): the plain step first, timed before any session
+One process per model (`--model` again: each in a process of its own; the DDP model's rank 1 in a second one, running
+the same rounds on its own GPU over NCCL where there are two, else over gloo, its numbers not printed): the plain step first, timed before any session
 starts (a session leaves the capture's kernel entry registered in the process, which later plain steps would pay),
 then the same step under the Detector with its timers off (the detector step: its real cost), then with them on for
 the breakdown. On the virtual backend the step runs on one intra-op thread unless OMP_NUM_THREADS says otherwise (two
@@ -57,11 +58,14 @@ import os
 import pstats
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 NAMES = {"launch-bound": "launch-bound MLP (8x64, batch 8)", "larger": "larger MLP (4x2048, batch 256)",
-         "compiled": "compiled MLP (8x64, batch 8, Inductor)"}
-STEPS = 200  # a round's by default; the larger MLP's on CPU: 3 (a step is 0.3 s a core)
+         "compiled": "compiled MLP (8x64, batch 8, Inductor)", "ddp": "DDP MLP (8x512, batch 32, 2 ranks)"}
+STEPS = 200  # a round's by default; on CPU the larger MLP's 3 (a step is 0.3 s a core), the DDP MLP's 10
+RANKS = 2  # the DDP model's: this process is rank 0, rank 1 a process of its own running the same rounds
 PARTS = ("capture", "frames", "intake", "hb core", "models")
 _EXTENSIONS = ("streamrace_capture", "streamrace_trace")  # the extension's modules: its functions' time is C++ parts'
 
@@ -155,7 +159,20 @@ def profile(args, model: str) -> None:
     if not cuda and "OMP_NUM_THREADS" not in os.environ:  # intra-op threads spinning on a shared CPU drown the step
         torch.set_num_threads(1)
     title = f"{NAMES[model]}, {args.backend} backend"
-    step = launch_bound_step("cuda" if cuda else "cpu", model)
+    device = "cuda" if cuda else "cpu"
+    if model == "ddp":  # one GPU a rank (NCCL) where there are two, else gloo (on one GPU: over CUDA tensors)
+        import datetime
+
+        import torch.distributed as dist
+
+        nccl = cuda and torch.cuda.device_count() >= RANKS
+        if cuda:
+            device = f"cuda:{args.rank if nccl else 0}"
+            torch.cuda.set_device(device)
+        dist.init_process_group("nccl" if nccl else "gloo", init_method=f"file://{args.store}", rank=args.rank,
+                                world_size=RANKS, timeout=datetime.timedelta(seconds=300))
+        title += f", {'NCCL' if nccl else 'gloo'}, rank 0 of {RANKS}"
+    step = launch_bound_step(device, model)
     compiled = model == "compiled"
 
     def warm() -> None:
@@ -247,6 +264,8 @@ def profile(args, model: str) -> None:
           + "".join(f"; {n / profiled_steps:.2f} from {where}" for where, n in asked.most_common(5)))
     if args.top:
         got["stats"].sort_stats("tottime").print_stats(args.top)
+    if model == "ddp":
+        torch.distributed.destroy_process_group()
 
 
 def main() -> None:
@@ -256,6 +275,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="steps a round (default: 200; the larger MLP's on CPU 3)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--top", type=int, default=0, help="print cProfile's top N functions by own time")
+    parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)  # the DDP model's rank 1 (its process)
+    parser.add_argument("--store", help=argparse.SUPPRESS)
     args = parser.parse_args()
     models = args.model or ["launch-bound"]
     if len(models) > 1:  # each plain step before any session in its process
@@ -268,8 +289,46 @@ def main() -> None:
             if code:
                 raise SystemExit(code)
         return
-    args.steps = args.steps or (3 if models[0] == "larger" and args.backend == "virtual" else STEPS)
+    on_cpu = args.backend == "virtual"
+    args.steps = args.steps or {"larger": 3, "ddp": 10}.get(models[0], STEPS) if on_cpu else args.steps or STEPS
+    if models[0] == "ddp" and args.store is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.store = os.path.join(tmp, "store")
+            with second_rank(args):
+                profile(args, models[0])
+        return
     profile(args, models[0])
+
+
+@contextlib.contextmanager
+def second_rank(args):
+    """The DDP model's rank 1: this script again in a process of its own, running the same rounds (so the two ranks'
+    collectives pair up), its table not printed. Should it fail, rank 0 would wait in a collective for good: its
+    output goes to stderr here, with its rank, and this process ends with its exit status."""
+    argv = [sys.executable, sys.argv[0], "--backend", args.backend, "--model", "ddp", "--steps", str(args.steps),
+            "--rounds", str(args.rounds), "--rank", "1", "--store", args.store]
+    with tempfile.TemporaryFile("w+") as log:
+        rank1 = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=log)
+
+        def watch() -> None:
+            code = rank1.wait()
+            if code:
+                log.seek(0)
+                print(f"profile_step.py: rank 1 failed (exit status {code}):\n{log.read()[-3000:]}", file=sys.stderr,
+                      flush=True)
+                os._exit(code if code > 0 else 1)
+
+        watcher = threading.Thread(target=watch, daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            try:
+                rank1.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                rank1.kill()
+                rank1.wait()
+            watcher.join(timeout=5)
 
 
 if __name__ == "__main__":

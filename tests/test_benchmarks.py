@@ -113,6 +113,30 @@ def test_profile_step_breaks_the_detectors_work_down_by_part():
                         drains), drains
 
 
+def test_profile_step_breaks_a_two_rank_ddp_step_down_on_rank_0():
+    """``--model ddp``: rank 0's table for a DDP step over two gloo ranks, rank 1 a second process running the same
+    rounds (their collectives pair up, or the run would hang and time out here). The capture and the collectives'
+    records reach the core (capture, intake, hb core above zero), and rank 1's process is gone when it returns."""
+    out = subprocess.run([sys.executable, "benchmarks/profile_step.py", "--model", "ddp", "--steps", "2", "--rounds",
+                          "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("DDP MLP (8x512, batch 32, 2 ranks), virtual backend, gloo, rank 0 of 2: best of 1 "
+                               "rounds of 2 steps"), lines[0]
+    assert len([line for line in lines if line.startswith("plain step ")]) == 1  # rank 1 prints no table
+    rows = {part: float(next(line for line in lines if line.startswith(part + " ")).split()[-3]) for part in PARTS}
+    assert all(rows[part] > 0 for part in ("capture", "intake", "hb core")), rows
+    rank1 = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            args = cmdline.read_bytes().split(b"\0")
+        except OSError:  # gone meanwhile
+            continue
+        if b"benchmarks/profile_step.py" in args and b"--rank" in args:
+            rank1.append(cmdline.parent.name)
+    assert rank1 == []
+
+
 def test_the_detectors_timers_count_nothing_while_off(monkeypatch):
     """The timers behind that breakdown (``timers.cpp``) are off unless turned on: a session's steps then leave every
     counter at zero. Turned on, the same steps count (so zero here is the switch, not a broken counter)."""
