@@ -4,13 +4,14 @@
                                       [--steps N] [--rounds 7] [--top N]
 
 One process per model (`--model` again: each in a process of its own; the DDP model's rank 1 in a second one, running
-the same rounds on its own GPU over NCCL where there are two, else over gloo, its numbers not printed): the plain step first, timed before any session
-starts (a session leaves the capture's kernel entry registered in the process, which later plain steps would pay),
-then the same step under the Detector with its timers off (the detector step: its real cost), then with them on for
-the breakdown. On the virtual backend the step runs on one intra-op thread unless OMP_NUM_THREADS says otherwise (two
-spinning on a shared 2-core machine made a launch-bound step 300 ms). Each step time is the fastest round's (wall
-time, synchronized on cuda), and each part its least over the breakdown rounds (steady clock): the rounds least
-disturbed by whatever else the machine runs. "Share" is of the detector's extra: the detector step less the plain step.
+the same rounds on its own GPU over NCCL where there are two, else over gloo, its numbers not printed): the plain step
+first, timed before any session starts (a session leaves the capture's kernel entry registered in the process, which
+later plain steps would pay), then the same step under the Detector with its timers off (the detector step: its real
+cost), then with them on for the breakdown. On the virtual backend the step runs on one intra-op thread unless
+OMP_NUM_THREADS says otherwise (two spinning on a shared 2-core machine made a launch-bound step 300 ms). Each step time
+is the fastest round's (wall time, synchronized on cuda), and each part its least over the breakdown rounds (steady
+clock): the rounds least disturbed by whatever else the machine runs. "Share" is of the detector's extra: the detector
+step less the plain step.
 
 The parts, timed exclusively (a part inside another stops the outer one's clock), in rounds of their own with the
 extension's timers on, each part less its timers' own clock reads (two a part entered, at the cost of a clock read
@@ -171,7 +172,7 @@ def profile(args, model: str) -> None:
             torch.cuda.set_device(device)
         dist.init_process_group("nccl" if nccl else "gloo", init_method=f"file://{args.store}", rank=args.rank,
                                 world_size=RANKS, timeout=datetime.timedelta(seconds=300))
-        title += f", {'NCCL' if nccl else 'gloo'}, rank 0 of {RANKS}"
+        title += f", {'NCCL' if nccl else 'gloo'}, rank {args.rank} of {RANKS}"
     step = launch_bound_step(device, model)
     compiled = model == "compiled"
 
@@ -272,7 +273,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", choices=("virtual", "cuda"), default="virtual")
     parser.add_argument("--model", choices=tuple(NAMES), action="append")
-    parser.add_argument("--steps", type=int, help="steps a round (default: 200; the larger MLP's on CPU 3)")
+    parser.add_argument("--steps", type=int,
+                        help="steps a round (default: 200; on CPU the larger MLP's 3, the DDP MLP's 10)")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--top", type=int, default=0, help="print cProfile's top N functions by own time")
     parser.add_argument("--rank", type=int, default=0, help=argparse.SUPPRESS)  # the DDP model's rank 1 (its process)
@@ -289,8 +291,8 @@ def main() -> None:
             if code:
                 raise SystemExit(code)
         return
-    on_cpu = args.backend == "virtual"
-    args.steps = args.steps or {"larger": 3, "ddp": 10}.get(models[0], STEPS) if on_cpu else args.steps or STEPS
+    cpu_steps = {"larger": 3, "ddp": 10} if args.backend == "virtual" else {}
+    args.steps = args.steps or cpu_steps.get(models[0], STEPS)
     if models[0] == "ddp" and args.store is None:
         with tempfile.TemporaryDirectory() as tmp:
             args.store = os.path.join(tmp, "store")

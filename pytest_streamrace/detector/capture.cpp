@@ -151,10 +151,10 @@ struct Record {
   int64_t ordinal = 0;
 };
 
-// Records come from a pool and go back to it once applied (`fresh_record`, `give_back`): an op's record is written once,
-// where it is built, and handed over as a pointer. Moved from the op into the queue, and made and destroyed on the
-// op's thread, a record (most of a kilobyte) cost about a tenth of the capture's instructions on the launch-bound step
-// (benchmarks/instructions.py); made and destroyed by the applier, it is off the program's thread too.
+// Records come from a pool and go back to it once applied (`fresh_record`, `give_back`): an op's record is written
+// once, where it is built, and handed over as a pointer. Moved from the op into the queue, and made and destroyed on
+// the op's thread, a record (most of a kilobyte) cost about a tenth of the capture's instructions on the launch-bound
+// step (benchmarks/instructions.py); made and destroyed by the applier, it is off the program's thread too.
 struct Recycle {
   void operator()(Record* r) const noexcept;
 };
@@ -434,13 +434,11 @@ constexpr size_t kCachedPlans = 256;
 
 // What an op's capture looks up per thread, behind the one thread-local `here` (each further thread-local of a
 // dlopen'ed library is a call to find, several per op): the thread's latest stacks (`stack_here`: two a set, the set
-// by the stack's innermost frames), its plans (`plan_for`), and the last autograd node class it named (`node_name`).
+// by the stack's innermost frames) and its plans (`plan_for`).
 constexpr size_t kRecentSets = 32, kRecentWays = 2;
 struct Caches {
   Recent recent[kRecentSets * kRecentWays];
   CachedPlan plans[kCachedPlans];
-  const std::type_info* node_type = nullptr;
-  const char* node_name = nullptr;
 };
 
 Caches* caches_of(Here& h) {  // null once the thread is ending (its `Reaper` ran)
@@ -908,37 +906,28 @@ int64_t moved_seq(Here& h) {
 // stored inline), and read where the applier makes the site. But for a Python autograd Function's node (PyNode), whose
 // name is its Python class's: asked every time, outside the lock (it takes the GIL, which a thread waiting for the
 // lock may hold). The names of a process's node classes are few; never freed.
-const char* node_name(Here& h, torch::autograd::Node* node) {
-  const std::type_info& info = typeid(*node);
-  Caches* caches = caches_of(h);
-  if (caches != nullptr && caches->node_type == &info) return caches->node_name;  // a backward's nodes come in runs
-  std::type_index type(info);
-  const char* name = nullptr;
+const char* node_name(torch::autograd::Node* node) {
+  std::type_index type(typeid(*node));
   {
     std::lock_guard<std::mutex> guard(names_mutex);
     auto found = names_by_class->find(type);
-    if (found != names_by_class->end()) name = found->second;
+    if (found != names_by_class->end()) return found->second;
   }
-  if (name == nullptr) {
-    name = interned(node->name());
-    if (std::strstr(type.name(), "PyNode") != nullptr) return name;
+  const char* name = interned(node->name());
+  if (std::strstr(type.name(), "PyNode") == nullptr) {
     std::lock_guard<std::mutex> guard(names_mutex);
     names_by_class->emplace(type, name);
-  }
-  if (caches != nullptr) {
-    caches->node_type = &info;
-    caches->node_name = name;
   }
   return name;
 }
 
 // Whether an autograd node runs on this thread; if so the record takes its number and name (backward sites).
-bool in_node(Here& h, Record& r) {
+bool in_node(Record& r) {
   auto node = torch::autograd::get_current_node();
   if (node == nullptr) return false;
   r.in_node = true;
   r.seq = static_cast<int64_t>(node->sequence_nr());
-  r.node = node_name(h, node.get());
+  r.node = node_name(node.get());
   return true;
 }
 
@@ -1007,7 +996,7 @@ std::unique_ptr<at::ObserverContext> on_start(const OpCall& call) {
     r.op = call.name;
     r.ordinal = pending->ordinal;
     r.sync = plan->sync;
-    if (!in_node(h, r)) r.seq = moved_seq(h);
+    if (!in_node(r)) r.seq = moved_seq(h);
     auto inputs = call.inputs;
     r.accesses.reserve(plan->args.size());
     for (const auto& [index, write] : plan->args)
@@ -1225,7 +1214,7 @@ bool record_kernel(const std::string& name, std::optional<int64_t> stream, py::h
   Held held = fresh_record(h);
   Record& r = *held;
   r.op = interned(name);
-  in_node(h, r);
+  in_node(r);
   size_t n = std::min(arg_tuple.size(), role_tuple.size());
   for (int bit : {1, 2})  // every read, then every write (an in-out argument is both)
     for (size_t i = 0; i < n; ++i) {
@@ -2236,7 +2225,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_forcing", &set_forcing, py::arg("fn"), py::arg("ordinals"));
   m.def("add_forcing_ordinal", &add_forcing_ordinal);
   m.def("thread_ordinal", &thread_ordinal);
-  m.def("next_ordinal", [] { return next_ordinal(here); });  // a host access no op makes (`tracker.host_access`) takes a place too
+  // a host access no op makes (`tracker.host_access`) takes a place too
+  m.def("next_ordinal", [] { return next_ordinal(here); });
   m.def("set_stream", &set_stream);
   m.def("sync_inside_op", &sync_inside_op);
   m.def("in_op", &in_op);
