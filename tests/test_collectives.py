@@ -241,3 +241,24 @@ def test_a_callbacks_result_is_ordered_only_for_those_that_wait_on_its_future(gr
             done.wait()
             out.sum()
     assert [(r.kind, r.later.op.site.frames[0][1]) for r in d.races] == [(RAW, line("side-read"))]
+
+
+def test_a_group_is_named_once_for_every_collective_torchs_cpp_issues_on_it(group, monkeypatch):
+    """C++ boxes a ProcessGroup into a new object around it at every call it issues (DDP's reducer, each bucket's
+    all-reduce): the capture's feed knows the group by the group, so the model names its stream once, and the
+    records after it are applied without Python (where the applier thread takes them, without stalling it)."""
+    from pytest_streamrace.detector import capture
+    from pytest_streamrace.detector.models.collectives import Collectives
+
+    if capture.load() is None:
+        pytest.skip("the C++ capture does not build here")
+    asked = []
+    real = Collectives.rule_stream
+    monkeypatch.setattr(Collectives, "rule_stream", lambda self, value: asked.append(1) or real(self, value))
+    model = torch.nn.parallel.DistributedDataParallel(torch.nn.Sequential(torch.nn.Linear(N, N), torch.nn.ReLU()),
+                                                      process_group=group)
+    with Detector() as d:
+        for _ in range(10):
+            model(torch.ones(2, N)).sum().backward()
+    assert d.races == []
+    assert len(asked) == 1

@@ -1985,24 +1985,32 @@ class Feed {
     tables_->watched[span.storage] = std::move(ref);
   }
 
-  // The stream a fixed rule's argument names, and this rank in it (-1: none), asked of the model once per object
-  // (a process group); null where the model declines it. The object's memory is kept (a weak reference), so its
-  // address names no other while the entry lives.
-  struct Named { c10::weak_intrusive_ptr<c10::ivalue::Object> object; int32_t stream; int64_t rank; };
+  // The stream a fixed rule's argument names, and this rank in it (-1: none), asked of the model once per group;
+  // null where the model declines it. The group's memory is kept (a weak reference), so its address names no other
+  // while the entry lives.
+  using Identity = c10::intrusive_ptr<c10::intrusive_ptr_target>;
+  struct Named { c10::weak_intrusive_ptr<c10::intrusive_ptr_target> object; int32_t stream; int64_t rank; };
+  // What names a group: a custom class's instance (a ProcessGroup), which C++ boxes into a new object around it at
+  // every call (DDP's reducer, each bucket's all-reduce); another object itself.
+  static Identity identity(const c10::IValue& value) {
+    const auto& object = value.toObject();
+    if (object->slots().size() == 1 && object->getSlot(0).isCapsule()) return object->getSlot(0).toCapsule();
+    return object;
+  }
   const Named* known_named(const c10::IValue& value) const {  // null where the model was not asked yet
-    auto found = named_.find(value.toObject().get());
+    auto found = named_.find(identity(value).get());
     return found != named_.end() && !found->second.object.expired() ? &found->second : nullptr;
   }
 
   const Named* named(const Record& r, const c10::IValue& value) {
     if (const Named* known = known_named(value)) return known;
-    const auto& object = value.toObject();
     py::object got = rule_stream_(py::str(r.op), torch::jit::toPyObject(value));
     if (got.is_none()) return nullptr;
     auto pair = got.cast<py::tuple>();
-    Named entry{c10::weak_intrusive_ptr<c10::ivalue::Object>(object), core_.locked_stream_id(pair[0]),
+    Identity group = identity(value);
+    Named entry{c10::weak_intrusive_ptr<c10::intrusive_ptr_target>(group), core_.locked_stream_id(pair[0]),
                 pair[1].is_none() ? -1 : pair[1].cast<int64_t>()};
-    return &(named_.insert_or_assign(object.get(), std::move(entry)).first->second);
+    return &(named_.insert_or_assign(group.get(), std::move(entry)).first->second);
   }
 
   // Tensors in an argument, lists of lists included (all_gather's outputs).
