@@ -516,6 +516,22 @@ def test_an_op_that_raises_leaves_capture_working(extension):
     assert [op.site.op for op in hb.timeline][-2:] == ["aten::ones", "aten::add_"]
 
 
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+def test_only_the_syncs_the_tracker_judges_keep_a_record_from_the_applier(device_type):
+    """A record whose plan marks a host sync waits for a drain, with Python (the applier thread stops at it). On a
+    GPU a conditional sync (a copy to the host, t[mask]) is reported from inside the op by the GPU trace, so those
+    ops' records (a device-to-device copy_: DDP's buckets, every step) are applied without Python; .item() is judged
+    by the tracker everywhere. On host memory every sync is judged, on the arguments the capture keeps."""
+    from pytest_streamrace.detector.hb import HappensBefore
+
+    tracker = AccessTracker(HappensBefore(), lambda: 0, device_type)
+    copy, item = tracker._capture_plan("aten::copy_", ""), tracker._capture_plan("aten::_local_scalar_dense", "")
+    keep_args, judged = 3, 4
+    assert item[judged] and not item[keep_args]
+    assert copy[judged] is (device_type == "cpu") and copy[keep_args] is (device_type == "cpu")
+    assert not tracker._capture_plan("aten::add", "Tensor")[judged]
+
+
 def test_a_plan_that_raises_never_reaches_the_users_op(extension, monkeypatch):
     """Whatever the tracker's plan raises stays out of the op that asked for it (the kernel entry drops it): the op
     computes its result, and the ops after it are captured."""

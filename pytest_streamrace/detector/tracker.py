@@ -423,10 +423,13 @@ class AccessTracker(TorchDispatchMode):
             return None
         _, inputs, fresh, writes_output = plan
         # Host memory: a host sync with a rule on the arguments (t[mask], histc without a range) is judged on them,
-        # as the dispatch mode does; the capture keeps them for the drain. On a GPU the sync is the GPU trace's.
+        # as the dispatch mode does; the capture keeps them for the drain. On a GPU such a sync is the GPU trace's,
+        # reported from inside the op (the record's `synced`): only an unconditional one (.item()) is the tracker's
+        # to judge, and the other ops (a device-to-device copy_: DDP's buckets) need no Python when applied.
         sync = self.host_syncs.get(name)
         keep_args = self.device_type != "cuda" and sync is not None and sync.rule is not None
-        return [(i, write) for i, _, write in inputs], bool(fresh), writes_output, keep_args, sync is not None
+        judged = sync is not None and (sync.rule is None or keep_args)
+        return [(i, write) for i, _, write in inputs], bool(fresh), writes_output, keep_args, judged
 
     def _queued(self, name: str, overload: str, args: tuple, out, phase: str, stream: Hashable, captured,
                 ordinal: int = 0, thread: int | None = None) -> None:
