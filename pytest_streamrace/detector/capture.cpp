@@ -586,7 +586,7 @@ size_t recent_set(PyThreadState* thread) {
 #endif
 
 // None on a thread with no Python thread state (a C++ worker): it has no frames to take, and taking them would create
-// and drop a thread state per op. (torch's autograd device threads keep one: their stacks are taken, and empty.)
+// and drop a thread state per op; and where the interpreter's frames are read, on one that runs no Python now.
 // A training step takes the same few dozen stacks again and again (a compiled graph's launches, each from a line of
 // its own; a loop's layers from the same lines): this thread's recent stacks, in sets by their innermost frames, the
 // latest of a set first, are tried by comparing frames, without the harness lookups, the hash or the lock of
@@ -598,6 +598,9 @@ std::shared_ptr<Stack> stack_here(Here& h) {
   PyThreadState* thread = PyGILState_GetThisThreadState();
   if (thread == nullptr) return nullptr;
 #ifdef STREAMRACE_INTERPRETER_FRAMES
+  // (the autograd engine's device thread in a backward: one empty stack for all its ops had each record move that
+  // stack's count between this core and the applier's)
+  if (top_frame(thread) == nullptr) return nullptr;
   Caches* caches = caches_of(h);
   if (caches == nullptr) return known_stack(thread).stack;
   Recent* set = caches->recent + recent_set(thread) * kRecentWays;
