@@ -105,7 +105,7 @@ py::str dtype_name(c10::ScalarType dtype) {
 }
 
 // A queued op the feed applies by a fixed rule (tracker.fixed_rules; models.collectives' on_op for a collective
-// torch's C++ issued): launched on the stream one argument names (the model's `rule_stream`, asked once per object),
+// torch's C++ issued): launched on the stream one argument names (the model's `rule_stream`, asked once per group),
 // ordered after the issuing stream and the issuing stream after it, reading and writing the tensors of the arguments
 // listed (by the root's rank, for the root-dependent ones).
 struct Rule {
