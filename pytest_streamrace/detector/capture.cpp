@@ -420,9 +420,13 @@ bool harness(PyCodeObject* code) {
   return is_harness;
 }
 
+size_t mixed(size_t hash, const void* code, int lasti) {  // a frame into a stack's hash
+  return (hash ^ (reinterpret_cast<size_t>(code) + static_cast<size_t>(lasti))) * 1099511628211ULL;
+}
+
 void add_frame(Frames& out, size_t& hash, const void* code, int lasti) {
   out.emplace_back(code, lasti);
-  hash = (hash ^ (reinterpret_cast<size_t>(code) + static_cast<size_t>(lasti))) * 1099511628211ULL;
+  hash = mixed(hash, code, lasti);
 }
 
 // One of this thread's latest stacks, and whether its walk stopped at the harness (else at the thread's first frame).
@@ -578,7 +582,7 @@ size_t recent_set(PyThreadState* thread) {
   for (_PyInterpreterFrame* frame = top_frame(thread); frame != nullptr && seen < 2; frame = frame->previous) {
     if (_PyFrame_IsIncomplete(frame)) continue;
     PyCodeObject* c = F_CODE(frame);
-    hash = (hash ^ (reinterpret_cast<size_t>(c) + static_cast<size_t>(offset_in(frame, c)))) * 1099511628211ULL;
+    hash = mixed(hash, c, offset_in(frame, c));
     ++seen;
   }
   return (hash ^ (hash >> 29)) % kRecentSets;
@@ -598,8 +602,8 @@ std::shared_ptr<Stack> stack_here(Here& h) {
   PyThreadState* thread = PyGILState_GetThisThreadState();
   if (thread == nullptr) return nullptr;
 #ifdef STREAMRACE_INTERPRETER_FRAMES
-  // (the autograd engine's device thread in a backward: one empty stack for all its ops had each record move that
-  // stack's count between this core and the applier's)
+  // (the autograd engine's device thread in a backward: one empty stack for all its ops would have each record move
+  // that stack's count between this core and the applier's)
   if (top_frame(thread) == nullptr) return nullptr;
   Caches* caches = caches_of(h);
   if (caches == nullptr) return known_stack(thread).stack;
